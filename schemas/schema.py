@@ -1,0 +1,291 @@
+"""Schema, Layer and Feature: the validated, frozen form of a schema YAML file."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import pyarrow as pa
+import yaml
+
+KINDS = ("id", "ids", "dense")
+ID_DTYPES = ("int64", "string")
+MAX_LAYERS = 4
+SCHEMA_YAML_KEY = b"prefixrec.schema_yaml"  # tree tables carry their schema in the metadata
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SchemaError(ValueError):
+    """A schema file or dict that does not describe a valid schema; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One input column of a layer.
+
+    ``kind`` is ``id`` (one id per node), ``ids`` (a variable-length, possibly empty list of ids)
+    or ``dense`` (a float32 vector of exactly ``dim`` values). Ids are int64 in the raw data, or
+    strings (``dtype: string``) that batches turn into int64 with :func:`schemas.stable_hash`.
+    """
+
+    name: str
+    kind: str
+    dim: int | None = None
+    dtype: str = "int64"
+
+    def raw_arrow_type(self) -> pa.DataType:
+        """The Arrow type of this column in raw (flat) data and in the tree table."""
+        if self.kind == "dense":
+            return pa.list_(pa.float32())
+        scalar = pa.int64() if self.dtype == "int64" else pa.string()
+        return scalar if self.kind == "id" else pa.list_(scalar)
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "dense":
+            out["dim"] = self.dim
+        elif self.dtype != "int64":
+            out["dtype"] = self.dtype
+        return out
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A level of the multi-prefix tree (user, ad, creative...).
+
+    A node of an upper layer is identified by its ``key`` columns plus all its features' values;
+    the last layer's nodes are the samples themselves (one leaf per raw row).
+    """
+
+    name: str
+    key: tuple[str, ...]
+    features: tuple[Feature, ...]
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.features)
+
+    def feature(self, name: str) -> Feature:
+        for f in self.features:
+            if f.name == name:
+                return f
+        raise KeyError(f"layer {self.name!r} has no feature {name!r}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "key": list(self.key),
+                "features": [f.to_dict() for f in self.features]}
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A validated schema: ``layers`` from root to leaves, and the leaf-level float ``labels``."""
+
+    name: str
+    layers: tuple[Layer, ...]
+    labels: tuple[str, ...]
+    _by_name: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        index = {f.name: (li, f) for li, layer in enumerate(self.layers) for f in layer.features}
+        object.__setattr__(self, "_by_name", index)
+
+    @property
+    def root(self) -> Layer:
+        return self.layers[0]
+
+    @property
+    def leaf(self) -> Layer:
+        return self.layers[-1]
+
+    @property
+    def features(self) -> tuple[Feature, ...]:
+        """Every feature, root layer first, in file order."""
+        return tuple(f for layer in self.layers for f in layer.features)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The raw columns: every feature, then the labels."""
+        return tuple(f.name for f in self.features) + self.labels
+
+    def feature(self, name: str) -> Feature:
+        return self._by_name[name][1]
+
+    def layer_index(self, feature_name: str) -> int:
+        """Index of the layer a feature belongs to."""
+        return self._by_name[feature_name][0]
+
+    def raw_arrow_schema(self) -> pa.Schema:
+        """Arrow schema of flat samples: one column per feature (root layer first), then labels."""
+        fields = [pa.field(f.name, f.raw_arrow_type()) for f in self.features]
+        fields += [pa.field(label, pa.float32()) for label in self.labels]
+        return pa.schema(fields, metadata={b"prefixrec.schema": self.name.encode()})
+
+    def layer_fields(self, level: int) -> list[pa.Field]:
+        """Fields of one node of layer ``level`` in the tree table: its features, then either
+        the list of its children (named after the child layer) or, for leaves, the labels."""
+        layer = self.layers[level]
+        fields = [pa.field(f.name, f.raw_arrow_type()) for f in layer.features]
+        if level + 1 < len(self.layers):
+            child = pa.struct(self.layer_fields(level + 1))
+            fields.append(pa.field(self.layers[level + 1].name, pa.list_(child)))
+        else:
+            fields += [pa.field(label, pa.float32()) for label in self.labels]
+        return fields
+
+    def tree_arrow_schema(self) -> pa.Schema:
+        """Arrow schema of the tree table: one row per root node, children nested as lists::
+
+            user_id age_level ... ad: list<struct<ad_id ... creative: list<struct<... click>>>>
+        """
+        return pa.schema(self.layer_fields(0), metadata={
+            b"prefixrec.schema": self.name.encode(),
+            SCHEMA_YAML_KEY: self.to_yaml().encode(),
+        })
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "layers": [layer.to_dict() for layer in self.layers],
+                "labels": list(self.labels)}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def from_arrow_metadata(arrow_schema: pa.Schema) -> Schema | None:
+    """The schema a tree table (or its Parquet file) carries in its metadata, if any."""
+    raw = (arrow_schema.metadata or {}).get(SCHEMA_YAML_KEY)
+    return from_dict(yaml.safe_load(raw.decode())) if raw else None
+
+
+def load(path: str | os.PathLike) -> Schema:
+    """Read and validate a schema YAML file."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise SchemaError(f"{path}: schema file not found") from None
+    except yaml.YAMLError as e:
+        raise SchemaError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return from_dict(data)
+    except SchemaError as e:
+        raise SchemaError(f"{path}: {e}") from None
+
+
+def from_dict(data: Any) -> Schema:
+    """Validate a schema given as a dict (the parsed YAML)."""
+    if not isinstance(data, Mapping):
+        raise SchemaError("a schema is a mapping with keys name, layers, labels")
+    _no_unknown_keys(data, ("name", "layers", "labels"), "schema")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise SchemaError("name: missing; give the schema a name, e.g. `name: my_ads`")
+    raw_layers = data.get("layers")
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise SchemaError("layers: missing or empty; list the layers from root to leaves")
+    if len(raw_layers) > MAX_LAYERS:
+        raise SchemaError(f"layers: {len(raw_layers)} layers given, at most {MAX_LAYERS} are "
+                          "supported; merge layers (e.g. put context features on the leaves)")
+    layers = tuple(_layer(raw, i, last=(i == len(raw_layers) - 1))
+                   for i, raw in enumerate(raw_layers))
+
+    labels = data.get("labels")
+    if isinstance(labels, str):
+        labels = [labels]
+    if not isinstance(labels, list) or not labels:
+        raise SchemaError("labels: no labels; list at least one leaf-level label column, "
+                          "e.g. `labels: [click]`")
+    for i, label in enumerate(labels):
+        if not isinstance(label, str) or not _NAME.match(label):
+            raise SchemaError(f"labels[{i}]: {label!r} is not a valid column name")
+
+    seen: dict[str, str] = {}
+
+    def claim(column: str, where: str):
+        if column in seen:
+            raise SchemaError(f"{where}: name {column!r} is used twice (also {seen[column]}); "
+                              "every feature, label and layer needs its own name")
+        seen[column] = where
+
+    for li, layer in enumerate(layers):
+        claim(layer.name, f"layers[{li}].name")
+    for li, layer in enumerate(layers):
+        for fi, feat in enumerate(layer.features):
+            claim(feat.name, f"layers[{li}].features[{fi}]")
+    for i, label in enumerate(labels):
+        claim(label, f"labels[{i}]")
+    return Schema(name=name, layers=layers, labels=tuple(labels))
+
+
+def _layer(raw: Any, index: int, last: bool) -> Layer:
+    where = f"layers[{index}]"
+    if not isinstance(raw, Mapping):
+        raise SchemaError(f"{where}: a layer is a mapping with keys name, key, features")
+    _no_unknown_keys(raw, ("name", "key", "features"), where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SchemaError(f"{where}.name: {name!r} is not a valid layer name")
+    where = f"layers[{index}] ({name})"
+    raw_features = raw.get("features")
+    if not isinstance(raw_features, list) or not raw_features:
+        raise SchemaError(f"{where}.features: missing or empty; a layer needs at least one feature")
+    features = tuple(_feature(f, f"{where}.features[{i}]") for i, f in enumerate(raw_features))
+    names = [f.name for f in features]
+
+    key = raw.get("key", [] if last else None)
+    if isinstance(key, str):
+        key = [key]
+    if not isinstance(key, list) or (not key and not last):
+        raise SchemaError(f"{where}.key: missing; name the columns that identify a {name} node, "
+                          f"e.g. `key: [{names[0]}]`")
+    for k in key:
+        if k not in names:
+            raise SchemaError(f"{where}.key: key column {k!r} is not a feature of layer {name!r}; "
+                              f"add `{{name: {k}, kind: id}}` to its features or pick one of "
+                              f"{', '.join(names)}")
+        feat = features[names.index(k)]
+        if feat.kind != "id":
+            raise SchemaError(f"{where}.key: key column {k!r} has kind {feat.kind!r}; "
+                              "key columns must have kind id")
+    return Layer(name=name, key=tuple(key), features=features)
+
+
+def _feature(raw: Any, where: str) -> Feature:
+    if not isinstance(raw, Mapping):
+        raise SchemaError(f"{where}: a feature is a mapping like {{name: user_id, kind: id}}")
+    _no_unknown_keys(raw, ("name", "kind", "dim", "dtype"), where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SchemaError(f"{where}.name: {name!r} is not a valid column name")
+    where = f"{where} ({name})"
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise SchemaError(f"{where}.kind: unknown kind {kind!r}; expected one of "
+                          f"{', '.join(KINDS)}")
+    dim = raw.get("dim")
+    dtype = raw.get("dtype", "int64")
+    if kind == "dense":
+        if dim is None:
+            raise SchemaError(f"{where}: a dense feature needs a dim, e.g. "
+                              f"`{{name: {name}, kind: dense, dim: 1}}`")
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise SchemaError(f"{where}.dim: {dim!r} is not a positive integer")
+        if "dtype" in raw:
+            raise SchemaError(f"{where}.dtype: dense features are always float32; remove dtype")
+        dtype = "float32"
+    else:
+        if dim is not None:
+            raise SchemaError(f"{where}.dim: only dense features have a dim; the embedding "
+                              "dimension belongs in the trainer config")
+        if dtype not in ID_DTYPES:
+            raise SchemaError(f"{where}.dtype: {dtype!r} is not an id dtype; expected one of "
+                              f"{', '.join(ID_DTYPES)}")
+    return Feature(name=name, kind=kind, dim=dim, dtype=dtype)
+
+
+def _no_unknown_keys(raw: Mapping, allowed: tuple[str, ...], where: str):
+    for k in raw:
+        if k not in allowed:
+            raise SchemaError(f"{where}: unknown field {k!r}; expected {', '.join(allowed)}")
