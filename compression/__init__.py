@@ -1,0 +1,49 @@
+"""Lossless multi-prefix-tree compression of flat samples, and the batches the trainer reads.
+
+    trees = compression.build_trees(table, schema)        # flat samples -> nested tree table
+    flat = compression.flatten(trees, schema)             # and back (same multiset of rows)
+    for batch in compression.iter_batches(trees, schema, batch_size=5000):
+        batch.layers[1].parent                            # indicator: ad node -> user node
+
+Pure pyarrow/numpy: importable anywhere (Beam workers, the trainer, notebooks).
+"""
+
+from compression.batches import LayerBatch, TreeBatch, iter_batches
+from compression.io import (
+    decode_trees,
+    encode_trees,
+    expand_paths,
+    iter_raw_chunks,
+    iter_trees,
+    raw_format,
+    read_raw,
+    read_trees,
+    write_trees,
+)
+from compression.stats import TreeStats
+from compression.trees import LayerNodes, build_trees, flat_layers, flatten
+from compression.validate import RawDataError, conform_columns, split_bad_rows, validate_raw
+
+__all__ = [
+    "LayerBatch",
+    "LayerNodes",
+    "TreeBatch",
+    "TreeStats",
+    "decode_trees",
+    "encode_trees",
+    "expand_paths",
+    "iter_batches",
+    "iter_raw_chunks",
+    "iter_trees",
+    "raw_format",
+    "read_raw",
+    "read_trees",
+    "write_trees",
+    "RawDataError",
+    "build_trees",
+    "conform_columns",
+    "flat_layers",
+    "flatten",
+    "split_bad_rows",
+    "validate_raw",
+]

@@ -1,0 +1,190 @@
+"""Reading and writing samples: raw files (Parquet, CSV, JSON lines) and tree tables (nested
+Parquet files, Arrow IPC messages).
+
+Raw CSV has one column per feature and label; an ``ids`` or ``dense`` cell holds its values
+separated by ``|`` (``3|17|42``; an empty cell is an empty list). JSON lines hold one object per
+sample, lists as JSON arrays.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+import uuid
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from compression.validate import RawDataError, validate_raw
+from schemas import Schema
+
+RAW_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json",
+               ".json": "json", ".ndjson": "json"}
+LIST_SEPARATOR = "|"
+DEFAULT_CHUNK_ROWS = 1 << 17
+
+
+def expand_paths(path_or_glob: str | list[str]) -> list[str]:
+    """Files named by a path, a directory (its ``*.parquet`` files), a glob, or a list of these."""
+    if isinstance(path_or_glob, (list, tuple)):
+        return [p for item in path_or_glob for p in expand_paths(item)]
+    path = os.fspath(path_or_glob)
+    if os.path.isdir(path):
+        files = sorted(p for p in globlib.glob(os.path.join(path, "*"))
+                       if os.path.splitext(p)[1] in RAW_FORMATS and
+                       not os.path.basename(p).startswith(("_", ".")))
+    elif any(ch in path for ch in "*?["):
+        files = sorted(globlib.glob(path))
+    else:
+        files = [path] if os.path.exists(path) else []
+    if not files:
+        raise FileNotFoundError(f"no input files match {path!r}")
+    return files
+
+
+def raw_format(path: str, format: str | None = None) -> str:
+    """``parquet``, ``csv`` or ``json``: from ``format`` if given, else the file extension."""
+    if format:
+        if format not in ("parquet", "csv", "json"):
+            raise ValueError(f"unknown format {format!r}; expected parquet, csv or json")
+        return format
+    name = path[:-3] if path.endswith(".gz") else path
+    ext = os.path.splitext(name)[1].lower()
+    if ext not in RAW_FORMATS:
+        raise ValueError(f"{path}: cannot tell the format from the extension {ext!r}; "
+                         "name files .parquet, .csv or .jsonl, or pass the format explicitly")
+    return RAW_FORMATS[ext]
+
+
+def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[tuple[pa.Table, int]]:
+    """(table, row number of its first row) chunks of one raw file, not yet validated."""
+    fmt = raw_format(path, format)
+    first = 0
+    if fmt == "parquet":
+        file = pq.ParquetFile(path)
+        for batch in file.iter_batches(batch_size=chunk_rows):
+            yield pa.Table.from_batches([batch]), first
+            first += batch.num_rows
+        return
+    table = _read_csv(path, schema) if fmt == "csv" else _read_json(path, schema)
+    for start in range(0, max(table.num_rows, 1), chunk_rows):
+        chunk = table.slice(start, chunk_rows)
+        if chunk.num_rows or start == 0:
+            yield chunk, start
+
+
+def read_raw(path_or_glob: str | list[str], schema: Schema, format: str | None = None) -> pa.Table:
+    """All rows of the raw files, validated and in the schema's canonical types."""
+    tables = []
+    for path in expand_paths(path_or_glob):
+        for chunk, first in iter_raw_chunks(path, schema, format):
+            tables.append(validate_raw(chunk, schema, source=path, first_row=first))
+    return pa.concat_tables(tables) if tables else schema.raw_arrow_schema().empty_table()
+
+
+def _read_csv(path: str, schema: Schema) -> pa.Table:
+    types = {}
+    for f in schema.features:
+        if f.kind == "id":
+            types[f.name] = pa.int64() if f.dtype == "int64" else pa.string()
+        else:
+            types[f.name] = pa.string()
+    types.update({label: pa.float32() for label in schema.labels})
+    try:
+        table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+            column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False))
+    except pa.ArrowInvalid as e:
+        raise RawDataError(f"{path}: {e}") from None
+    list_features = {f.name: f for f in schema.features if f.kind != "id"}
+    columns = []
+    for name in table.column_names:
+        column = table.column(name)
+        if name in list_features:
+            feature = list_features[name]
+            column = _split_list_cells(column, name, path)
+            item = pa.float32() if feature.kind == "dense" else (
+                pa.int64() if feature.dtype == "int64" else pa.string())
+            try:
+                column = column.cast(pa.list_(item))
+            except pa.ArrowInvalid as e:
+                raise RawDataError(f"{path}: column {name!r}: cells must hold "
+                                   f"{LIST_SEPARATOR!r}-separated values ({e})") from None
+        columns.append(column)
+    return pa.Table.from_arrays(columns, names=table.column_names)
+
+
+def _split_list_cells(column: pa.ChunkedArray, name: str, path: str) -> pa.Array:
+    column = column.combine_chunks()
+    split = pc.split_pattern(column, LIST_SEPARATOR)
+    items = split.flatten()
+    keep = pc.not_equal(items, "").to_numpy(zero_copy_only=False)
+    parents = pc.list_parent_indices(split).to_numpy(zero_copy_only=False)
+    counts = np.bincount(parents[keep], minlength=len(split))
+    offsets = np.zeros(len(split) + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), items.filter(pa.array(keep)),
+                                    mask=split.is_null())
+
+
+def _read_json(path: str, schema: Schema) -> pa.Table:
+    raw = schema.raw_arrow_schema()
+    try:
+        return pajson.read_json(path, parse_options=pajson.ParseOptions(
+            explicit_schema=raw, unexpected_field_behavior="infer"))
+    except pa.ArrowInvalid as e:
+        raise RawDataError(f"{path}: {e}") from None
+
+
+# -- tree tables --------------------------------------------------------------------------
+
+def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
+                compression: str = "zstd") -> str:
+    """Write a tree table as one nested Parquet file, atomically (temp file + rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(trees, tmp, row_group_size=row_group_rows, compression=compression)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def read_trees(path_or_glob: str | list[str]) -> pa.Table:
+    """All tree tables of the files named by a path, directory or glob, as one table."""
+    return pa.concat_tables([pq.read_table(p) for p in expand_paths(path_or_glob)])
+
+
+def iter_trees(path_or_glob: str | list[str], rows: int = 4096) -> Iterator[pa.Table]:
+    """Tree tables of about ``rows`` roots from the files, one file after another (bounded
+    memory, for streaming into :func:`compression.iter_batches`)."""
+    for path in expand_paths(path_or_glob):
+        file = pq.ParquetFile(path)
+        for batch in file.iter_batches(batch_size=rows):
+            yield pa.Table.from_batches([batch])
+
+
+def encode_trees(trees: pa.Table) -> bytes:
+    """A tree table as one Arrow IPC stream message (for Kafka)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, trees.schema) as writer:
+        writer.write_table(trees)
+    return sink.getvalue().to_pybytes()
+
+
+def decode_trees(message: bytes) -> pa.Table:
+    """The tree table of one :func:`encode_trees` message."""
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(message)).read_all()
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"not an Arrow IPC tree message ({len(message)} bytes): {e}") from None
