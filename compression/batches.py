@@ -193,7 +193,8 @@ def iter_batches(trees: pa.Table | Iterable[pa.Table], schema: Schema, batch_siz
         root_starts = None
         if not split_trees:
             roots = forest.leaf_ancestors(0)
-            root_starts = np.flatnonzero(np.diff(roots)) + 1
+            # where trees start, and the table's end (tables hold whole trees)
+            root_starts = np.append(np.flatnonzero(np.diff(roots)) + 1, total)
         while total - start >= batch_size:
             stop = start + batch_size
             if root_starts is not None:

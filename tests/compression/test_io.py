@@ -1,0 +1,120 @@
+"""Raw readers (Parquet, CSV, JSON lines), nested Parquet tree files, IPC messages, and the
+inspect and compress commands."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import compression
+import schemas
+from compression import RawDataError
+from sample_data import row_multiset, taobao_table
+
+SCHEMA = schemas.from_dict({"name": "t", "labels": ["click"], "layers": [
+    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"},
+                                                   {"name": "hist", "kind": "ids",
+                                                    "dtype": "string"}]},
+    {"name": "ad", "key": ["aid"], "features": [{"name": "aid", "kind": "id"},
+                                                 {"name": "price", "kind": "dense", "dim": 2}]}]})
+ROWS = [
+    {"uid": 1, "hist": ["x", "y"], "aid": 10, "price": [1.5, 2.0], "click": 1.0},
+    {"uid": 1, "hist": ["x", "y"], "aid": 11, "price": [0.5, 0.0], "click": 0.0},
+    {"uid": 2, "hist": [], "aid": 10, "price": [1.5, 2.0], "click": 0.0},
+]
+
+
+def test_csv_lists_are_pipe_separated_and_empty_cells_are_empty_lists(tmp_path):
+    path = tmp_path / "raw.csv"
+    path.write_text("uid,hist,aid,price,click\n1,x|y,10,1.5|2,1\n1,x|y,11,0.5|0,0\n2,,10,1.5|2,0\n")
+    table = compression.read_raw(str(path), SCHEMA)
+    assert table.to_pylist() == ROWS
+
+
+def test_json_lines_and_parquet_read_the_same_rows(tmp_path):
+    jsonl = tmp_path / "raw.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    parquet = tmp_path / "raw.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS, schema=SCHEMA.raw_arrow_schema()), parquet)
+    assert compression.read_raw(str(jsonl), SCHEMA).to_pylist() == ROWS
+    assert compression.read_raw(str(tmp_path / "raw.*"), SCHEMA).num_rows == 6
+
+
+def test_raw_errors_name_the_file_and_row(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("uid,hist,aid,price,click\n1,x,10,1.5|2,1\n2,y,11,0.5,0\n")
+    with pytest.raises(RawDataError, match=r"bad.csv: column 'price' row 1: dense value has the "
+                                           r"wrong number of floats, expected dim 2"):
+        compression.read_raw(str(path), SCHEMA)
+    with pytest.raises(ValueError, match="cannot tell the format from the extension '.txt'"):
+        compression.raw_format("x.txt")
+    with pytest.raises(FileNotFoundError, match="no input files match"):
+        compression.read_raw(str(tmp_path / "none*.csv"), SCHEMA)
+
+
+def test_tree_parquet_round_trip_keeps_schema_and_rows(tmp_path):
+    schema = schemas.load("schemas/examples/taobao_like.yaml")
+    table = taobao_table(500)
+    trees = compression.build_trees(table, schema)
+    path = compression.write_trees(trees, str(tmp_path / "trees" / "part-0.parquet"))
+    assert os.listdir(tmp_path / "trees") == ["part-0.parquet"]  # no temp file left behind
+    read = compression.read_trees(str(tmp_path / "trees"))
+    assert read.schema.equals(schema.tree_arrow_schema())
+    assert schemas.from_arrow_metadata(read.schema) == schema
+    assert row_multiset(compression.flatten(read, schema)) == row_multiset(table)
+    streamed = list(compression.iter_trees(path, rows=7))
+    assert sum(t.num_rows for t in streamed) == trees.num_rows
+    batches = list(compression.iter_batches(streamed, schema, batch_size=64))
+    assert sum(b.num_leaves for b in batches) == 500
+
+
+def test_ipc_message_round_trip():
+    schema = schemas.load("schemas/examples/taobao_like.yaml")
+    trees = compression.build_trees(taobao_table(50), schema)
+    message = compression.encode_trees(trees)
+    assert isinstance(message, bytes)
+    assert compression.decode_trees(message).equals(trees)
+    with pytest.raises(ValueError, match="not an Arrow IPC tree message"):
+        compression.decode_trees(b"garbage")
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          check=True)
+
+
+def test_compress_and_inspect_commands(tmp_path):
+    schema_path = "schemas/examples/taobao_like.yaml"
+    schema = schemas.load(schema_path)
+    table = taobao_table(800)
+    pq.write_table(table.slice(0, 500), tmp_path / "a.parquet")
+    pq.write_table(table.slice(500), tmp_path / "b.parquet")
+    out = _run("compression.compress", "--schema", schema_path, "--input",
+               str(tmp_path / "*.parquet"), "--output", str(tmp_path / "trees"))
+    assert "compressed 800 samples" in out.stdout
+    stats = json.loads((tmp_path / "trees" / "_stats.json").read_text())
+    assert stats["samples"] == 800 and stats["input_files"] == 2
+
+    text = _run("compression.inspect", str(tmp_path / "trees")).stdout
+    assert "samples               800" in text
+    assert "compression ratio" in text
+    summary = json.loads(_run("compression.inspect", str(tmp_path / "trees"), "--json").stdout)
+    trees = compression.read_trees(str(tmp_path / "trees"))
+    assert summary["samples"] == 800
+    assert summary["trees"] == trees.num_rows == len(set(table.column("user_id").to_pylist()))
+    assert summary["nodes"]["creative"] == 800
+    assert summary["nodes"]["ad"] == len(compression.flat_layers(trees, schema)[1])
+    assert summary["samples_per_root"]["max"] >= summary["samples_per_root"]["p50"]
+    assert summary["bytes_on_disk"] == os.path.getsize(tmp_path / "trees" / "part-00000.parquet")
+    assert summary["id_compression_ratio"] == summary["ids_flat"] / summary["ids_in_trees"]
+
+
+def test_inspect_reports_a_missing_path():
+    result = subprocess.run([sys.executable, "-m", "compression.inspect", "/nonexistent/x"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "no input files match '/nonexistent/x'" in result.stderr

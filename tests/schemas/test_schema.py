@@ -1,0 +1,133 @@
+"""Schema loading, validation messages, Arrow schemas and the stable hash."""
+
+import copy
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+
+import schemas
+from schemas import SchemaError
+
+EXAMPLE = "schemas/examples/taobao_like.yaml"
+
+BASE = {"name": "t", "labels": ["click"], "layers": [
+    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"},
+                                                   {"name": "hist", "kind": "ids"}]},
+    {"name": "ad", "key": ["aid"], "features": [{"name": "aid", "kind": "id"},
+                                                 {"name": "price", "kind": "dense", "dim": 2}]}]}
+
+
+def _with(change):
+    data = copy.deepcopy(BASE)
+    change(data)
+    return data
+
+
+def test_example_schema_has_23_feature_groups_over_three_layers():
+    schema = schemas.load(EXAMPLE)
+    assert [layer.name for layer in schema.layers] == ["user", "ad", "creative"]
+    assert len(schema.features) == 23
+    assert schema.labels == ("click", "conversion")
+    assert schema.feature("pid").dtype == "string"
+    assert schema.layer_index("cate_id") == 1
+
+
+def test_raw_arrow_schema_lists_every_column_with_its_type():
+    schema = schemas.from_dict(BASE)
+    assert schema.raw_arrow_schema().names == ["uid", "hist", "aid", "price", "click"]
+    types = [f.type for f in schema.raw_arrow_schema()]
+    assert types == [pa.int64(), pa.list_(pa.int64()), pa.int64(), pa.list_(pa.float32()),
+                     pa.float32()]
+
+
+def test_tree_arrow_schema_nests_children_under_the_child_layer_name():
+    schema = schemas.from_dict(BASE)
+    tree = schema.tree_arrow_schema()
+    assert tree.names == ["uid", "hist", "ad"]
+    ad = tree.field("ad").type
+    assert pa.types.is_list(ad)
+    assert [f.name for f in ad.value_type] == ["aid", "price", "click"]
+    assert schemas.from_arrow_metadata(tree) == schema
+
+
+def test_schema_round_trips_through_yaml(tmp_path):
+    schema = schemas.load(EXAMPLE)
+    path = tmp_path / "s.yaml"
+    path.write_text(schema.to_yaml())
+    assert schemas.load(path) == schema
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["layers"][0]["features"][1].update(kind="idz"),
+     "layers[0] (user).features[1] (hist).kind: unknown kind 'idz'; expected one of id, ids, "
+     "dense"),
+    (lambda d: d["layers"][1]["features"].append({"name": "uid", "kind": "id"}),
+     "layers[1].features[2]: name 'uid' is used twice (also layers[0].features[0]); every "
+     "feature, label and layer needs its own name"),
+    (lambda d: d["layers"][0].update(key=["age"]),
+     "layers[0] (user).key: key column 'age' is not a feature of layer 'user'; add "
+     "`{name: age, kind: id}` to its features or pick one of uid, hist"),
+    (lambda d: d.update(labels=[]),
+     "labels: no labels; list at least one leaf-level label column, e.g. `labels: [click]`"),
+    (lambda d: d["layers"].extend([{"name": f"l{i}", "key": [f"k{i}"],
+                                    "features": [{"name": f"k{i}", "kind": "id"}]}
+                                   for i in range(3)]),
+     "layers: 5 layers given, at most 4 are supported; merge layers (e.g. put context features "
+     "on the leaves)"),
+    (lambda d: d["layers"][1]["features"][1].pop("dim"),
+     "layers[1] (ad).features[1] (price): a dense feature needs a dim, e.g. "
+     "`{name: price, kind: dense, dim: 1}`"),
+    (lambda d: d["layers"][0]["features"][0].update(dim=4),
+     "layers[0] (user).features[0] (uid).dim: only dense features have a dim; the embedding "
+     "dimension belongs in the trainer config"),
+    (lambda d: d["layers"][0].update(key=["hist"]),
+     "layers[0] (user).key: key column 'hist' has kind 'ids'; key columns must have kind id"),
+    (lambda d: d["layers"][0].pop("key"),
+     "layers[0] (user).key: missing; name the columns that identify a user node, e.g. "
+     "`key: [uid]`"),
+    (lambda d: d["layers"][0]["features"][0].update(dtype="float"),
+     "layers[0] (user).features[0] (uid).dtype: 'float' is not an id dtype; expected one of "
+     "int64, string"),
+    (lambda d: d.update(extra=1), "schema: unknown field 'extra'; expected name, layers, labels"),
+    (lambda d: d.update(labels=["uid"]),
+     "labels[0]: name 'uid' is used twice (also layers[0].features[0])"),
+])
+def test_invalid_schemas_name_the_field_and_the_fix(change, message):
+    with pytest.raises(SchemaError) as err:
+        schemas.from_dict(_with(change))
+    assert message in str(err.value)
+
+
+def test_load_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nlayers: []\nlabels: [click]\n")
+    with pytest.raises(SchemaError, match=r"bad.yaml: layers: missing or empty"):
+        schemas.load(path)
+    with pytest.raises(SchemaError, match="schema file not found"):
+        schemas.load(tmp_path / "nope.yaml")
+    assert issubclass(SchemaError, ValueError)
+
+
+def test_leaf_layer_key_is_optional():
+    schema = schemas.from_dict({"name": "flat", "labels": ["y"], "layers": [
+        {"name": "sample", "features": [{"name": "x", "kind": "id"}]}]})
+    assert schema.leaf.key == ()
+
+
+def test_stable_hash_is_fnv1a_64_as_signed_int64():
+    assert schemas.stable_hash("") == -3750763034362895579  # 0xcbf29ce484222325 as int64
+    assert schemas.stable_hash("a") == -5808556873153909620  # 0xaf63dc4c8601ec8c
+    assert schemas.stable_hash(b"foobar") == schemas.stable_hash("foobar")
+    words = ["", "a", "foobar", "héllo", "430548_1007", "a" * 300]
+    assert schemas.stable_hash_strings(pa.array(words)).tolist() == [
+        schemas.stable_hash(w) for w in words]
+
+
+def test_stable_hash_is_the_same_in_another_process():
+    code = ("import schemas, pyarrow as pa; "
+            "print(schemas.stable_hash_strings(pa.array(['x1', 'user_42'])).tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".")
+    assert out.stdout.strip() == str([schemas.stable_hash("x1"), schemas.stable_hash("user_42")])

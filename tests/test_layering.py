@@ -1,0 +1,48 @@
+"""The dependency direction of ARCHITECTURE.md: heavy frameworks stay in their own package."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ["schemas", "compression", "pipelines", "trainer", "native"]
+# package -> top-level modules it must not import
+FORBIDDEN = {
+    "schemas": {"apache_beam", "tensorflow", "keras", "compression", "pipelines", "trainer",
+                "native"},
+    "compression": {"apache_beam", "tensorflow", "keras", "pipelines", "trainer", "native"},
+    "native": {"apache_beam", "tensorflow", "keras", "schemas", "compression", "pipelines",
+               "trainer"},
+    "pipelines": {"tensorflow", "keras", "trainer"},
+    "trainer": {"apache_beam", "pipelines"},
+}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_package_imports_what_its_layer_forbids():
+    offences = []
+    for package, forbidden in FORBIDDEN.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            bad = _imports(path) & forbidden
+            if bad:
+                offences.append(f"{path.relative_to(ROOT)} imports {', '.join(sorted(bad))}")
+    assert offences == []
+
+
+def test_importing_schemas_and_compression_loads_neither_beam_nor_tensorflow():
+    code = ("import sys, schemas, compression, compression.inspect, compression.compress; "
+            "print(sorted(m for m in ('apache_beam', 'tensorflow', 'keras') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
