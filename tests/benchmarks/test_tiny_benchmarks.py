@@ -1,0 +1,15 @@
+"""Every benchmark runs end to end at a tiny size (CI); the real sizes are in RESULTS.md."""
+
+import benchmarks.compression
+
+
+def test_compression_benchmark_tiny():
+    result = benchmarks.compression.run(["--samples", "3000", "--repeats", "1",
+                                         "--tfrecord-samples", "300", "--batch-size", "500"])
+    assert result["samples"] == 3000
+    assert result["build_over_sort"] > 0 and result["build_samples_per_s"] > 0
+    assert set(result["bytes"]) == {"flat_unsorted.parquet", "flat_sorted.parquet",
+                                    "trees.parquet", "flat.tfrecord.gz"}
+    assert all(size > 0 for size in result["bytes"].values())
+    assert result["id_compression_ratio"] > 1
+    assert set(result["to_batches_s"]) == set(result["bytes"])
