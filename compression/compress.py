@@ -53,6 +53,8 @@ def main(argv=None) -> int:
                         help="input format (default: from each file's extension)")
     parser.add_argument("--roots-per-file", type=int, default=200_000,
                         help="root nodes (e.g. users) per output file (default 200000)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the full summary (as compression.inspect does)")
     args = parser.parse_args(argv)
     schema = schemas.load(args.schema)
     started = time.perf_counter()
@@ -62,8 +64,10 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         parser.error(str(e))
     seconds = time.perf_counter() - started
-    print(format_summary(summary))
-    print(f"compressed {summary['samples']:,} samples in {seconds:.1f} s "
+    if args.verbose:
+        print(format_summary(summary))
+    print(f"compressed {summary['samples']:,} samples into {summary['trees']:,} trees "
+          f"({summary['id_compression_ratio']:.2f}x fewer ids) in {seconds:.1f} s "
           f"({summary['samples'] / max(seconds, 1e-9):,.0f} samples/s) -> {args.output}")
     return 0
 
