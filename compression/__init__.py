@@ -20,6 +20,7 @@ from compression.io import (
     read_trees,
     write_trees,
 )
+from compression.messages import decode_json_samples
 from compression.stats import TreeStats
 from compression.trees import LayerNodes, build_trees, flat_layers, flatten
 from compression.validate import RawDataError, conform_columns, split_bad_rows, validate_raw
@@ -29,6 +30,7 @@ __all__ = [
     "LayerNodes",
     "TreeBatch",
     "TreeStats",
+    "decode_json_samples",
     "decode_trees",
     "encode_trees",
     "expand_paths",

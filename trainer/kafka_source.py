@@ -1,0 +1,211 @@
+"""A Kafka topic of samples as a source of training micro-batches, with explicit offsets.
+
+Offsets are never committed automatically. The caller trains what :meth:`poll` returned,
+writes a checkpoint holding :attr:`KafkaSampleSource.positions`, and only then calls
+:meth:`commit`. On start, partitions are sought to the offsets of the restored checkpoint, so
+after a crash training resumes exactly after the last checkpointed sample: nothing is lost and
+nothing is trained twice relative to the restored model.
+
+Malformed messages (bad JSON, missing or mistyped fields, a wrong tree schema, oversized) go to
+the dead-letter topic with the reason in a ``reason`` header; they count as consumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+import compression
+from schemas import Schema
+
+log = logging.getLogger(__name__)
+
+# Consumers joining a group: short sessions so a restarted trainer rejoins quickly.
+GROUP_DEFAULTS = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+
+
+@dataclass
+class Polled:
+    """What one :meth:`KafkaSampleSource.poll` consumed."""
+
+    samples: pa.Table | None = None          # format json: flat rows in canonical types
+    trees: list = field(default_factory=list)  # format trees: decoded tree tables
+    num_samples: int = 0
+    messages: int = 0
+    dead: int = 0
+    ranges: dict = field(default_factory=dict)  # partition -> (first offset, next offset)
+    timestamps_ms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+class KafkaSampleSource:
+    """Consumes ``topic`` in group ``group``; ``format`` is ``json`` (one raw sample per
+    message) or ``trees`` (one Arrow IPC tree table per message, from the streaming job)."""
+
+    def __init__(self, schema: Schema, bootstrap_servers: str, topic: str, group: str,
+                 format: str = "json", start_offsets: dict[int, int] | None = None,
+                 dlq_topic: str | None = None, config: dict | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        if format not in ("json", "trees"):
+            raise ValueError(f"format must be json or trees, got {format!r}")
+        self.schema = schema
+        self.topic = topic
+        self.format = format
+        self.dlq_topic = dlq_topic if dlq_topic is not None else f"{topic}.dlq"
+        self.max_message_bytes = max_message_bytes
+        self.start_offsets = {int(p): int(o) for p, o in (start_offsets or {}).items()}
+        # partition -> next offset to train; starts at the restored checkpoint's offsets
+        self.positions: dict[int, int] = dict(self.start_offsets)
+        self.assigned: set[int] = set()
+        self.rebalances = 0
+        self._tree_schema = schema.tree_arrow_schema()
+        settings = {"bootstrap.servers": bootstrap_servers, "group.id": group,
+                    "enable.auto.commit": False, "enable.auto.offset.store": False,
+                    "auto.offset.reset": "earliest", **GROUP_DEFAULTS}
+        settings.update(config or {})
+        self.consumer = Consumer(settings)
+        self.producer = Producer({"bootstrap.servers": bootstrap_servers,
+                                  "enable.idempotence": True, "linger.ms": 5,
+                                  **{k: v for k, v in (config or {}).items()
+                                     if k.startswith(("security.", "sasl.", "ssl."))}})
+        self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+
+    # -- group membership ----------------------------------------------------------------
+
+    def _on_assign(self, consumer, partitions):
+        self.rebalances += 1
+        for tp in partitions:
+            if tp.partition in self.positions:
+                tp.offset = self.positions[tp.partition]  # resume after the last trained sample
+        consumer.assign(partitions)
+        self.assigned = {tp.partition for tp in partitions}
+        log.info("assigned partitions %s of %s", sorted(self.assigned), self.topic)
+
+    def _on_revoke(self, consumer, partitions):
+        self.rebalances += 1
+        self.assigned -= {tp.partition for tp in partitions}
+        log.info("revoked partitions %s of %s", sorted(tp.partition for tp in partitions),
+                 self.topic)
+
+    # -- consuming -----------------------------------------------------------------------
+
+    def poll(self, max_messages: int, timeout: float) -> Polled:
+        """Consume up to ``max_messages`` (waiting at most ``timeout`` s), decode them in bulk,
+        send malformed ones to the dead-letter topic, and advance :attr:`positions`."""
+        messages = []
+        for msg in self.consumer.consume(num_messages=max_messages, timeout=timeout):
+            error = msg.error()
+            if error is None:
+                if msg.partition() in self.assigned:  # drop leftovers of a revoked partition
+                    messages.append(msg)
+            elif error.code() != KafkaError._PARTITION_EOF:
+                if error.fatal():
+                    raise KafkaException(error)
+                log.warning("consume %s: %s", self.topic, error)  # retriable: librdkafka retries
+        polled = Polled(messages=len(messages))
+        if not messages:
+            return polled
+        good, timestamps = [], []
+        for msg in messages:
+            value = msg.value()
+            if value is not None and len(value) > self.max_message_bytes:
+                self._dead(msg, f"oversized: {len(value)} bytes, the limit is "
+                                f"{self.max_message_bytes} (max_message_bytes)")
+                polled.dead += 1
+            else:
+                good.append(msg)
+        if self.format == "json":
+            table, dead = compression.decode_json_samples([m.value() for m in good],
+                                                          self.schema, with_index=True)
+            for index, reason in dead:
+                self._dead(good[index], reason)
+            polled.dead += len(dead)
+            kept = table.column("__message").to_numpy()
+            polled.samples = table.drop_columns(["__message"])
+            polled.num_samples = polled.samples.num_rows
+            stamps = np.array([m.timestamp()[1] for m in good], np.int64)
+            polled.timestamps_ms = stamps[kept] if len(kept) else np.zeros(0, np.int64)
+        else:
+            for msg in good:
+                try:
+                    trees = compression.decode_trees(msg.value())
+                    if not trees.schema.equals(self._tree_schema):
+                        raise ValueError(f"tree schema does not match schema "
+                                         f"{self.schema.name!r}: {trees.schema}")
+                    leaves = len(compression.flat_layers(trees, self.schema)[-1]) \
+                        if trees.num_rows else 0
+                except (ValueError, pa.ArrowException) as e:
+                    self._dead(msg, f"not a tree message: {e}")
+                    polled.dead += 1
+                    continue
+                polled.trees.append(trees)
+                polled.num_samples += leaves
+                timestamps.append(np.full(leaves, msg.timestamp()[1], np.int64))
+            if timestamps:
+                polled.timestamps_ms = np.concatenate(timestamps)
+        for msg in messages:
+            p, o = msg.partition(), msg.offset()
+            first, end = polled.ranges.get(p, (o, o + 1))
+            polled.ranges[p] = (min(first, o), max(end, o + 1))
+            self.positions[p] = max(self.positions.get(p, 0), o + 1)
+        return polled
+
+    def _dead(self, msg, reason: str):
+        headers = [("reason", reason.encode()), ("source.topic", self.topic.encode()),
+                   ("source.partition", str(msg.partition()).encode()),
+                   ("source.offset", str(msg.offset()).encode())]
+        while True:
+            try:
+                self.producer.produce(self.dlq_topic, value=msg.value(), key=msg.key(),
+                                      headers=headers)
+                break
+            except BufferError:
+                self.producer.poll(0.1)
+        self.producer.poll(0)
+
+    # -- committing ----------------------------------------------------------------------
+
+    def commit(self, offsets: dict[int, int] | None = None, timeout: float = 30.0):
+        """Commit ``offsets`` (default: :attr:`positions`) after every dead letter is durable.
+
+        Call it only once a checkpoint holding these offsets is on disk."""
+        remaining = self.producer.flush(timeout)
+        if remaining:
+            raise RuntimeError(f"{remaining} dead-letter messages to {self.dlq_topic!r} were not "
+                               "delivered; not committing past them")
+        offsets = self.positions if offsets is None else offsets
+        if not offsets:
+            return
+        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o)
+                                      for p, o in sorted(offsets.items())], asynchronous=False)
+
+    def lag(self) -> int | None:
+        """Messages behind the end of the assigned partitions (None when unknown).
+
+        Uses the broker's high watermark, which some brokers under-report; a metric only."""
+        total = 0
+        for p in sorted(self.assigned):
+            try:
+                _, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, p), timeout=1.0, cached=False)
+            except KafkaException:
+                return None
+            total += max(0, high - self.positions.get(p, 0))
+        return total
+
+    def close(self):
+        try:
+            self.producer.flush(10)
+        finally:
+            self.consumer.close()
+
+
+def group_id() -> str:
+    """A fresh consumer group name (for tests and one-off runs)."""
+    return f"prefixrec-{uuid.uuid4().hex[:10]}"
+
