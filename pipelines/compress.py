@@ -1,0 +1,377 @@
+"""The batch compression job: raw sample files -> multi-prefix-tree Parquet shards, on Beam.
+
+    python -m pipelines.compress --schema schemas/examples/taobao_like.yaml \\
+        --input 'raw/*.parquet' --output trees/ --shards 16 [Beam pipeline options]
+
+Shape (Arrow tables end to end, never row dicts)::
+
+    file paths -> read each file in chunks -> split_bad_rows --------> _dead_letter/*.jsonl
+                                           -> split by hash(root key) % N
+               -> GroupByKey(shard) -> build_trees -> part-SSSSS-of-NNNNN.parquet
+               -> TreeStats of every shard + bad-row count -> _stats.json
+
+Every sample of a root node (a user) goes to one shard, so the shards hold exactly the trees the
+in-process ``python -m compression.compress`` builds, only split into N files. A shard is built
+in one worker's memory: pick ``--shards`` so that samples / N rows fit (the taobao_like schema
+takes ~450 bytes per sample in memory, ~3x that while its trees are built).
+
+Without ``--runner`` the job runs on the in-process ``FnApiRunner``: the default
+``DirectRunner`` of Beam 2.77 first tries to download the Prism runner on every run and falls
+back to the FnApiRunner when it cannot (offline it only wastes time; on a network that drops
+packets it can hang). Pass ``--runner=DirectRunner``, ``DataflowRunner``, ``FlinkRunner`` or
+``SparkRunner`` with their usual options to run elsewhere; input and output paths must then be
+on a file system every worker sees (a shared mount; ``gs://`` paths are not supported yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+import uuid
+from typing import Iterable, Tuple
+
+import apache_beam as beam
+import pyarrow as pa
+import yaml
+from apache_beam.options.pipeline_options import PipelineOptions
+
+import compression
+import schemas
+from compression import RawDataError, TreeStats
+from compression.stats import format_summary
+from pipelines import _coders  # noqa: F401  (registers the Arrow table coder)
+from pipelines._shards import split_by_shard
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARDS = 16
+DEFAULT_CHUNK_ROWS = 1 << 17
+DEAD_LETTER_DIR = "_dead_letter"
+STATS_FILE = "_stats.json"
+_PART = re.compile(r"^part-\d{5}-of-\d{5}\.parquet$")
+_METRICS = "prefixrec.compress"
+
+
+class TooManyBadRows(RawDataError):
+    """More rows failed validation than ``--max-bad-rows`` allows."""
+
+
+def _load_schema(schema_yaml: str) -> schemas.Schema:
+    return schemas.from_dict(yaml.safe_load(schema_yaml))
+
+
+def part_name(shard: int, shards: int) -> str:
+    return f"part-{shard:05d}-of-{shards:05d}.parquet"
+
+
+@beam.typehints.with_output_types(Tuple[int, pa.Table])
+class _ReadShardsFn(beam.DoFn):
+    """One raw file -> (shard, good rows) tables, and rejected rows to the dead-letter output.
+
+    Whole-file problems (a missing or mistyped column, an unreadable file) raise
+    :class:`RawDataError` naming the file: they are not bad rows, and retrying cannot fix them.
+    """
+
+    DEAD_LETTER = "dead_letter"
+
+    def __init__(self, schema_yaml: str, shards: int, format: str | None, chunk_rows: int):
+        self._schema_yaml = schema_yaml
+        self._shards = shards
+        self._format = format
+        self._chunk_rows = chunk_rows
+        self._rows = beam.metrics.Metrics.counter(_METRICS, "rows_read")
+        self._bad = beam.metrics.Metrics.counter(_METRICS, "bad_rows")
+        self._files = beam.metrics.Metrics.counter(_METRICS, "files_read")
+
+    def setup(self):
+        self._schema = _load_schema(self._schema_yaml)
+
+    def process(self, path: str):
+        rows = bad = 0
+        try:
+            for chunk, first_row in compression.iter_raw_chunks(path, self._schema,
+                                                                 self._format, self._chunk_rows):
+                good, rejected = compression.split_bad_rows(chunk, self._schema, source=path,
+                                                            first_row=first_row)
+                rows += chunk.num_rows
+                bad += rejected.num_rows
+                self._rows.inc(chunk.num_rows)
+                if rejected.num_rows:
+                    self._bad.inc(rejected.num_rows)
+                    yield beam.pvalue.TaggedOutput(self.DEAD_LETTER, rejected)
+                yield from split_by_shard(good, self._schema, self._shards)
+        except RawDataError:
+            raise
+        except (pa.ArrowException, OSError) as e:
+            raise RawDataError(f"{path}: cannot read the file as "
+                               f"{compression.raw_format(path, self._format)}: {e}") from None
+        self._files.inc()
+        log.info("read %s: %s rows, %s bad", path, f"{rows:,}", f"{bad:,}")
+
+
+class _BuildShardFn(beam.DoFn):
+    """All rows of one shard -> its tree table, written as ``part-SSSSS-of-NNNNN.parquet``."""
+
+    def __init__(self, schema_yaml: str, output: str, shards: int):
+        self._schema_yaml = schema_yaml
+        self._output = output
+        self._shards = shards
+        self._samples = beam.metrics.Metrics.counter(_METRICS, "samples_written")
+        self._trees = beam.metrics.Metrics.counter(_METRICS, "trees_written")
+        self._done = beam.metrics.Metrics.counter(_METRICS, "shards_written")
+
+    def setup(self):
+        self._schema = _load_schema(self._schema_yaml)
+
+    def process(self, element: Tuple[int, Iterable[pa.Table]]):
+        shard, tables = element
+        flat = pa.concat_tables(list(tables))
+        trees = compression.build_trees(flat, self._schema, validate=False)
+        path = compression.write_trees(
+            trees, os.path.join(self._output, part_name(shard, self._shards)))
+        stats = TreeStats(self._schema).add(trees)
+        stats.bytes_on_disk = os.path.getsize(path)
+        self._samples.inc(flat.num_rows)
+        self._trees.inc(trees.num_rows)
+        self._done.inc()
+        log.info("shard %d/%d written: %s samples in %s trees -> %s", shard + 1, self._shards,
+                 f"{flat.num_rows:,}", f"{trees.num_rows:,}", path)
+        yield shard, stats
+
+
+class _WriteDeadLetterFn(beam.DoFn):
+    """Rejected rows (source, row, reason) as one JSON-lines file per rejecting chunk.
+
+    The file name comes from the source and its first rejected row, so a retried bundle
+    rewrites the same file instead of adding a copy.
+    """
+
+    def __init__(self, output: str):
+        self._directory = os.path.join(output, DEAD_LETTER_DIR)
+
+    def process(self, rejected: pa.Table):
+        source = rejected.column("source")[0].as_py()
+        first = rejected.column("row")[0].as_py()
+        tag = hashlib.sha1(source.encode()).hexdigest()[:8]
+        base = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(source)) or "input"
+        path = os.path.join(self._directory, f"{base}-{tag}-{first:012d}.jsonl")
+        os.makedirs(self._directory, exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w") as f:
+            for row in rejected.to_pylist():  # rejected rows only: few, and small
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+        yield rejected.num_rows
+
+
+class _FinishFn(beam.DoFn):
+    """Merges the shards' statistics, checks the bad-row budget, writes ``_stats.json``.
+
+    ``_stats.json`` is written last and only when the job succeeds: its presence marks a
+    complete output directory.
+    """
+
+    def __init__(self, schema_yaml: str, output: str, shards: int, input_files: int,
+                 max_bad_rows: int):
+        self._schema_yaml = schema_yaml
+        self._output = output
+        self._shards = shards
+        self._input_files = input_files
+        self._max_bad_rows = max_bad_rows
+
+    def process(self, _, shard_stats, bad_counts):
+        schema = _load_schema(self._schema_yaml)
+        bad_rows = int(sum(bad_counts))
+        if bad_rows > self._max_bad_rows:
+            raise TooManyBadRows(
+                f"{bad_rows:,} rows failed validation, more than --max-bad-rows "
+                f"{self._max_bad_rows:,}; their reasons are in "
+                f"{os.path.join(self._output, DEAD_LETTER_DIR)}/ (fix the data, or raise "
+                "--max-bad-rows to drop them)")
+        total = TreeStats(schema)
+        built = set()
+        for shard, stats in shard_stats:
+            total.merge(stats)
+            built.add(shard)
+        # A shard no sample hashed to still gets its (empty) file: readers can count on N.
+        empty = schema.tree_arrow_schema().empty_table()
+        for shard in sorted(set(range(self._shards)) - built):
+            path = compression.write_trees(
+                empty, os.path.join(self._output, part_name(shard, self._shards)))
+            total.bytes_on_disk += os.path.getsize(path)
+        summary = total.summary()
+        summary.update(bad_rows=bad_rows, shards=self._shards, input_files=self._input_files,
+                       bytes_on_disk=total.bytes_on_disk)
+        path = os.path.join(self._output, STATS_FILE)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(summary, f, indent=2)
+        os.replace(tmp, path)
+        yield summary
+
+
+class CompressFiles(beam.PTransform):
+    """PCollection of raw file paths -> trees in ``output``; outputs the ``_stats.json`` dict.
+
+    ``schema_yaml`` is the schema's YAML text (what DoFns carry to the workers).
+    """
+
+    def __init__(self, schema_yaml: str, output: str, shards: int = DEFAULT_SHARDS,
+                 format: str | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                 max_bad_rows: int = 0, input_files: int = 0):
+        super().__init__()
+        self._schema_yaml = schema_yaml
+        self._output = output
+        self._shards = shards
+        self._format = format
+        self._chunk_rows = chunk_rows
+        self._max_bad_rows = max_bad_rows
+        self._input_files = input_files
+
+    def expand(self, paths):
+        read = (paths
+                | "SpreadFiles" >> beam.Reshuffle()
+                | "ReadAndShard" >> beam.ParDo(
+                    _ReadShardsFn(self._schema_yaml, self._shards, self._format,
+                                  self._chunk_rows)).with_outputs(
+                    _ReadShardsFn.DEAD_LETTER, main="rows"))
+        shard_stats = (read.rows
+                       | "GroupByShard" >> beam.GroupByKey()
+                       | "BuildAndWrite" >> beam.ParDo(
+                           _BuildShardFn(self._schema_yaml, self._output, self._shards)))
+        bad_counts = (read[_ReadShardsFn.DEAD_LETTER]
+                      | "WriteDeadLetter" >> beam.ParDo(_WriteDeadLetterFn(self._output)))
+        return (paths.pipeline
+                | "Finish" >> beam.Create([None])
+                | "WriteStats" >> beam.ParDo(
+                    _FinishFn(self._schema_yaml, self._output, self._shards,
+                              self._input_files, self._max_bad_rows),
+                    shard_stats=beam.pvalue.AsList(shard_stats),
+                    bad_counts=beam.pvalue.AsList(bad_counts)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.compress",
+        description="Compress raw samples (Parquet, CSV or JSON lines) into multi-prefix-tree "
+                    "Parquet shards with Apache Beam. Flags not listed here are Beam pipeline "
+                    "options (--runner, --project, --flink_master, ...); without --runner the "
+                    "job runs locally on the FnApiRunner.")
+    p.add_argument("--schema", required=True, help="schema YAML file")
+    p.add_argument("--input", required=True, action="append",
+                   help="raw files: a path, directory or glob (repeat for more)")
+    p.add_argument("--output", required=True,
+                   help="output directory: part-SSSSS-of-NNNNN.parquet, _stats.json (written "
+                        "last, on success), _dead_letter/; what an earlier run of this job "
+                        "wrote there is replaced")
+    p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
+                   help=f"number of output files; each is built in one worker's memory "
+                        f"(default {DEFAULT_SHARDS})")
+    p.add_argument("--format", choices=["parquet", "csv", "json"],
+                   help="input format (default: from each file's extension)")
+    p.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
+                   help=f"rows read and validated at a time (default {DEFAULT_CHUNK_ROWS})")
+    p.add_argument("--max-bad-rows", type=int, default=0,
+                   help="rows that may fail validation (they go to OUTPUT/_dead_letter/ with "
+                        "the reason) before the job fails (default 0: any bad row fails it)")
+    return p
+
+
+def _with_default_runner(beam_args: list[str]) -> list[str]:
+    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
+        return beam_args
+    return ["--runner=FnApiRunner", *beam_args]
+
+
+def _clear_previous_output(output: str):
+    """Remove what an earlier run wrote here (only files this job writes), so the directory
+    never mixes two runs' shards."""
+    if not os.path.isdir(output):
+        return
+    for name in os.listdir(output):
+        if _PART.match(name) or name == STATS_FILE:
+            os.remove(os.path.join(output, name))
+    dead = os.path.join(output, DEAD_LETTER_DIR)
+    if os.path.isdir(dead):
+        for name in os.listdir(dead):
+            if name.endswith(".jsonl"):
+                os.remove(os.path.join(dead, name))
+
+
+def _job_error(e: BaseException) -> BaseException | None:
+    """The error of ours a failed pipeline carries (runners wrap it in their own exception)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RawDataError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def run(argv=None) -> dict:
+    """Run the job; returns the ``_stats.json`` summary.
+
+    Raises :class:`compression.RawDataError` (bad files, or more bad rows than allowed),
+    ``FileNotFoundError`` (no input) or ``schemas.SchemaError``.
+    """
+    args, beam_args = _parser().parse_known_args(argv)
+    if args.shards < 1:
+        raise ValueError(f"--shards: expected a positive number, got {args.shards}")
+    schema = schemas.load(args.schema)
+    files = compression.expand_paths(args.input)
+    for path in files:
+        compression.raw_format(path, args.format)  # fail now, not in a worker
+    output = os.path.abspath(args.output)
+    os.makedirs(output, exist_ok=True)
+    _clear_previous_output(output)
+    options = PipelineOptions(_with_default_runner(beam_args))
+    log.info("compressing %d file(s) into %d shard(s) -> %s", len(files), args.shards, output)
+    try:
+        with beam.Pipeline(options=options) as p:
+            _ = (p
+                 | "Files" >> beam.Create([os.path.abspath(f) for f in files])
+                 | "Compress" >> CompressFiles(schema.to_yaml(), output, args.shards,
+                                               args.format, args.chunk_rows,
+                                               args.max_bad_rows, len(files)))
+    except Exception as e:
+        ours = _job_error(e)
+        if ours is None:
+            # Some runners only keep the message text of a worker's exception.
+            text = str(e)
+            for cls in (TooManyBadRows, RawDataError):
+                match = re.search(rf"{cls.__name__}: (.+?)(?: \[while running|\n|$)", text)
+                if match:
+                    raise cls(match.group(1)) from e
+            raise
+        raise type(ours)(str(ours).split(" [while running")[0]) from e
+    with open(os.path.join(output, STATS_FILE)) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    # force: importing Beam has already given the root logger a handler.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
+    log.setLevel(logging.INFO)
+    started = time.perf_counter()
+    try:
+        summary = run(argv)
+    except (RawDataError, FileNotFoundError, schemas.SchemaError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - started
+    print(format_summary(summary))
+    print(f"bad rows              {summary['bad_rows']:,}")
+    print(f"compressed {summary['samples']:,} samples into {summary['shards']} shards in "
+          f"{seconds:.1f} s ({summary['samples'] / max(seconds, 1e-9):,.0f} samples/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
