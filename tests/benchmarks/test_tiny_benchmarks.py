@@ -13,3 +13,16 @@ def test_compression_benchmark_tiny():
     assert all(size > 0 for size in result["bytes"].values())
     assert result["id_compression_ratio"] > 1
     assert set(result["to_batches_s"]) == set(result["bytes"])
+
+
+def test_pipeline_benchmark_tiny(kafka_broker, capsys):
+    import json
+
+    import benchmarks.pipeline
+
+    assert benchmarks.pipeline.main(["--samples", "2000", "--shards", "2", "--stream-samples",
+                                     "500", "--bootstrap-servers", kafka_broker.bootstrap]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["batch"]["samples"] == 2000
+    assert result["batch"]["beam_samples_per_s"] > 0 and result["batch"]["inproc_seconds"] > 0
+    assert result["stream"]["samples"] == 500 and result["stream"]["tree_messages"] > 0
