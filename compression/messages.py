@@ -77,10 +77,12 @@ def _split(table: pa.Table, schema: Schema, message: np.ndarray):
 
 def _parse(lines: list[bytes], schema: pa.Schema) -> pa.Table:
     data = b"\n".join(lines)
+    # Blocks of ~0.5 MiB parse on all cores (measured ~2x one block of everything on 2 cores);
+    # a block must still hold the longest message.
+    block = max(1 << 19, max(map(len, lines)) + 1)
     table = pajson.read_json(
         pa.BufferReader(data),
-        read_options=pajson.ReadOptions(use_threads=False, block_size=max(1 << 20,
-                                                                          len(data) + 1)),
+        read_options=pajson.ReadOptions(use_threads=True, block_size=block),
         parse_options=pajson.ParseOptions(explicit_schema=schema,
                                           unexpected_field_behavior="error"))
     if table.num_rows != len(lines):
