@@ -19,6 +19,11 @@ def _native_extensions():
     sources = os.path.join(HERE, "native", "src")
     if not os.path.isdir(sources):
         return []
+    import sys
+
+    # PEP 517 builds (pip install .) do not put the project directory on sys.path.
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     from native_build import extensions  # noqa: E402  (build helper beside setup.py)
 
     return extensions(HERE)
