@@ -1,0 +1,201 @@
+// EmbeddingStore: a dynamic, sharded hash map from int64 ids to trainable float rows.
+//
+// Each row holds `dim` embedding values, the optimizer's state for them and a little metadata
+// (update count, last step, last wall time). Ids need no vocabulary: a training lookup of an
+// unseen id asks the entry filter whether to admit it; an admitted id gets a row initialised
+// deterministically from (seed, id), a rejected one reads as zeros and is never updated.
+//
+//   StoreOptions options;
+//   options.dim = 8;
+//   options.optimizer.kind = OptimizerKind::kAdagrad;
+//   EmbeddingStore store(options);
+//   std::vector<float> rows(n * 8);
+//   store.Lookup(ids, n, /*train=*/true, /*now=*/time_seconds, rows.data());
+//   store.ApplyGradients(ids, grads, n, /*step=*/1, time_seconds);
+//   store.ExportDelta("/serving/deltas");     // rows changed since the last delta + tombstones
+//
+// Layout: ids are hashed (splitmix64 finaliser); the high 32 bits choose one of `num_shards`
+// shards, the low 32 bits the home slot inside the shard. A shard is an open-addressing table
+// (linear probing, backward-shift deletion, no tombstone slots, load <= 3/4) of 8-byte slots
+// (32 hash bits + row index) pointing into a row arena of fixed-size chunks; rows are kept
+// dense (a removal moves the last row into the hole), so expiry, export and snapshots walk
+// contiguous memory. Chunks are one 2 MiB huge page each (the first grows to that size),
+// because random probes over gigabytes of rows are otherwise dominated by TLB misses. Batch
+// calls first deduplicate the ids (a private 4-byte-slot table that stays in L2), then probe
+// the shared table once per distinct id with slots and rows prefetched ~32 ids ahead.
+//
+// Thread safety: every public method may be called from any number of threads at once. Each
+// shard has a reader/writer lock. Reads take every shard's lock shared (in shard order) and
+// split the batch by position over up to `num_threads` threads; writes split the batch by
+// shard and take each shard's lock exclusively in turn. Methods that span shards (Save, ExportDelta, Stats, ExportRows)
+// see each shard at one instant but not all shards at the same instant; pause writers for a
+// globally consistent snapshot.
+//
+// Numbers are little-endian on disk; the store refuses to build on big-endian machines.
+#ifndef PREFIXREC_EMBEDDING_STORE_H_
+#define PREFIXREC_EMBEDDING_STORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "prefixrec/store_error.h"
+
+namespace prefixrec {
+
+enum class OptimizerKind : uint32_t { kSgd = 0, kAdagrad = 1, kAdam = 2, kFtrl = 3 };
+
+// Optimizer hyper-parameters; only those of `kind` are read. All arithmetic is float32.
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kSgd;
+  float learning_rate = 0.01f;        // SGD, Adagrad, Adam
+  float initial_accumulator = 0.1f;   // Adagrad: accumulator of a new row (> 0)
+  float beta1 = 0.9f;                 // Adam
+  float beta2 = 0.999f;               // Adam
+  float epsilon = 1e-8f;              // Adam
+  float alpha = 0.05f;                // FTRL learning rate
+  float beta = 1.0f;                  // FTRL
+  float l1 = 0.0f;                    // FTRL
+  float l2 = 0.0f;                    // FTRL
+};
+
+// Floats of optimizer state per embedding value: SGD 0, Adagrad 1 (accumulator),
+// Adam 2 (m, v; the row's update count is Adam's t), FTRL 2 (z, n).
+int OptimizerStateWidth(OptimizerKind kind);
+
+enum class InitializerKind : uint32_t { kZeros = 0, kUniform = 1, kTruncatedNormal = 2 };
+
+struct InitializerOptions {
+  InitializerKind kind = InitializerKind::kTruncatedNormal;
+  // kUniform: values in [-scale, scale). kTruncatedNormal: stddev, cut at 2 stddev.
+  float scale = 0.01f;
+};
+
+enum class FilterKind : uint32_t { kNone = 0, kProbability = 1, kCountingBloom = 2, kCounter = 3 };
+
+// Entry filter. One sighting = one training lookup call that contains the unseen id (duplicates
+// inside a call count once).
+struct FilterOptions {
+  FilterKind kind = FilterKind::kNone;
+  double probability = 1.0;           // kProbability: each sighting admits with this probability
+  uint32_t min_count = 1;             // kCountingBloom (<= 255), kCounter: admit on this sighting
+  uint64_t capacity = 0;              // kCountingBloom: distinct ids the filter is sized for
+  double false_positive_rate = 0.01;  // kCountingBloom: target rate at `capacity` ids
+};
+
+struct StoreOptions {
+  int dim = 8;                        // embedding values per row, 1..4096
+  OptimizerOptions optimizer;         // the update rule and the state it keeps per row
+  InitializerOptions initializer;     // the values a newly admitted row starts with
+  uint64_t seed = 0;                  // with the id, determines initial rows and filter draws
+  int num_shards = 16;                // independent locks/tables, 1..4096
+  FilterOptions filter;               // which unseen ids get a row
+  uint64_t max_rows = 0;              // 0 = unbounded; else when a training lookup exceeds it,
+                                      // evict least recently updated rows (by last step, last
+                                      // time, id) down to max_rows - max_rows / 100
+  int num_threads = 0;                // threads per batch call; 0 = hardware concurrency
+};
+
+// Counters since construction (they survive Save/Load).
+struct StoreStats {
+  uint64_t rows = 0;          // rows held now
+  uint64_t bytes = 0;         // heap bytes of rows, tables, filter and tombstones
+  uint64_t filter_bytes = 0;  // of which the entry filter
+  uint64_t admitted = 0;      // ids given a row by a training lookup
+  uint64_t rejected = 0;      // sightings the filter turned down
+  uint64_t expired = 0;       // rows removed by Expire/Remove
+  uint64_t evicted = 0;       // rows removed to respect max_rows
+  uint64_t lookups = 0;       // ids looked up (duplicates included)
+  uint64_t updates = 0;       // row updates (one per distinct admitted id per ApplyGradients)
+  int64_t global_step = 0;    // largest step given to ApplyGradients or received in a delta
+  uint64_t delta_sequence = 0;  // sequence of the last delta exported or applied
+};
+
+// Column copies of all rows, shard by shard. values/state are filled only when asked for.
+struct RowArrays {
+  std::vector<int64_t> ids;
+  std::vector<uint32_t> update_counts;
+  std::vector<int64_t> last_steps;
+  std::vector<double> last_times;
+  std::vector<float> l2_norms;  // of the embedding values
+  std::vector<float> values;    // rows x dim
+  std::vector<float> state;     // rows x dim * OptimizerStateWidth
+};
+
+class EmbeddingStore {
+ public:
+  // Throws StoreError(kInvalidArgument) naming the first bad option.
+  explicit EmbeddingStore(const StoreOptions& options);
+  ~EmbeddingStore();
+  EmbeddingStore(const EmbeddingStore&) = delete;
+  EmbeddingStore& operator=(const EmbeddingStore&) = delete;
+
+  const StoreOptions& options() const;
+  int dim() const;
+  int state_floats() const;  // optimizer floats per row = dim * OptimizerStateWidth
+  size_t size() const;       // rows held; O(1)
+
+  // out[i*dim .. (i+1)*dim) = row of ids[i], zeros for ids without a row. O(n).
+  // train=true runs unseen ids through the filter, one sighting per distinct id per call (may
+  // insert rows, then evicts down to max_rows); train=false only reads (it still counts
+  // `lookups`). `now` (seconds) stamps new rows.
+  void Lookup(const int64_t* ids, size_t n, bool train, double now, float* out);
+
+  // Lookup of the distinct ids only: unique = distinct ids in order of first appearance,
+  // inverse[i] = index of ids[i] in unique, rows = their rows (unique.size() x dim). O(n).
+  void LookupUnique(const int64_t* ids, size_t n, bool train, double now,
+                    std::vector<int64_t>* unique, int64_t* inverse, std::vector<float>* rows);
+
+  // unique = distinct ids in order of first appearance, inverse[i] = index of ids[i] in unique.
+  // Pure function of its input; O(n).
+  static void Deduplicate(const int64_t* ids, size_t n, std::vector<int64_t>* unique,
+                          int64_t* inverse);
+
+  // grads is n x dim. Rows of equal ids are summed (in input order), then each distinct id that
+  // has a row gets one optimizer update and records (update_count + 1, step, now); ids without a
+  // row are ignored. Throws kInvalidArgument before changing anything if a gradient is NaN/Inf
+  // or step < 0. O(n * dim).
+  void ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step, double now);
+
+  // Removes rows idle for more than max_idle_steps (global_step - last_step; < 0 = not used) or
+  // more than max_idle_seconds (now - last_time; < 0 = not used). Returns rows removed. O(rows).
+  size_t Expire(int64_t max_idle_steps, double max_idle_seconds, double now);
+
+  // Removes the rows of the given ids (counted as expired). Returns rows removed. O(n).
+  size_t Remove(const int64_t* ids, size_t n);
+
+  RowArrays ExportRows(bool with_values) const;  // O(rows)
+
+  // The row a newly admitted id would start with (values only). O(n * dim).
+  void InitialRows(const int64_t* ids, size_t n, float* out) const;
+
+  StoreStats Stats() const;  // O(shards)
+
+  // Full snapshot (rows, optimizer state, metadata, pending delta state, filter state, counters)
+  // written to <dir>/store.snapshot atomically (temp file, fsync, rename, fsync dir). Returns
+  // bytes written.
+  uint64_t Save(const std::string& dir) const;
+  // Throws kCorruptFile/kIo; nothing is created on failure.
+  static std::unique_ptr<EmbeddingStore> Load(const std::string& dir);
+
+  // Writes <dir>/delta-NNNNNN.bin (atomically) with the rows inserted or changed since the
+  // previous delta and tombstones for rows removed since then; returns its path. On failure the
+  // pending changes stay pending and the sequence does not advance.
+  std::string ExportDelta(const std::string& dir, uint64_t* bytes_written = nullptr);
+  // Applies a delta: refuses (changing nothing) a corrupt file, another dim/optimizer
+  // (kIncompatible) or a sequence other than delta_sequence + 1 (kOutOfOrder). Returns the
+  // sequence applied.
+  uint64_t ApplyDelta(const std::string& path);
+
+  struct Impl;
+
+ private:
+  explicit EmbeddingStore(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace prefixrec
+
+#endif  // PREFIXREC_EMBEDDING_STORE_H_

@@ -1,0 +1,282 @@
+// pybind11 binding of EmbeddingStore as the private module native._store.
+//
+// This file only converts types, releases the GIL around batch work and turns StoreError into
+// the Python exceptions of native/errors.py (in one translator). Argument checking that gives
+// friendly messages lives in the facade (native/store.py); the checks here only guarantee that
+// native code never sees a buffer of the wrong type or shape.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "prefixrec/embedding_store.h"
+
+namespace py = pybind11;
+using prefixrec::EmbeddingStore;
+using prefixrec::ErrorCode;
+using prefixrec::StoreError;
+
+namespace {
+
+[[noreturn]] void Invalid(const std::string& message) {
+  throw StoreError(ErrorCode::kInvalidArgument, message);
+}
+
+const char* ErrorClassName(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kInvalidArgument: return "InvalidInputError";
+    case ErrorCode::kCorruptFile: return "CorruptFileError";
+    case ErrorCode::kIncompatible: return "IncompatibleStoreError";
+    case ErrorCode::kOutOfOrder: return "DeltaOrderError";
+    case ErrorCode::kIo: return "StoreIOError";
+  }
+  return "StoreError";
+}
+
+template <typename T>
+py::array_t<T> ToNumpy(std::vector<T>&& values, std::vector<py::ssize_t> shape) {
+  auto* owned = new std::vector<T>(std::move(values));
+  py::capsule owner(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(shape, owned->data(), owner);
+}
+
+// The ids buffer: 1-D, C-contiguous int64, fewer than 2**32 entries.
+std::pair<const int64_t*, size_t> IdsOf(const py::array& ids) {
+  if (!py::isinstance<py::array_t<int64_t>>(ids) || ids.dtype().kind() != 'i' || ids.itemsize() != 8) {
+    Invalid("ids must be an int64 numpy array, got dtype " + std::string(py::str(ids.dtype())));
+  }
+  if (ids.ndim() != 1) Invalid("ids must be 1-D, got " + std::to_string(ids.ndim()) + " dimensions");
+  if (!(ids.flags() & py::array::c_style)) Invalid("ids must be C-contiguous");
+  if (static_cast<uint64_t>(ids.shape(0)) >= 0xffffffffULL) Invalid("at most 2**32 - 2 ids per call");
+  return {static_cast<const int64_t*>(ids.data()), static_cast<size_t>(ids.shape(0))};
+}
+
+py::array_t<float> NewRows(size_t n, int dim) {
+  return py::array_t<float>({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(dim)});
+}
+
+py::dict OptionsDict(const prefixrec::StoreOptions& o) {
+  py::dict d;
+  d["dim"] = o.dim;
+  d["optimizer"] = static_cast<uint32_t>(o.optimizer.kind);
+  d["optimizer_params"] = std::vector<float>{
+      o.optimizer.learning_rate, o.optimizer.initial_accumulator, o.optimizer.beta1, o.optimizer.beta2,
+      o.optimizer.epsilon, o.optimizer.alpha, o.optimizer.beta, o.optimizer.l1, o.optimizer.l2};
+  d["initializer"] = static_cast<uint32_t>(o.initializer.kind);
+  d["initializer_scale"] = o.initializer.scale;
+  d["seed"] = o.seed;
+  d["num_shards"] = o.num_shards;
+  d["filter"] = static_cast<uint32_t>(o.filter.kind);
+  d["probability"] = o.filter.probability;
+  d["min_count"] = o.filter.min_count;
+  d["capacity"] = o.filter.capacity;
+  d["false_positive_rate"] = o.filter.false_positive_rate;
+  d["max_rows"] = o.max_rows;
+  d["num_threads"] = o.num_threads;
+  return d;
+}
+
+std::unique_ptr<EmbeddingStore> MakeStore(int dim, uint32_t optimizer, std::vector<float> params,
+                                          uint32_t initializer, float scale, uint64_t seed,
+                                          int num_shards, uint32_t filter, double probability,
+                                          uint32_t min_count, uint64_t capacity, double fpr,
+                                          uint64_t max_rows, int num_threads) {
+  if (params.size() != 9) Invalid("optimizer_params must have 9 entries");
+  prefixrec::StoreOptions o;
+  o.dim = dim;
+  o.optimizer.kind = static_cast<prefixrec::OptimizerKind>(optimizer);
+  o.optimizer.learning_rate = params[0];
+  o.optimizer.initial_accumulator = params[1];
+  o.optimizer.beta1 = params[2];
+  o.optimizer.beta2 = params[3];
+  o.optimizer.epsilon = params[4];
+  o.optimizer.alpha = params[5];
+  o.optimizer.beta = params[6];
+  o.optimizer.l1 = params[7];
+  o.optimizer.l2 = params[8];
+  o.initializer.kind = static_cast<prefixrec::InitializerKind>(initializer);
+  o.initializer.scale = scale;
+  o.seed = seed;
+  o.num_shards = num_shards;
+  o.filter.kind = static_cast<prefixrec::FilterKind>(filter);
+  o.filter.probability = probability;
+  o.filter.min_count = min_count;
+  o.filter.capacity = capacity;
+  o.filter.false_positive_rate = fpr;
+  o.max_rows = max_rows;
+  o.num_threads = num_threads;
+  return std::make_unique<EmbeddingStore>(o);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_store, m) {
+  m.doc() = "Private native core of native.EmbeddingStore; use the facade in native/store.py.";
+
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const StoreError& e) {
+      py::object cls;
+      try {
+        cls = py::module_::import("native.errors").attr(ErrorClassName(e.code()));
+      } catch (py::error_already_set&) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return;
+      }
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  py::class_<EmbeddingStore>(m, "Store")
+      .def(py::init(&MakeStore), py::arg("dim"), py::arg("optimizer"), py::arg("optimizer_params"),
+           py::arg("initializer"), py::arg("initializer_scale"), py::arg("seed"), py::arg("num_shards"),
+           py::arg("filter"), py::arg("probability"), py::arg("min_count"), py::arg("capacity"),
+           py::arg("false_positive_rate"), py::arg("max_rows"), py::arg("num_threads"))
+      .def_property_readonly("dim", &EmbeddingStore::dim)
+      .def_property_readonly("state_floats", &EmbeddingStore::state_floats)
+      .def("options", [](const EmbeddingStore& s) { return OptionsDict(s.options()); })
+      .def("__len__", &EmbeddingStore::size)
+      .def("lookup",
+           [](EmbeddingStore& s, const py::array& ids, bool train, double now) {
+             auto [data, n] = IdsOf(ids);
+             py::array_t<float> rows = NewRows(n, s.dim());
+             float* out = rows.mutable_data();
+             {
+               py::gil_scoped_release release;
+               s.Lookup(data, n, train, now, out);
+             }
+             return rows;
+           },
+           py::arg("ids"), py::arg("train"), py::arg("now"))
+      .def("lookup_unique",
+           [](EmbeddingStore& s, const py::array& ids, bool train, double now) {
+             auto [data, n] = IdsOf(ids);
+             py::array_t<int64_t> inverse(static_cast<py::ssize_t>(n));
+             int64_t* inverse_data = inverse.mutable_data();
+             std::vector<int64_t> unique;
+             std::vector<float> rows;
+             {
+               py::gil_scoped_release release;
+               s.LookupUnique(data, n, train, now, &unique, inverse_data, &rows);
+             }
+             auto count = static_cast<py::ssize_t>(unique.size());
+             return py::make_tuple(ToNumpy(std::move(unique), {count}), inverse,
+                                   ToNumpy(std::move(rows), {count, s.dim()}));
+           },
+           py::arg("ids"), py::arg("train"), py::arg("now"))
+      .def("apply_gradients",
+           [](EmbeddingStore& s, const py::array& ids, const py::array& grads, int64_t step, double now) {
+             auto [data, n] = IdsOf(ids);
+             if (!py::isinstance<py::array_t<float>>(grads) || grads.dtype().kind() != 'f' ||
+                 grads.itemsize() != 4) {
+               Invalid("grads must be a float32 numpy array");
+             }
+             if (grads.ndim() != 2 || static_cast<size_t>(grads.shape(0)) != n ||
+                 grads.shape(1) != s.dim()) {
+               Invalid("grads must have shape (" + std::to_string(n) + ", " + std::to_string(s.dim()) + ")");
+             }
+             if (!(grads.flags() & py::array::c_style)) Invalid("grads must be C-contiguous");
+             const float* g = static_cast<const float*>(grads.data());
+             py::gil_scoped_release release;
+             s.ApplyGradients(data, g, n, step, now);
+           },
+           py::arg("ids"), py::arg("grads"), py::arg("step"), py::arg("now"))
+      .def("expire",
+           [](EmbeddingStore& s, int64_t max_idle_steps, double max_idle_seconds, double now) {
+             py::gil_scoped_release release;
+             return s.Expire(max_idle_steps, max_idle_seconds, now);
+           },
+           py::arg("max_idle_steps"), py::arg("max_idle_seconds"), py::arg("now"))
+      .def("remove",
+           [](EmbeddingStore& s, const py::array& ids) {
+             auto [data, n] = IdsOf(ids);
+             py::gil_scoped_release release;
+             return s.Remove(data, n);
+           },
+           py::arg("ids"))
+      .def("rows",
+           [](const EmbeddingStore& s, bool with_values) {
+             prefixrec::RowArrays rows;
+             {
+               py::gil_scoped_release release;
+               rows = s.ExportRows(with_values);
+             }
+             auto n = static_cast<py::ssize_t>(rows.ids.size());
+             py::dict d;
+             d["ids"] = ToNumpy(std::move(rows.ids), {n});
+             d["update_counts"] = ToNumpy(std::move(rows.update_counts), {n});
+             d["last_steps"] = ToNumpy(std::move(rows.last_steps), {n});
+             d["last_times"] = ToNumpy(std::move(rows.last_times), {n});
+             d["l2_norms"] = ToNumpy(std::move(rows.l2_norms), {n});
+             if (with_values) {
+               d["values"] = ToNumpy(std::move(rows.values), {n, s.dim()});
+               d["state"] = ToNumpy(std::move(rows.state), {n, s.state_floats()});
+             }
+             return d;
+           },
+           py::arg("with_values"))
+      .def("initial_rows",
+           [](const EmbeddingStore& s, const py::array& ids) {
+             auto [data, n] = IdsOf(ids);
+             py::array_t<float> rows = NewRows(n, s.dim());
+             float* out = rows.mutable_data();
+             py::gil_scoped_release release;
+             s.InitialRows(data, n, out);
+             return rows;
+           },
+           py::arg("ids"))
+      .def("stats",
+           [](const EmbeddingStore& s) {
+             prefixrec::StoreStats st;
+             {
+               py::gil_scoped_release release;
+               st = s.Stats();
+             }
+             py::dict d;
+             d["rows"] = st.rows;
+             d["bytes"] = st.bytes;
+             d["filter_bytes"] = st.filter_bytes;
+             d["admitted"] = st.admitted;
+             d["rejected"] = st.rejected;
+             d["expired"] = st.expired;
+             d["evicted"] = st.evicted;
+             d["lookups"] = st.lookups;
+             d["updates"] = st.updates;
+             d["global_step"] = st.global_step;
+             d["delta_sequence"] = st.delta_sequence;
+             return d;
+           })
+      .def("save",
+           [](const EmbeddingStore& s, const std::string& dir) {
+             py::gil_scoped_release release;
+             return s.Save(dir);
+           },
+           py::arg("dir"))
+      .def_static("load",
+                  [](const std::string& dir) {
+                    py::gil_scoped_release release;
+                    return EmbeddingStore::Load(dir);
+                  },
+                  py::arg("dir"))
+      .def("export_delta",
+           [](EmbeddingStore& s, const std::string& dir) {
+             uint64_t bytes = 0;
+             std::string path;
+             {
+               py::gil_scoped_release release;
+               path = s.ExportDelta(dir, &bytes);
+             }
+             return py::make_tuple(path, bytes);
+           },
+           py::arg("dir"))
+      .def("apply_delta",
+           [](EmbeddingStore& s, const std::string& path) {
+             py::gil_scoped_release release;
+             return s.ApplyDelta(path);
+           },
+           py::arg("path"));
+}

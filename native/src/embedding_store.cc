@@ -1,0 +1,742 @@
+// Batch operations of the embedding store: lookup, filters, optimizers, expiry, eviction.
+#include "prefixrec/embedding_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <sstream>
+#include <thread>
+#include <tuple>
+
+#include "internal/hash.h"
+#include "internal/parallel.h"
+#include "internal/store_impl.h"
+
+namespace prefixrec {
+
+using internal::HashId;
+using internal::Mix64;
+using internal::ParallelFor;
+using internal::RowHeader;
+using internal::Shard;
+using internal::UnitDouble;
+
+namespace {
+
+[[noreturn]] void Invalid(const std::string& message) {
+  throw StoreError(ErrorCode::kInvalidArgument, message);
+}
+
+bool Finite(float x) { return std::isfinite(x); }
+
+// Small open-addressing set/map of int64 used inside one batch call (not shared).
+class LocalIndex {
+ public:
+  explicit LocalIndex(size_t expected) {
+    size_t capacity = 16;
+    while (capacity < expected * 2) capacity <<= 1;
+    keys_.resize(capacity);
+    values_.assign(capacity, kNone);
+    mask_ = capacity - 1;
+  }
+  static constexpr uint32_t kNone = 0xffffffffu;
+  // Returns the value stored for key, inserting `value` if absent.
+  uint32_t FindOrInsert(int64_t key, uint32_t value, bool* inserted) {
+    for (size_t i = Mix64(static_cast<uint64_t>(key)) & mask_;; i = (i + 1) & mask_) {
+      if (values_[i] == kNone) {
+        keys_[i] = key;
+        values_[i] = value;
+        *inserted = true;
+        return value;
+      }
+      if (keys_[i] == key) {
+        *inserted = false;
+        return values_[i];
+      }
+    }
+  }
+
+ private:
+  std::vector<int64_t> keys_;
+  std::vector<uint32_t> values_;
+  size_t mask_;
+};
+
+uint64_t ColumnBits(uint64_t key, uint64_t counter) {
+  return Mix64(key ^ Mix64(counter + 0x632be59bd9b4e019ULL));
+}
+
+}  // namespace
+
+int OptimizerStateWidth(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgd: return 0;
+    case OptimizerKind::kAdagrad: return 1;
+    case OptimizerKind::kAdam: return 2;
+    case OptimizerKind::kFtrl: return 2;
+  }
+  return -1;
+}
+
+void ValidateOptions(const StoreOptions& o) {
+  auto positive_finite = [](float x) { return std::isfinite(x) && x > 0; };
+  if (o.dim < 1 || o.dim > 4096) Invalid("dim must be in 1..4096, got " + std::to_string(o.dim));
+  if (o.num_shards < 1 || o.num_shards > 4096) {
+    Invalid("num_shards must be in 1..4096, got " + std::to_string(o.num_shards));
+  }
+  if (o.num_threads < 0 || o.num_threads > 256) {
+    Invalid("num_threads must be in 0..256, got " + std::to_string(o.num_threads));
+  }
+  const OptimizerOptions& opt = o.optimizer;
+  switch (opt.kind) {
+    case OptimizerKind::kSgd:
+      if (!positive_finite(opt.learning_rate)) Invalid("SGD learning rate must be > 0");
+      break;
+    case OptimizerKind::kAdagrad:
+      if (!positive_finite(opt.learning_rate)) Invalid("Adagrad learning rate must be > 0");
+      if (!positive_finite(opt.initial_accumulator)) Invalid("Adagrad initial_accumulator must be > 0");
+      break;
+    case OptimizerKind::kAdam:
+      if (!positive_finite(opt.learning_rate)) Invalid("Adam learning rate must be > 0");
+      if (!(opt.beta1 >= 0 && opt.beta1 < 1)) Invalid("Adam beta1 must be in [0, 1)");
+      if (!(opt.beta2 >= 0 && opt.beta2 < 1)) Invalid("Adam beta2 must be in [0, 1)");
+      if (!positive_finite(opt.epsilon)) Invalid("Adam epsilon must be > 0");
+      break;
+    case OptimizerKind::kFtrl:
+      if (!positive_finite(opt.alpha)) Invalid("FTRL alpha must be > 0");
+      if (!(std::isfinite(opt.beta) && opt.beta >= 0)) Invalid("FTRL beta must be >= 0");
+      if (!(std::isfinite(opt.l1) && opt.l1 >= 0)) Invalid("FTRL l1 must be >= 0");
+      if (!(std::isfinite(opt.l2) && opt.l2 >= 0)) Invalid("FTRL l2 must be >= 0");
+      break;
+    default:
+      Invalid("unknown optimizer kind " + std::to_string(static_cast<uint32_t>(opt.kind)));
+  }
+  switch (o.initializer.kind) {
+    case InitializerKind::kZeros: break;
+    case InitializerKind::kUniform:
+    case InitializerKind::kTruncatedNormal:
+      if (!(std::isfinite(o.initializer.scale) && o.initializer.scale >= 0)) {
+        Invalid("initializer scale must be a finite number >= 0");
+      }
+      break;
+    default:
+      Invalid("unknown initializer kind " + std::to_string(static_cast<uint32_t>(o.initializer.kind)));
+  }
+  const FilterOptions& f = o.filter;
+  switch (f.kind) {
+    case FilterKind::kNone: break;
+    case FilterKind::kProbability:
+      if (!(f.probability >= 0 && f.probability <= 1)) Invalid("filter probability must be in [0, 1]");
+      break;
+    case FilterKind::kCountingBloom:
+      if (f.min_count < 1 || f.min_count > 255) {
+        Invalid("CountingBloomFilter min_count must be in 1..255, got " + std::to_string(f.min_count));
+      }
+      if (f.capacity < 1 || f.capacity > (uint64_t{1} << 36)) {
+        Invalid("CountingBloomFilter capacity must be in 1..2**36, got " + std::to_string(f.capacity));
+      }
+      if (!(f.false_positive_rate > 0 && f.false_positive_rate < 1)) {
+        Invalid("CountingBloomFilter false_positive_rate must be in (0, 1)");
+      }
+      break;
+    case FilterKind::kCounter:
+      if (f.min_count < 1) Invalid("CounterFilter min_count must be >= 1");
+      break;
+    default:
+      Invalid("unknown filter kind " + std::to_string(static_cast<uint32_t>(f.kind)));
+  }
+}
+
+EmbeddingStore::Impl::Impl(const StoreOptions& o) : options(o) {
+  ValidateOptions(o);
+  dim = o.dim;
+  state_floats = o.dim * OptimizerStateWidth(o.optimizer.kind);
+  row_bytes = sizeof(RowHeader) + sizeof(float) * static_cast<size_t>(dim + state_floats);
+  row_bytes = (row_bytes + 7) & ~size_t{7};  // keep every row header 8-byte aligned
+  threads = o.num_threads > 0 ? o.num_threads
+                              : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  bloom_counters = BloomCountersPerShard(o);
+  bloom_hashes = BloomHashes(o);
+  shards.reserve(o.num_shards);
+  for (int s = 0; s < o.num_shards; ++s) {
+    shards.emplace_back(new Shard(row_bytes));
+    if (bloom_counters > 0) shards.back()->bloom.assign(bloom_counters, 0);
+  }
+}
+
+// Standard sizing: m = -n ln(p) / ln(2)^2 counters in all, k = m/n ln(2) hash functions.
+uint64_t EmbeddingStore::Impl::BloomCountersPerShard(const StoreOptions& o) {
+  if (o.filter.kind != FilterKind::kCountingBloom) return 0;
+  double ln2 = std::log(2.0);
+  double total = std::ceil(-static_cast<double>(o.filter.capacity) *
+                           std::log(o.filter.false_positive_rate) / (ln2 * ln2));
+  return std::max<uint64_t>(64, static_cast<uint64_t>(std::ceil(total / o.num_shards)));
+}
+
+int EmbeddingStore::Impl::BloomHashes(const StoreOptions& o) {
+  if (o.filter.kind != FilterKind::kCountingBloom) return 0;
+  return std::max(1, static_cast<int>(std::lround(-std::log(o.filter.false_positive_rate) / std::log(2.0))));
+}
+
+EmbeddingStore::Impl::Partition EmbeddingStore::Impl::Bucketize(const int64_t* ids, size_t n) const {
+  // Two-pass parallel counting sort by shard over contiguous position ranges, so positions of a
+  // shard stay in input order (gradient sums depend on that order).
+  Partition p;
+  const size_t num_shards = shards.size();
+  const int threads_here = ThreadsFor(n);
+  const size_t workers = RangeTasks(threads_here);  // tasks over position ranges
+  p.hash.resize(n);
+  p.order.resize(n);
+  p.offsets.assign(num_shards + 1, 0);
+  std::vector<uint16_t> shard_of(n);
+  std::vector<size_t> counts(workers * num_shards, 0);
+  auto range = [&](size_t w) { return std::make_pair(n * w / workers, n * (w + 1) / workers); };
+  ParallelFor(threads_here, workers, [&](size_t w) {
+    size_t* count = counts.data() + w * num_shards;
+    auto [begin, end] = range(w);
+    for (size_t i = begin; i < end; ++i) {
+      uint64_t h = HashId(ids[i]);
+      p.hash[i] = static_cast<uint32_t>(h);
+      shard_of[i] = static_cast<uint16_t>(ShardOf(h));
+      ++count[shard_of[i]];
+    }
+  });
+  size_t running = 0;
+  for (size_t shard = 0; shard < num_shards; ++shard) {
+    p.offsets[shard] = running;
+    for (size_t w = 0; w < workers; ++w) {
+      size_t c = counts[w * num_shards + shard];
+      counts[w * num_shards + shard] = running;  // becomes worker w's cursor in this shard
+      running += c;
+    }
+  }
+  p.offsets[num_shards] = running;
+  ParallelFor(threads_here, workers, [&](size_t w) {
+    size_t* cursor = counts.data() + w * num_shards;
+    auto [begin, end] = range(w);
+    for (size_t i = begin; i < end; ++i) p.order[cursor[shard_of[i]]++] = static_cast<uint32_t>(i);
+  });
+  return p;
+}
+
+void EmbeddingStore::Impl::ReadRows(const int64_t* ids, size_t begin, size_t end, float* out,
+                                    std::vector<uint32_t>* misses) const {
+  // Software pipeline over three stages, kDistance positions apart: hash and prefetch the slot;
+  // read the slot and prefetch the row it points to; compare the key and copy the row. It keeps
+  // ~2 * kDistance cache misses in flight instead of two dependent misses per id.
+  constexpr size_t kDistance = 32, kRing = 128;
+  const size_t dim = static_cast<size_t>(this->dim);
+  uint64_t hash[kRing];
+  uint32_t candidate[kRing];
+  for (size_t i = begin; i < end + 2 * kDistance; ++i) {
+    if (i < end) {
+      uint64_t h = HashId(ids[i]);
+      hash[i % kRing] = h;
+      shards[ShardOf(h)]->Prefetch(static_cast<uint32_t>(h));
+    }
+    if (i >= begin + kDistance && i - kDistance < end) {
+      size_t j = (i - kDistance) % kRing;
+      candidate[j] = shards[ShardOf(hash[j])]->PrefetchCandidate(static_cast<uint32_t>(hash[j]),
+                                                                sizeof(RowHeader) + 4 * dim);
+    }
+    if (i >= begin + 2 * kDistance) {
+      size_t k = i - 2 * kDistance;
+      uint64_t h = hash[k % kRing];
+      const Shard& shard = *shards[ShardOf(h)];
+      uint32_t row = candidate[k % kRing];
+      if (row == Shard::kEmpty || shard.Header(row)->id != ids[k]) {
+        row = row == Shard::kEmpty ? Shard::kEmpty : shard.Find(ids[k], static_cast<uint32_t>(h));
+      }
+      float* dst = out + k * dim;
+      if (row == Shard::kEmpty) {
+        std::fill(dst, dst + dim, 0.0f);
+        if (misses) misses->push_back(static_cast<uint32_t>(k));
+      } else {
+        const float* src = shard.Floats(row);
+        for (size_t j = 0; j < dim; ++j) dst[j] = src[j];  // inlined; memcpy is a call here
+      }
+    }
+  }
+}
+
+void EmbeddingStore::Impl::InitialValues(int64_t id, float* out) const {
+  const InitializerOptions& init = options.initializer;
+  uint64_t key = Mix64(options.seed ^ 0x3c6ef372fe94f82bULL) ^ HashId(id);
+  switch (init.kind) {
+    case InitializerKind::kZeros:
+      std::fill(out, out + dim, 0.0f);
+      break;
+    case InitializerKind::kUniform:
+      for (int c = 0; c < dim; ++c) {
+        double u = UnitDouble(ColumnBits(key, static_cast<uint64_t>(c)));
+        out[c] = static_cast<float>((2.0 * u - 1.0) * init.scale);
+      }
+      break;
+    case InitializerKind::kTruncatedNormal: {
+      // Box-Muller on counter-based uniforms, both outputs used; a value beyond 2 stddev is
+      // dropped and the next one taken (p ~ 4.6% each), as TensorFlow's truncated_normal does.
+      int c = 0;
+      for (uint64_t counter = 0; c < dim && counter < 64 * static_cast<uint64_t>(dim) + 64;
+           counter += 2) {
+        double u1 = UnitDouble(ColumnBits(key, counter));
+        double u2 = UnitDouble(ColumnBits(key, counter + 1));
+        double radius = std::sqrt(-2.0 * std::log(1.0 - u1));
+        double angle = 6.283185307179586 * u2;
+        double z0 = radius * std::cos(angle), z1 = radius * std::sin(angle);
+        if (std::fabs(z0) <= 2.0) out[c++] = static_cast<float>(z0 * init.scale);
+        if (c < dim && std::fabs(z1) <= 2.0) out[c++] = static_cast<float>(z1 * init.scale);
+      }
+      for (; c < dim; ++c) out[c] = 0.0f;  // unreachable in practice (p < 1e-80)
+      break;
+    }
+  }
+}
+
+void EmbeddingStore::Impl::InitRow(Shard& shard, uint32_t row, double now) const {
+  RowHeader* header = shard.Header(row);
+  header->update_count = 0;
+  header->flags = internal::kRowDirty;
+  header->last_step = global_step.load(std::memory_order_relaxed);
+  header->last_time = now;
+  float* values = shard.Floats(row);
+  InitialValues(header->id, values);
+  if (options.optimizer.kind == OptimizerKind::kAdagrad) {
+    std::fill(values + dim, values + dim + state_floats, options.optimizer.initial_accumulator);
+  }
+}
+
+bool EmbeddingStore::Impl::Admit(Shard& shard, size_t shard_index, int64_t id) const {
+  const FilterOptions& f = options.filter;
+  switch (f.kind) {
+    case FilterKind::kNone:
+      return true;
+    case FilterKind::kProbability: {
+      uint64_t stream = Mix64(options.seed ^ 0x5bd1e9955bd1e995ULL ^ (uint64_t{shard_index} << 40));
+      double u = UnitDouble(Mix64(stream + shard.draw_counter++));
+      return u < f.probability;
+    }
+    case FilterKind::kCountingBloom: {
+      uint64_t g = Mix64((static_cast<uint64_t>(id) * 0xd6e8feb86659fd93ULL) ^ options.seed);
+      uint64_t h1 = static_cast<uint32_t>(g), h2 = (g >> 32) | 1;
+      uint32_t smallest = 255;
+      for (int i = 0; i < bloom_hashes; ++i) {
+        uint8_t& counter = shard.bloom[(h1 + static_cast<uint64_t>(i) * h2) % bloom_counters];
+        if (counter < 255) ++counter;
+        smallest = std::min<uint32_t>(smallest, counter);
+      }
+      return smallest >= f.min_count;
+    }
+    case FilterKind::kCounter: {
+      uint32_t& count = shard.counts[id];
+      if (++count < f.min_count) return false;
+      shard.counts.erase(id);
+      return true;
+    }
+  }
+  return false;
+}
+
+void EmbeddingStore::Impl::Update(float* w, float* state, const float* g, uint32_t t) const {
+  const OptimizerOptions& o = options.optimizer;
+  switch (o.kind) {
+    case OptimizerKind::kSgd:
+      for (int j = 0; j < dim; ++j) w[j] -= o.learning_rate * g[j];
+      break;
+    case OptimizerKind::kAdagrad: {
+      float* acc = state;
+      for (int j = 0; j < dim; ++j) {
+        acc[j] += g[j] * g[j];
+        w[j] -= o.learning_rate * g[j] / std::sqrt(acc[j]);
+      }
+      break;
+    }
+    case OptimizerKind::kAdam: {
+      float* m = state;
+      float* v = state + dim;
+      float correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta1), t));
+      float correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta2), t));
+      for (int j = 0; j < dim; ++j) {
+        m[j] = o.beta1 * m[j] + (1.0f - o.beta1) * g[j];
+        v[j] = o.beta2 * v[j] + (1.0f - o.beta2) * (g[j] * g[j]);
+        w[j] -= o.learning_rate * (m[j] / correction1) / (std::sqrt(v[j] / correction2) + o.epsilon);
+      }
+      break;
+    }
+    case OptimizerKind::kFtrl: {
+      float* z = state;
+      float* n = state + dim;
+      for (int j = 0; j < dim; ++j) {
+        float n_new = n[j] + g[j] * g[j];
+        float sigma = (std::sqrt(n_new) - std::sqrt(n[j])) / o.alpha;
+        z[j] += g[j] - sigma * w[j];
+        n[j] = n_new;
+        if (std::fabs(z[j]) <= o.l1) {
+          w[j] = 0.0f;
+        } else {
+          float sign_l1 = z[j] > 0 ? o.l1 : -o.l1;
+          w[j] = -(z[j] - sign_l1) / ((o.beta + std::sqrt(n[j])) / o.alpha + o.l2);
+        }
+      }
+      break;
+    }
+  }
+}
+
+void EmbeddingStore::Impl::RemoveRow(Shard& shard, uint32_t row) {
+  int64_t id = shard.Header(row)->id;
+  shard.tombstones.push_back(id);
+  shard.Remove(row, static_cast<uint32_t>(HashId(id)));
+  rows.fetch_sub(1, std::memory_order_relaxed);
+}
+
+size_t EmbeddingStore::Impl::EnforceCapacity() {
+  if (options.max_rows == 0 || rows.load() <= options.max_rows) return 0;
+  std::lock_guard<std::mutex> evict_lock(evict_mu);
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  locks.reserve(shards.size());
+  for (auto& shard : shards) locks.emplace_back(shard->mu);  // always in shard order
+  size_t total = 0;
+  for (auto& shard : shards) total += shard->size();
+  if (total <= options.max_rows) return 0;
+  // Evict down to 1% below the cap: the scan is O(rows) with every shard locked, so a store that
+  // sits at its cap pays it once per ~1% of new rows, not on every batch.
+  size_t excess = total - (options.max_rows - options.max_rows / 100);
+  struct Candidate {
+    int64_t last_step;
+    double last_time;
+    int64_t id;
+    uint32_t shard;
+  };
+  std::vector<Candidate> candidates;
+  candidates.reserve(total);
+  for (uint32_t s = 0; s < shards.size(); ++s) {
+    for (uint32_t r = 0; r < shards[s]->size(); ++r) {
+      const RowHeader* h = shards[s]->Header(r);
+      candidates.push_back({h->last_step, h->last_time, h->id, s});
+    }
+  }
+  auto older = [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.last_step, a.last_time, a.id) < std::tie(b.last_step, b.last_time, b.id);
+  };
+  std::nth_element(candidates.begin(), candidates.begin() + (excess - 1), candidates.end(), older);
+  for (size_t i = 0; i < excess; ++i) {
+    Shard& shard = *shards[candidates[i].shard];
+    uint32_t row = shard.Find(candidates[i].id, static_cast<uint32_t>(HashId(candidates[i].id)));
+    RemoveRow(shard, row);
+  }
+  evicted.fetch_add(excess, std::memory_order_relaxed);
+  return excess;
+}
+
+EmbeddingStore::EmbeddingStore(const StoreOptions& options) : impl_(new Impl(options)) {}
+EmbeddingStore::EmbeddingStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EmbeddingStore::~EmbeddingStore() = default;
+
+const StoreOptions& EmbeddingStore::options() const { return impl_->options; }
+int EmbeddingStore::dim() const { return impl_->dim; }
+int EmbeddingStore::state_floats() const { return impl_->state_floats; }
+size_t EmbeddingStore::size() const { return impl_->rows.load(std::memory_order_relaxed); }
+
+void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now, float* out) {
+  Impl& s = *impl_;
+  const size_t dim = static_cast<size_t>(s.dim);
+  if (n < 4096) {
+    s.LookupDistinct(ids, n, train, now, out);
+  } else {
+    // Read each distinct id once, then expand: batches of real (Zipf-like) traffic are mostly
+    // repeats, and a private hash set is cheaper than re-probing the shared table per repeat.
+    std::vector<int64_t> unique, inverse(n);
+    Deduplicate(ids, n, &unique, inverse.data());
+    std::vector<float> rows(unique.size() * dim);
+    s.LookupDistinct(unique.data(), unique.size(), train, now, rows.data());
+    const int threads = s.ThreadsFor(n);
+    const size_t tasks = Impl::RangeTasks(threads);
+    ParallelFor(threads, tasks, [&](size_t t) {
+      for (size_t i = n * t / tasks, end = n * (t + 1) / tasks; i < end; ++i) {
+        const float* src = rows.data() + static_cast<size_t>(inverse[i]) * dim;
+        for (size_t j = 0; j < dim; ++j) out[i * dim + j] = src[j];
+      }
+    });
+  }
+  s.lookups.fetch_add(n, std::memory_order_relaxed);
+}
+
+void EmbeddingStore::LookupUnique(const int64_t* ids, size_t n, bool train, double now,
+                                  std::vector<int64_t>* unique, int64_t* inverse,
+                                  std::vector<float>* rows) {
+  Deduplicate(ids, n, unique, inverse);
+  rows->resize(unique->size() * static_cast<size_t>(impl_->dim));
+  impl_->LookupDistinct(unique->data(), unique->size(), train, now, rows->data());
+  impl_->lookups.fetch_add(n, std::memory_order_relaxed);
+}
+
+void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool train, double now,
+                                          float* out) {
+  Impl& s = *this;
+  const size_t dim = static_cast<size_t>(s.dim);
+  const int threads = s.ThreadsFor(n);
+  const size_t workers = Impl::RangeTasks(threads);
+  // Phase 1: read every id under shared locks of all shards, split by position so each thread
+  // writes a contiguous part of `out`. Locks are always taken in shard order.
+  std::vector<std::vector<uint32_t>> misses(workers);
+  {
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    locks.reserve(s.shards.size());
+    for (auto& shard : s.shards) locks.emplace_back(shard->mu);
+    ParallelFor(threads, workers, [&](size_t w) {
+      s.ReadRows(ids, n * w / workers, n * (w + 1) / workers, out, train ? &misses[w] : nullptr);
+    });
+  }
+  if (!train) return;
+  // Phase 2 (training only): unseen ids go through the filter under their shard's exclusive lock.
+  std::vector<uint32_t> missed_positions;
+  for (auto& m : misses) missed_positions.insert(missed_positions.end(), m.begin(), m.end());
+  if (missed_positions.empty()) return;
+  std::vector<int64_t> missed_ids(missed_positions.size());
+  for (size_t i = 0; i < missed_positions.size(); ++i) missed_ids[i] = ids[missed_positions[i]];
+  Impl::Partition p = s.Bucketize(missed_ids.data(), missed_ids.size());
+  std::atomic<uint64_t> admitted{0}, rejected{0};
+  ParallelFor(s.ThreadsFor(missed_ids.size()), s.shards.size(), [&](size_t shard_index) {
+    size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
+    if (begin == end) return;
+    Shard& shard = *s.shards[shard_index];
+    uint64_t shard_admitted = 0, shard_rejected = 0;
+    LocalIndex sighted(end - begin);  // one filter sighting per id per call
+    std::unique_lock<std::shared_mutex> lock(shard.mu);
+    for (size_t k = begin; k < end; ++k) {
+      uint32_t local = p.order[k];
+      int64_t id = missed_ids[local];
+      float* dst = out + static_cast<size_t>(missed_positions[local]) * dim;
+      uint32_t row = shard.Find(id, p.hash[local]);  // another thread may have added it
+      if (row == Shard::kEmpty) {
+        bool first_sighting;
+        sighted.FindOrInsert(id, 0, &first_sighting);
+        if (!first_sighting || !s.Admit(shard, shard_index, id)) {
+          shard_rejected += first_sighting ? 1 : 0;
+          continue;  // stays zeros
+        }
+        row = shard.Insert(id, p.hash[local]);
+        s.InitRow(shard, row, now);
+        s.rows.fetch_add(1, std::memory_order_relaxed);
+        ++shard_admitted;
+      }
+      std::memcpy(dst, shard.Floats(row), dim * sizeof(float));
+    }
+    admitted.fetch_add(shard_admitted, std::memory_order_relaxed);
+    rejected.fetch_add(shard_rejected, std::memory_order_relaxed);
+  });
+  s.admitted.fetch_add(admitted.load(), std::memory_order_relaxed);
+  s.rejected.fetch_add(rejected.load(), std::memory_order_relaxed);
+  s.EnforceCapacity();
+}
+
+void EmbeddingStore::Deduplicate(const int64_t* ids, size_t n, std::vector<int64_t>* unique,
+                                 int64_t* inverse) {
+  // The table holds only indices into `unique` (4 bytes a slot): for a 100k-id batch it is 1 MiB
+  // and stays in L2, where a table of (id, index) pairs would not.
+  unique->clear();
+  unique->reserve(n / 4 + 16);
+  size_t capacity = 16;
+  while (capacity < n + n / 2) capacity <<= 1;
+  const size_t mask = capacity - 1;
+  std::unique_ptr<uint32_t[]> table(new uint32_t[capacity]);
+  std::fill(table.get(), table.get() + capacity, LocalIndex::kNone);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    size_t slot = Mix64(static_cast<uint64_t>(id)) & mask;
+    for (;; slot = (slot + 1) & mask) {
+      uint32_t u = table[slot];
+      if (u == LocalIndex::kNone) {
+        u = static_cast<uint32_t>(unique->size());
+        table[slot] = u;
+        unique->push_back(id);
+        inverse[i] = u;
+        break;
+      }
+      if ((*unique)[u] == id) {
+        inverse[i] = u;
+        break;
+      }
+    }
+  }
+}
+
+void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step,
+                                    double now) {
+  Impl& s = *impl_;
+  const size_t dim = static_cast<size_t>(s.dim);
+  if (step < 0) Invalid("step must be >= 0, got " + std::to_string(step));
+  if (!std::isfinite(now)) Invalid("now must be a finite number of seconds");
+  {
+    // Check every gradient before changing anything; report the first bad one.
+    const int threads = s.ThreadsFor(n);
+    const size_t workers = Impl::RangeTasks(threads);
+    std::vector<size_t> first_bad(workers, n * dim);
+    ParallelFor(threads, workers, [&](size_t w) {
+      for (size_t i = n * w / workers * dim, end = n * (w + 1) / workers * dim; i < end; ++i) {
+        if (!Finite(grads[i])) {
+          first_bad[w] = i;
+          return;
+        }
+      }
+    });
+    size_t bad = *std::min_element(first_bad.begin(), first_bad.end());
+    if (bad < n * dim) {
+      size_t row = bad / dim;
+      std::ostringstream message;
+      message << "grads row " << row << " (id " << ids[row] << ") contains " << grads[bad]
+              << "; gradients must be finite";
+      Invalid(message.str());
+    }
+  }
+  // Sum the rows of equal ids in input order (reading grads sequentially), so each distinct id
+  // gets exactly one optimizer step; the first occurrence is copied, not added to zero, to keep
+  // the sign of zeros.
+  std::vector<int64_t> unique, inverse(n);
+  Deduplicate(ids, n, &unique, inverse.data());
+  std::vector<float> sums(unique.size() * dim);
+  for (size_t i = 0, next_new = 0; i < n; ++i) {
+    const float* g = grads + i * dim;
+    float* sum = sums.data() + static_cast<size_t>(inverse[i]) * dim;
+    if (static_cast<size_t>(inverse[i]) == next_new) {
+      for (size_t j = 0; j < dim; ++j) sum[j] = g[j];
+      ++next_new;
+    } else {
+      for (size_t j = 0; j < dim; ++j) sum[j] += g[j];
+    }
+  }
+  const size_t distinct = unique.size();
+  Impl::Partition p = s.Bucketize(unique.data(), distinct);
+  std::atomic<uint64_t> updated{0};
+  ParallelFor(s.ThreadsFor(distinct), s.shards.size(), [&](size_t shard_index) {
+    size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
+    if (begin == end) return;
+    Shard& shard = *s.shards[shard_index];
+    uint64_t shard_updated = 0;
+    constexpr size_t kAhead = 16;
+    std::unique_lock<std::shared_mutex> lock(shard.mu);
+    for (size_t k = begin; k < end; ++k) {
+      // Same pipeline as ReadRows: slot 2 * kAhead ahead, row kAhead ahead.
+      if (k + 2 * kAhead < end) shard.Prefetch(p.hash[p.order[k + 2 * kAhead]]);
+      if (k + kAhead < end) shard.PrefetchCandidate(p.hash[p.order[k + kAhead]], s.row_bytes);
+      uint32_t u = p.order[k];
+      uint32_t row = shard.Find(unique[u], p.hash[u]);
+      if (row == Shard::kEmpty) continue;  // never admitted (or expired): reads as zeros
+      RowHeader* header = shard.Header(row);
+      header->update_count += 1;
+      header->last_step = step;
+      header->last_time = now;
+      header->flags |= internal::kRowDirty;
+      float* values = shard.Floats(row);
+      s.Update(values, values + dim, sums.data() + static_cast<size_t>(u) * dim, header->update_count);
+      ++shard_updated;
+    }
+    updated.fetch_add(shard_updated, std::memory_order_relaxed);
+  });
+  s.updates.fetch_add(updated.load(), std::memory_order_relaxed);
+  int64_t seen = s.global_step.load();
+  while (step > seen && !s.global_step.compare_exchange_weak(seen, step)) {
+  }
+}
+
+size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, double now) {
+  Impl& s = *impl_;
+  int64_t current_step = s.global_step.load();
+  std::atomic<size_t> removed{0};
+  ParallelFor(s.threads, s.shards.size(), [&](size_t shard_index) {
+    Shard& shard = *s.shards[shard_index];
+    std::unique_lock<std::shared_mutex> lock(shard.mu);
+    size_t count = 0;
+    // Walk down so that the row moved into a hole has already been looked at.
+    for (size_t r = shard.size(); r-- > 0;) {
+      const RowHeader* h = shard.Header(static_cast<uint32_t>(r));
+      bool idle = (max_idle_steps >= 0 && current_step - h->last_step > max_idle_steps) ||
+                  (max_idle_seconds >= 0 && now - h->last_time > max_idle_seconds);
+      if (idle) {
+        s.RemoveRow(shard, static_cast<uint32_t>(r));
+        ++count;
+      }
+    }
+    removed.fetch_add(count);
+  });
+  s.expired.fetch_add(removed.load());
+  return removed.load();
+}
+
+size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
+  Impl& s = *impl_;
+  Impl::Partition p = s.Bucketize(ids, n);
+  std::atomic<size_t> removed{0};
+  ParallelFor(s.ThreadsFor(n), s.shards.size(), [&](size_t shard_index) {
+    size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
+    if (begin == end) return;
+    Shard& shard = *s.shards[shard_index];
+    std::unique_lock<std::shared_mutex> lock(shard.mu);
+    size_t count = 0;
+    for (size_t k = begin; k < end; ++k) {
+      uint32_t pos = p.order[k];
+      uint32_t row = shard.Find(ids[pos], p.hash[pos]);
+      if (row == Shard::kEmpty) continue;
+      s.RemoveRow(shard, row);
+      ++count;
+    }
+    removed.fetch_add(count);
+  });
+  s.expired.fetch_add(removed.load());
+  return removed.load();
+}
+
+RowArrays EmbeddingStore::ExportRows(bool with_values) const {
+  const Impl& s = *impl_;
+  RowArrays out;
+  const size_t dim = static_cast<size_t>(s.dim), state = static_cast<size_t>(s.state_floats);
+  for (const auto& shard_ptr : s.shards) {
+    const Shard& shard = *shard_ptr;
+    std::shared_lock<std::shared_mutex> lock(shard.mu);
+    for (uint32_t r = 0; r < shard.size(); ++r) {
+      const RowHeader* h = shard.Header(r);
+      const float* values = shard.Floats(r);
+      out.ids.push_back(h->id);
+      out.update_counts.push_back(h->update_count);
+      out.last_steps.push_back(h->last_step);
+      out.last_times.push_back(h->last_time);
+      double norm = 0;
+      for (size_t j = 0; j < dim; ++j) norm += static_cast<double>(values[j]) * values[j];
+      out.l2_norms.push_back(static_cast<float>(std::sqrt(norm)));
+      if (with_values) {
+        out.values.insert(out.values.end(), values, values + dim);
+        out.state.insert(out.state.end(), values + dim, values + dim + state);
+      }
+    }
+  }
+  return out;
+}
+
+void EmbeddingStore::InitialRows(const int64_t* ids, size_t n, float* out) const {
+  for (size_t i = 0; i < n; ++i) impl_->InitialValues(ids[i], out + i * impl_->dim);
+}
+
+StoreStats EmbeddingStore::Stats() const {
+  const Impl& s = *impl_;
+  StoreStats stats;
+  for (const auto& shard : s.shards) {
+    std::shared_lock<std::shared_mutex> lock(shard->mu);
+    stats.bytes += shard->Bytes();
+    stats.filter_bytes += shard->FilterBytes();
+  }
+  stats.bytes += sizeof(Impl) + s.shards.size() * sizeof(Shard);
+  stats.rows = s.rows.load();
+  stats.admitted = s.admitted.load();
+  stats.rejected = s.rejected.load();
+  stats.expired = s.expired.load();
+  stats.evicted = s.evicted.load();
+  stats.lookups = s.lookups.load();
+  stats.updates = s.updates.load();
+  stats.global_step = s.global_step.load();
+  stats.delta_sequence = s.delta_sequence.load();
+  return stats;
+}
+
+}  // namespace prefixrec

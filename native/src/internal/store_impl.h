@@ -1,0 +1,81 @@
+// The state behind EmbeddingStore, shared by the batch code (embedding_store.cc) and the
+// persistence code (persistence.cc).
+#ifndef PREFIXREC_INTERNAL_STORE_IMPL_H_
+#define PREFIXREC_INTERNAL_STORE_IMPL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "internal/shard.h"
+#include "prefixrec/embedding_store.h"
+
+namespace prefixrec {
+
+// Throws StoreError(kInvalidArgument) naming the first option out of range.
+void ValidateOptions(const StoreOptions& options);
+
+struct EmbeddingStore::Impl {
+  explicit Impl(const StoreOptions& options);
+
+  // Counting Bloom filter size for these options: counters per shard and hash functions.
+  static uint64_t BloomCountersPerShard(const StoreOptions& options);
+  static int BloomHashes(const StoreOptions& options);
+
+  // Ids of a batch grouped by shard: positions order[offsets[s] .. offsets[s+1]) are shard s's.
+  struct Partition {
+    std::vector<uint32_t> hash;    // low 32 bits of HashId(ids[i]), per input position
+    std::vector<uint32_t> order;   // input positions, grouped by shard, input order kept
+    std::vector<size_t> offsets;   // shards + 1 entries
+  };
+  Partition Bucketize(const int64_t* ids, size_t n) const;
+  size_t ShardOf(uint64_t hash) const {
+    return static_cast<size_t>(((hash >> 32) * shards.size()) >> 32);
+  }
+  int ThreadsFor(size_t n) const { return n < 8192 ? 1 : threads; }
+  // Position-range tasks for `threads` threads: several per thread, so a thread that starts
+  // late (the cores are shared) leaves its share to the others instead of stalling the call.
+  static size_t RangeTasks(int threads) { return threads <= 1 ? 1 : static_cast<size_t>(threads) * 4; }
+
+  // Lookup of ids without repeats (repeats work, but each is probed again).
+  void LookupDistinct(const int64_t* ids, size_t n, bool train, double now, float* out);
+  // Copies the rows of ids[begin, end) to out (zeros if absent, position recorded in misses).
+  // Caller holds every shard at least shared.
+  void ReadRows(const int64_t* ids, size_t begin, size_t end, float* out,
+                std::vector<uint32_t>* misses) const;
+  // Writes the initial values of `id` (dim floats).
+  void InitialValues(int64_t id, float* out) const;
+  // Fills a freshly inserted row: values, optimizer state, metadata; marks it dirty.
+  void InitRow(internal::Shard& shard, uint32_t row, double now) const;
+  // One sighting of an id without a row; true if the entry filter admits it now.
+  bool Admit(internal::Shard& shard, size_t shard_index, int64_t id) const;
+  // One optimizer step on a row; `t` is the row's update count including this update.
+  void Update(float* values, float* state, const float* grad, uint32_t t) const;
+  // Evicts the least recently updated rows until size <= max_rows; returns rows evicted.
+  size_t EnforceCapacity();
+  // Removes a row and records its tombstone. Caller holds the shard exclusively.
+  void RemoveRow(internal::Shard& shard, uint32_t row);
+
+  StoreOptions options;
+  int dim;
+  int state_floats;
+  size_t row_bytes;
+  int threads;
+  uint64_t bloom_counters = 0;  // per shard
+  int bloom_hashes = 0;
+  std::vector<std::unique_ptr<internal::Shard>> shards;
+
+  std::atomic<uint64_t> rows{0};
+  std::atomic<int64_t> global_step{0};
+  std::atomic<uint64_t> admitted{0}, rejected{0}, expired{0}, evicted{0}, lookups{0}, updates{0};
+  std::atomic<uint64_t> delta_sequence{0};
+  std::mutex delta_mu;  // one ExportDelta/ApplyDelta at a time
+  std::mutex evict_mu;  // one capacity enforcement at a time
+};
+
+}  // namespace prefixrec
+
+#endif  // PREFIXREC_INTERNAL_STORE_IMPL_H_

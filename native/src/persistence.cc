@@ -1,0 +1,658 @@
+// Snapshots (Save/Load) and deltas (ExportDelta/ApplyDelta) of the embedding store.
+//
+// Both file kinds are: a magic + version header, a body of little-endian fields and raw rows
+// (the in-memory row bytes: RowHeader then floats), and a 16-byte trailer holding a 64-bit
+// checksum of everything before it and an end magic. Files are written to a temporary name in
+// the target directory, fsynced, renamed into place and the directory fsynced, so a reader sees
+// either the old file or the complete new one.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+
+#include "internal/hash.h"
+#include "internal/parallel.h"
+#include "internal/store_impl.h"
+#include "prefixrec/embedding_store.h"
+
+namespace prefixrec {
+
+using internal::Checksum;
+using internal::HashId;
+using internal::ParallelFor;
+using internal::RowHeader;
+using internal::Shard;
+
+namespace {
+
+constexpr char kSnapshotMagic[8] = {'P', 'R', 'X', 'S', 'N', 'A', 'P', '1'};
+constexpr char kDeltaMagic[8] = {'P', 'R', 'X', 'D', 'E', 'L', 'T', '1'};
+constexpr char kEndMagic[8] = {'P', 'R', 'X', 'E', 'N', 'D', '0', '1'};
+constexpr uint32_t kSnapshotVersion = 1;
+constexpr uint32_t kDeltaVersion = 1;
+constexpr uint8_t kSectionEnd = 0, kSectionTombstones = 1, kSectionRows = 2;
+constexpr size_t kTrailerBytes = 16;
+constexpr size_t kBlockRows = 65536;
+
+static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE float sizes expected");
+
+bool LittleEndian() {
+  const uint16_t probe = 1;
+  uint8_t first;
+  std::memcpy(&first, &probe, 1);
+  return first == 1;
+}
+
+[[noreturn]] void IoError(const std::string& what, const std::string& path) {
+  throw StoreError(ErrorCode::kIo, what + " " + path + ": " + std::strerror(errno));
+}
+
+[[noreturn]] void Corrupt(const std::string& path, const std::string& what) {
+  throw StoreError(ErrorCode::kCorruptFile, "corrupt store file " + path + ": " + what);
+}
+
+std::string SnapshotPath(const std::string& dir) { return dir + "/store.snapshot"; }
+
+void MakeDirectory(const std::string& dir) {
+  struct stat info;
+  if (stat(dir.c_str(), &info) == 0) {
+    if (!S_ISDIR(info.st_mode)) {
+      throw StoreError(ErrorCode::kIo, "expected a directory but found a file: " + dir);
+    }
+    return;
+  }
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) IoError("cannot create directory", dir);
+}
+
+// Buffered writer to a temporary file that becomes `path` on Commit().
+class FileWriter {
+ public:
+  explicit FileWriter(const std::string& path)
+      : path_(path), temp_(path + ".tmp." + std::to_string(getpid())), buffer_(1 << 20) {
+    fd_ = open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) IoError("cannot create", temp_);
+  }
+  ~FileWriter() {
+    if (fd_ >= 0) {
+      close(fd_);
+      unlink(temp_.c_str());
+    }
+  }
+
+  void Write(const void* data, size_t n) {
+    if (n == 0) return;
+    checksum_.Update(data, n);
+    const auto* p = static_cast<const uint8_t*>(data);
+    if (used_ + n > buffer_.size()) Flush();
+    if (n >= buffer_.size()) {
+      WriteAll(p, n);
+      return;
+    }
+    std::memcpy(buffer_.data() + used_, p, n);
+    used_ += n;
+  }
+  template <typename T>
+  void Put(const T& value) {
+    Write(&value, sizeof(T));
+  }
+
+  // Writes the trailer, syncs and renames into place. Returns the file size.
+  uint64_t Commit() {
+    uint64_t digest = checksum_.Digest();
+    Flush();
+    WriteAll(reinterpret_cast<const uint8_t*>(&digest), 8);
+    WriteAll(reinterpret_cast<const uint8_t*>(kEndMagic), 8);
+    if (fsync(fd_) != 0) IoError("cannot fsync", temp_);
+    if (close(fd_) != 0) {
+      fd_ = -1;
+      unlink(temp_.c_str());
+      IoError("cannot close", temp_);
+    }
+    fd_ = -1;
+    if (rename(temp_.c_str(), path_.c_str()) != 0) {
+      unlink(temp_.c_str());
+      IoError("cannot rename into", path_);
+    }
+    std::string dir = path_.substr(0, path_.find_last_of('/'));
+    int dir_fd = open(dir.empty() ? "/" : dir.c_str(), O_RDONLY | O_CLOEXEC);
+    if (dir_fd >= 0) {
+      fsync(dir_fd);  // best effort: some file systems refuse fsync on directories
+      close(dir_fd);
+    }
+    return written_;
+  }
+
+ private:
+  void Flush() {
+    WriteAll(buffer_.data(), used_);
+    used_ = 0;
+  }
+  void WriteAll(const uint8_t* p, size_t n) {
+    while (n > 0) {
+      ssize_t w = write(fd_, p, n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        IoError("cannot write", temp_);
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+      written_ += static_cast<uint64_t>(w);
+    }
+  }
+
+  std::string path_, temp_;
+  int fd_ = -1;
+  std::vector<uint8_t> buffer_;
+  size_t used_ = 0;
+  uint64_t written_ = 0;
+  Checksum checksum_;
+};
+
+// Buffered reader that checksums what it reads and never reads into the trailer.
+class FileReader {
+ public:
+  explicit FileReader(const std::string& path) : path_(path), buffer_(1 << 20) {
+    fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) IoError("cannot open", path);
+    struct stat info;
+    if (fstat(fd_, &info) != 0) IoError("cannot stat", path);
+    uint64_t size = static_cast<uint64_t>(info.st_size);
+    if (size < kTrailerBytes + 8) {
+      Corrupt(path, "file has " + std::to_string(size) + " bytes, too short for a header");
+    }
+    body_ = size - kTrailerBytes;
+  }
+  ~FileReader() { close(fd_); }
+  FileReader(const FileReader&) = delete;
+  FileReader& operator=(const FileReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t remaining() const { return body_ - consumed_; }
+
+  void Read(void* out, size_t n) {
+    if (n == 0) return;
+    if (n > remaining()) {
+      Corrupt(path_, "truncated: needed " + std::to_string(n) + " bytes at offset " +
+                         std::to_string(consumed_) + " but only " + std::to_string(remaining()) +
+                         " remain before the trailer");
+    }
+    auto* p = static_cast<uint8_t*>(out);
+    size_t left = n;
+    while (left > 0) {
+      if (start_ == end_) Fill();
+      size_t take = std::min(left, end_ - start_);
+      std::memcpy(p, buffer_.data() + start_, take);
+      start_ += take;
+      p += take;
+      left -= take;
+    }
+    checksum_.Update(out, n);
+    consumed_ += n;
+  }
+  template <typename T>
+  T Get() {
+    T value;
+    Read(&value, sizeof(T));
+    return value;
+  }
+  // Refuses counts that cannot fit in what is left of the file.
+  void CheckCount(uint64_t count, uint64_t bytes_each, const char* what) {
+    if (bytes_each != 0 && count > remaining() / bytes_each) {
+      Corrupt(path_, std::string(what) + " count " + std::to_string(count) + " does not fit in the " +
+                         std::to_string(remaining()) + " bytes left");
+    }
+  }
+
+  void VerifyTrailer() {
+    if (remaining() != 0) {
+      Corrupt(path_, std::to_string(remaining()) + " unexpected bytes before the trailer");
+    }
+    uint8_t trailer[kTrailerBytes];
+    size_t have = end_ - start_;
+    std::memcpy(trailer, buffer_.data() + start_, std::min(have, kTrailerBytes));
+    size_t got = std::min(have, kTrailerBytes);
+    while (got < kTrailerBytes) {
+      ssize_t r = read(fd_, trailer + got, kTrailerBytes - got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) Corrupt(path_, "truncated trailer");
+      got += static_cast<size_t>(r);
+    }
+    if (std::memcmp(trailer + 8, kEndMagic, 8) != 0) Corrupt(path_, "end marker missing (truncated?)");
+    uint64_t stored;
+    std::memcpy(&stored, trailer, 8);
+    if (stored != checksum_.Digest()) Corrupt(path_, "checksum mismatch");
+  }
+
+ private:
+  void Fill() {
+    // Never buffer past the body so the trailer is read by VerifyTrailer, unhashed.
+    start_ = 0;
+    end_ = 0;
+    uint64_t want = std::min<uint64_t>(buffer_.size(), body_ - file_pos_ + kTrailerBytes);
+    while (end_ < want) {
+      ssize_t r = read(fd_, buffer_.data() + end_, want - end_);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) IoError("cannot read", path_);
+      if (r == 0) Corrupt(path_, "file shrank while reading");
+      end_ += static_cast<size_t>(r);
+    }
+    file_pos_ += end_;
+  }
+
+  std::string path_;
+  int fd_ = -1;
+  uint64_t body_ = 0, consumed_ = 0, file_pos_ = 0;
+  std::vector<uint8_t> buffer_;
+  size_t start_ = 0, end_ = 0;
+  Checksum checksum_;
+};
+
+void PutOptions(FileWriter& w, const StoreOptions& o) {
+  w.Put<uint32_t>(static_cast<uint32_t>(o.dim));
+  w.Put<uint32_t>(static_cast<uint32_t>(o.optimizer.kind));
+  const OptimizerOptions& p = o.optimizer;
+  for (float x : {p.learning_rate, p.initial_accumulator, p.beta1, p.beta2, p.epsilon, p.alpha,
+                  p.beta, p.l1, p.l2}) {
+    w.Put<float>(x);
+  }
+  w.Put<uint32_t>(static_cast<uint32_t>(o.initializer.kind));
+  w.Put<float>(o.initializer.scale);
+  w.Put<uint64_t>(o.seed);
+  w.Put<uint32_t>(static_cast<uint32_t>(o.num_shards));
+  w.Put<uint32_t>(static_cast<uint32_t>(o.filter.kind));
+  w.Put<double>(o.filter.probability);
+  w.Put<uint32_t>(o.filter.min_count);
+  w.Put<uint64_t>(o.filter.capacity);
+  w.Put<double>(o.filter.false_positive_rate);
+  w.Put<uint64_t>(o.max_rows);
+  w.Put<uint32_t>(static_cast<uint32_t>(o.num_threads));
+}
+
+StoreOptions GetOptions(FileReader& r) {
+  StoreOptions o;
+  o.dim = static_cast<int>(r.Get<uint32_t>());
+  o.optimizer.kind = static_cast<OptimizerKind>(r.Get<uint32_t>());
+  OptimizerOptions& p = o.optimizer;
+  for (float* x : {&p.learning_rate, &p.initial_accumulator, &p.beta1, &p.beta2, &p.epsilon,
+                   &p.alpha, &p.beta, &p.l1, &p.l2}) {
+    *x = r.Get<float>();
+  }
+  o.initializer.kind = static_cast<InitializerKind>(r.Get<uint32_t>());
+  o.initializer.scale = r.Get<float>();
+  o.seed = r.Get<uint64_t>();
+  o.num_shards = static_cast<int>(r.Get<uint32_t>());
+  o.filter.kind = static_cast<FilterKind>(r.Get<uint32_t>());
+  o.filter.probability = r.Get<double>();
+  o.filter.min_count = r.Get<uint32_t>();
+  o.filter.capacity = r.Get<uint64_t>();
+  o.filter.false_positive_rate = r.Get<double>();
+  o.max_rows = r.Get<uint64_t>();
+  o.num_threads = static_cast<int>(r.Get<uint32_t>());
+  return o;
+}
+
+std::string OptimizerName(uint32_t kind) {
+  switch (static_cast<OptimizerKind>(kind)) {
+    case OptimizerKind::kSgd: return "SGD";
+    case OptimizerKind::kAdagrad: return "Adagrad";
+    case OptimizerKind::kAdam: return "Adam";
+    case OptimizerKind::kFtrl: return "FTRL";
+  }
+  return "of unknown kind " + std::to_string(kind);
+}
+
+void CheckMagic(FileReader& r, const char (&magic)[8], const char* kind) {
+  char found[8];
+  r.Read(found, 8);
+  if (std::memcmp(found, magic, 8) != 0) {
+    Corrupt(r.path(), std::string("not a ") + kind + " file (bad magic)");
+  }
+}
+
+void CheckRow(const std::string& path, const uint8_t* row) {
+  RowHeader header;
+  std::memcpy(&header, row, sizeof header);
+  if ((header.flags & ~internal::kKnownRowFlags) != 0) {
+    Corrupt(path, "row of id " + std::to_string(header.id) + " has unknown flags");
+  }
+}
+
+}  // namespace
+
+uint64_t EmbeddingStore::Save(const std::string& dir) const {
+  const Impl& s = *impl_;
+  if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
+  MakeDirectory(dir);
+  FileWriter w(SnapshotPath(dir));
+  w.Write(kSnapshotMagic, 8);
+  w.Put<uint32_t>(kSnapshotVersion);
+  w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
+  PutOptions(w, s.options);
+  w.Put<int64_t>(s.global_step.load());
+  w.Put<uint64_t>(s.delta_sequence.load());
+  for (const std::atomic<uint64_t>* counter :
+       {&s.admitted, &s.rejected, &s.expired, &s.evicted, &s.lookups, &s.updates}) {
+    w.Put<uint64_t>(counter->load());
+  }
+  for (const auto& shard_ptr : s.shards) {
+    const Shard& shard = *shard_ptr;
+    std::shared_lock<std::shared_mutex> lock(shard.mu);
+    w.Put<uint64_t>(shard.size());
+    w.Put<uint64_t>(shard.draw_counter);
+    w.Put<uint64_t>(shard.bloom.size());
+    w.Put<uint64_t>(shard.counts.size());
+    w.Put<uint64_t>(shard.tombstones.size());
+    for (size_t r = 0; r < shard.size(); r += shard.chunk_rows()) {
+      size_t rows_in_chunk = std::min(shard.chunk_rows(), shard.size() - r);
+      w.Write(shard.Row(static_cast<uint32_t>(r)), rows_in_chunk * s.row_bytes);
+    }
+    w.Write(shard.bloom.data(), shard.bloom.size());
+    // Sorted so equal stores write equal bytes.
+    std::vector<std::pair<int64_t, uint32_t>> counts(shard.counts.begin(), shard.counts.end());
+    std::sort(counts.begin(), counts.end());
+    for (const auto& entry : counts) {
+      w.Put<int64_t>(entry.first);
+      w.Put<uint64_t>(entry.second);
+    }
+    w.Write(shard.tombstones.data(), shard.tombstones.size() * sizeof(int64_t));
+  }
+  return w.Commit();
+}
+
+std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
+  if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
+  FileReader r(SnapshotPath(dir));
+  CheckMagic(r, kSnapshotMagic, "store snapshot");
+  uint32_t version = r.Get<uint32_t>();
+  if (version != kSnapshotVersion) {
+    Corrupt(r.path(), "snapshot version " + std::to_string(version) + ", this build reads version " +
+                          std::to_string(kSnapshotVersion));
+  }
+  uint32_t row_bytes = r.Get<uint32_t>();
+  StoreOptions options = GetOptions(r);
+  try {
+    ValidateOptions(options);
+  } catch (const StoreError& e) {
+    Corrupt(r.path(), std::string("invalid options: ") + e.what());
+  }
+  // The Bloom counters are stored in the file: a size that cannot fit is corruption, and
+  // checking first avoids allocating what a flipped capacity bit asks for.
+  uint64_t bloom = Impl::BloomCountersPerShard(options);
+  if (bloom > 0 && bloom > r.remaining() / static_cast<uint64_t>(options.num_shards)) {
+    Corrupt(r.path(), "filter size does not fit in the file");
+  }
+  std::unique_ptr<Impl> impl(new Impl(options));
+  if (impl->row_bytes != row_bytes) {
+    Corrupt(r.path(), "row size " + std::to_string(row_bytes) + " does not match the options' " +
+                          std::to_string(impl->row_bytes));
+  }
+  impl->global_step = r.Get<int64_t>();
+  impl->delta_sequence = r.Get<uint64_t>();
+  for (std::atomic<uint64_t>* counter : {&impl->admitted, &impl->rejected, &impl->expired,
+                                         &impl->evicted, &impl->lookups, &impl->updates}) {
+    *counter = r.Get<uint64_t>();
+  }
+  std::vector<uint8_t> block;
+  for (size_t shard_index = 0; shard_index < impl->shards.size(); ++shard_index) {
+    Shard& shard = *impl->shards[shard_index];
+    uint64_t rows = r.Get<uint64_t>();
+    shard.draw_counter = r.Get<uint64_t>();
+    uint64_t bloom_bytes = r.Get<uint64_t>();
+    uint64_t counter_entries = r.Get<uint64_t>();
+    uint64_t tombstones = r.Get<uint64_t>();
+    r.CheckCount(rows, row_bytes, "row");
+    if (bloom_bytes != shard.bloom.size()) {
+      Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
+                            " Bloom counters, expected " + std::to_string(shard.bloom.size()));
+    }
+    for (uint64_t done = 0; done < rows;) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, rows - done));
+      block.resize(n * row_bytes);
+      r.Read(block.data(), block.size());
+      for (size_t i = 0; i < n; ++i) {
+        const uint8_t* bytes = block.data() + i * row_bytes;
+        CheckRow(r.path(), bytes);
+        int64_t id;
+        std::memcpy(&id, bytes, sizeof id);
+        uint64_t hash = HashId(id);
+        if (impl->ShardOf(hash) != shard_index) {
+          Corrupt(r.path(), "id " + std::to_string(id) + " stored in the wrong shard");
+        }
+        if (shard.Find(id, static_cast<uint32_t>(hash)) != Shard::kEmpty) {
+          Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
+        }
+        uint32_t row = shard.Insert(id, static_cast<uint32_t>(hash));
+        std::memcpy(shard.Row(row), bytes, row_bytes);
+      }
+      done += n;
+    }
+    impl->rows += rows;
+    r.Read(shard.bloom.data(), shard.bloom.size());
+    r.CheckCount(counter_entries, 16, "filter counter");
+    for (uint64_t i = 0; i < counter_entries; ++i) {
+      int64_t id = r.Get<int64_t>();
+      uint64_t count = r.Get<uint64_t>();
+      shard.counts[id] = static_cast<uint32_t>(count);
+    }
+    r.CheckCount(tombstones, 8, "tombstone");
+    shard.tombstones.resize(tombstones);
+    r.Read(shard.tombstones.data(), tombstones * sizeof(int64_t));
+  }
+  r.VerifyTrailer();
+  return std::unique_ptr<EmbeddingStore>(new EmbeddingStore(std::move(impl)));
+}
+
+std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_written) {
+  Impl& s = *impl_;
+  if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
+  std::lock_guard<std::mutex> delta_lock(s.delta_mu);
+  MakeDirectory(dir);
+  uint64_t sequence = s.delta_sequence.load() + 1;
+  char name[32];
+  std::snprintf(name, sizeof name, "/delta-%06" PRIu64 ".bin", sequence);
+  std::string path = dir + name;
+  // What this delta took from each shard, to put back if writing fails.
+  std::vector<std::vector<int64_t>> taken_rows(s.shards.size()), taken_tombstones(s.shards.size());
+  try {
+    FileWriter w(path);
+    w.Write(kDeltaMagic, 8);
+    w.Put<uint32_t>(kDeltaVersion);
+    w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
+    w.Put<uint32_t>(static_cast<uint32_t>(s.dim));
+    w.Put<uint32_t>(static_cast<uint32_t>(s.options.optimizer.kind));
+    w.Put<uint64_t>(sequence);
+    w.Put<int64_t>(s.global_step.load());
+    std::vector<uint8_t> rows;
+    for (size_t shard_index = 0; shard_index < s.shards.size(); ++shard_index) {
+      Shard& shard = *s.shards[shard_index];
+      std::vector<int64_t>& ids = taken_rows[shard_index];
+      {
+        std::unique_lock<std::shared_mutex> lock(shard.mu);
+        taken_tombstones[shard_index].swap(shard.tombstones);
+        rows.clear();
+        for (uint32_t r = 0; r < shard.size(); ++r) {
+          RowHeader* header = shard.Header(r);
+          if (!(header->flags & internal::kRowDirty)) continue;
+          header->flags &= ~internal::kRowDirty;
+          ids.push_back(header->id);
+          const uint8_t* bytes = shard.Row(r);
+          rows.insert(rows.end(), bytes, bytes + s.row_bytes);
+        }
+      }
+      const std::vector<int64_t>& tombstones = taken_tombstones[shard_index];
+      if (!tombstones.empty()) {
+        w.Put<uint8_t>(kSectionTombstones);
+        w.Put<uint64_t>(tombstones.size());
+        w.Write(tombstones.data(), tombstones.size() * sizeof(int64_t));
+      }
+      if (!ids.empty()) {
+        w.Put<uint8_t>(kSectionRows);
+        w.Put<uint64_t>(ids.size());
+        w.Write(rows.data(), rows.size());
+      }
+    }
+    w.Put<uint8_t>(kSectionEnd);
+    uint64_t size = w.Commit();
+    if (bytes_written) *bytes_written = size;
+  } catch (...) {
+    for (size_t shard_index = 0; shard_index < s.shards.size(); ++shard_index) {
+      Shard& shard = *s.shards[shard_index];
+      std::unique_lock<std::shared_mutex> lock(shard.mu);
+      for (int64_t id : taken_rows[shard_index]) {
+        uint32_t row = shard.Find(id, static_cast<uint32_t>(HashId(id)));
+        if (row != Shard::kEmpty) shard.Header(row)->flags |= internal::kRowDirty;
+      }
+      shard.tombstones.insert(shard.tombstones.begin(), taken_tombstones[shard_index].begin(),
+                              taken_tombstones[shard_index].end());
+    }
+    throw;
+  }
+  s.delta_sequence = sequence;
+  return path;
+}
+
+namespace {
+
+struct DeltaHeader {
+  uint32_t row_bytes;
+  uint32_t dim;
+  uint32_t optimizer;
+  uint64_t sequence;
+  int64_t global_step;
+};
+
+// Reads the header; leaves `r` at the first section.
+DeltaHeader ReadDeltaHeader(FileReader& r) {
+  CheckMagic(r, kDeltaMagic, "store delta");
+  uint32_t version = r.Get<uint32_t>();
+  if (version != kDeltaVersion) {
+    Corrupt(r.path(), "delta version " + std::to_string(version) + ", this build reads version " +
+                          std::to_string(kDeltaVersion));
+  }
+  DeltaHeader header;
+  header.row_bytes = r.Get<uint32_t>();
+  header.dim = r.Get<uint32_t>();
+  header.optimizer = r.Get<uint32_t>();
+  header.sequence = r.Get<uint64_t>();
+  header.global_step = r.Get<int64_t>();
+  if (header.row_bytes < sizeof(RowHeader)) Corrupt(r.path(), "row size smaller than a row header");
+  return header;
+}
+
+// Refuses a (checksum-verified) delta of another store shape or out of sequence.
+void CheckDeltaFits(const std::string& path, const DeltaHeader& header,
+                    const EmbeddingStore::Impl& s, uint64_t expected) {
+  if (header.dim != static_cast<uint32_t>(s.dim) ||
+      header.optimizer != static_cast<uint32_t>(s.options.optimizer.kind)) {
+    throw StoreError(ErrorCode::kIncompatible,
+                     "delta " + path + " was written by a store with dim " + std::to_string(header.dim) +
+                         " and optimizer " + OptimizerName(header.optimizer) + "; this store has dim " +
+                         std::to_string(s.dim) + " and optimizer " +
+                         OptimizerName(static_cast<uint32_t>(s.options.optimizer.kind)));
+  }
+  if (header.row_bytes != s.row_bytes) Corrupt(path, "row size does not match dim and optimizer");
+  if (header.sequence != expected) {
+    throw StoreError(ErrorCode::kOutOfOrder,
+                     "delta " + path + " has sequence " + std::to_string(header.sequence) +
+                         " but this store expects " + std::to_string(expected) +
+                         " (apply deltas in order, starting after the snapshot's sequence)");
+  }
+}
+
+}  // namespace
+
+uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
+  Impl& s = *impl_;
+  if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
+  std::lock_guard<std::mutex> delta_lock(s.delta_mu);
+  uint64_t expected = s.delta_sequence.load() + 1;
+  // Pass 1: check everything (structure, checksum, shape, order) before touching the store.
+  {
+    FileReader r(path);
+    DeltaHeader header = ReadDeltaHeader(r);
+    std::vector<uint8_t> block;
+    for (;;) {
+      uint8_t kind = r.Get<uint8_t>();
+      if (kind == kSectionEnd) break;
+      uint64_t count = r.Get<uint64_t>();
+      if (kind == kSectionTombstones) {
+        r.CheckCount(count, 8, "tombstone");
+        block.resize(count * 8);
+        r.Read(block.data(), block.size());
+      } else if (kind == kSectionRows) {
+        r.CheckCount(count, header.row_bytes, "row");
+        for (uint64_t done = 0; done < count;) {
+          size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
+          block.resize(n * header.row_bytes);
+          r.Read(block.data(), block.size());
+          for (size_t i = 0; i < n; ++i) CheckRow(path, block.data() + i * header.row_bytes);
+          done += n;
+        }
+      } else {
+        Corrupt(path, "unknown section kind " + std::to_string(kind));
+      }
+    }
+    r.VerifyTrailer();
+    CheckDeltaFits(path, header, s, expected);
+  }
+  // Pass 2: apply, tombstones and rows in file order, each block spread over the shards.
+  FileReader r(path);
+  DeltaHeader header = ReadDeltaHeader(r);
+  std::vector<uint8_t> block;
+  std::vector<int64_t> ids;
+  for (;;) {
+    uint8_t kind = r.Get<uint8_t>();
+    if (kind == kSectionEnd) break;
+    uint64_t count = r.Get<uint64_t>();
+    for (uint64_t done = 0; done < count;) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
+      size_t item_bytes = kind == kSectionRows ? s.row_bytes : sizeof(int64_t);
+      block.resize(n * item_bytes);
+      r.Read(block.data(), block.size());
+      ids.resize(n);
+      for (size_t i = 0; i < n; ++i) std::memcpy(&ids[i], block.data() + i * item_bytes, sizeof(int64_t));
+      Impl::Partition p = s.Bucketize(ids.data(), n);
+      std::atomic<int64_t> row_change{0};
+      ParallelFor(s.ThreadsFor(n), s.shards.size(), [&](size_t shard_index) {
+        size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
+        if (begin == end) return;
+        Shard& shard = *s.shards[shard_index];
+        std::unique_lock<std::shared_mutex> lock(shard.mu);
+        int64_t change = 0;
+        for (size_t k = begin; k < end; ++k) {
+          uint32_t pos = p.order[k];
+          uint32_t row = shard.Find(ids[pos], p.hash[pos]);
+          if (kind == kSectionTombstones) {
+            if (row == Shard::kEmpty) continue;
+            shard.Remove(row, p.hash[pos]);  // a follower keeps no tombstones of its own
+            --change;
+          } else {
+            if (row == Shard::kEmpty) {
+              row = shard.Insert(ids[pos], p.hash[pos]);
+              ++change;
+            }
+            std::memcpy(shard.Row(row), block.data() + pos * item_bytes, item_bytes);
+            shard.Header(row)->flags &= ~internal::kRowDirty;
+          }
+        }
+        row_change.fetch_add(change);
+      });
+      s.rows.fetch_add(static_cast<uint64_t>(row_change.load()));
+      done += n;
+    }
+  }
+  int64_t seen = s.global_step.load();
+  while (header.global_step > seen && !s.global_step.compare_exchange_weak(seen, header.global_step)) {
+  }
+  s.delta_sequence = header.sequence;
+  return header.sequence;
+}
+
+}  // namespace prefixrec

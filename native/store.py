@@ -1,0 +1,261 @@
+"""EmbeddingStore: the typed Python facade over the native (C++) dynamic embedding table."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from native import _store
+from native.config import StoreConfig
+from native.errors import IncompatibleStoreError, InvalidDtypeError, InvalidInputError
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    """Counters of a store since it was created (they survive save/load)."""
+
+    rows: int            # rows held now
+    bytes: int           # heap bytes of rows, hash tables, filter and pending tombstones
+    filter_bytes: int    # of which the entry filter
+    admitted: int        # ids given a row by a training lookup
+    rejected: int        # sightings the entry filter turned down (once per id per lookup call)
+    expired: int         # rows removed by expire/expire_where
+    evicted: int         # rows removed to respect max_rows
+    lookups: int         # ids looked up, duplicates included
+    updates: int         # row updates (one per distinct id with a row per apply_gradients)
+    global_step: int     # largest step given to apply_gradients (or received in a delta)
+    delta_sequence: int  # sequence number of the last delta exported or applied
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _as_ids(ids, name: str = "ids") -> np.ndarray:
+    if isinstance(ids, (list, tuple)) and len(ids) == 0:
+        return np.zeros(0, dtype=np.int64)
+    array = np.asarray(ids)
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise InvalidDtypeError(
+            f"{name} must be integers (e.g. an int64 numpy array), got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise InvalidInputError(f"{name} must be 1-D, got shape {array.shape}")
+    if array.dtype == np.uint64 and array.size and int(array.max()) > _INT64_MAX:
+        raise InvalidInputError(
+            f"{name} must fit in int64, got {int(array.max())} at position {int(array.argmax())}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _as_step(step) -> int:
+    if isinstance(step, (bool, np.bool_)):
+        raise InvalidInputError(f"step must be a non-negative int, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise InvalidInputError(f"step must be a non-negative int, got {step!r}") from None
+    if not 0 <= value <= _INT64_MAX:
+        raise InvalidInputError(f"step must be a non-negative int64, got {value}")
+    return value
+
+
+def _now(now: float | None) -> float:
+    if now is None:
+        return time.time()
+    try:
+        value = float(now)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"now must be a number of seconds, got {now!r}") from None
+    if not np.isfinite(value):
+        raise InvalidInputError(f"now must be a finite number of seconds, got {now!r}")
+    return value
+
+
+class EmbeddingStore:
+    """A dynamic id -> float32[dim] table with optimizer state per row, entry filters, expiry,
+    snapshots and deltas. Thread-safe; batch calls release the GIL and use several cores.
+
+    The trainer's round trip, with duplicates looked up once::
+
+        ids = np.array([7, 3, 7, 9])
+        unique, inverse, rows = store.lookup_unique(ids)   # unique=[7, 3, 9], inverse=[0, 1, 0, 2]
+        # rows[inverse] are the per-position embeddings; d(loss)/d(rows) is summed per unique id
+        store.apply_gradients(unique, grads_for_unique_rows, step)
+
+    Unseen ids in a training lookup go through the entry filter once per call: an admitted id
+    gets a row initialised from (seed, id) alone, a rejected one reads as zeros and updates to it
+    are ignored. ``train=False`` changes no row and no filter state (only the ``lookups``
+    counter) and reads unseen ids as zeros.
+
+    ``now`` arguments (seconds since the epoch, default ``time.time()``) stamp rows and drive
+    ``max_idle_seconds``; pass them to replay a run exactly.
+    """
+
+    def __init__(self, config: StoreConfig):
+        if not isinstance(config, StoreConfig):
+            raise InvalidInputError(f"config must be a native.StoreConfig, got {type(config).__name__}")
+        self._config = config
+        self._native = _store.Store(**config._native_kwargs())
+
+    @classmethod
+    def _wrap(cls, native_store) -> "EmbeddingStore":
+        store = cls.__new__(cls)
+        store._native = native_store
+        store._config = StoreConfig._from_native(native_store.options())
+        return store
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._config
+
+    @property
+    def dim(self) -> int:
+        return self._config.dim
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingStore(rows={len(self)}, config={self._config})"
+
+    # -- batch work ------------------------------------------------------------------------
+
+    def lookup(self, ids, train: bool = True, *, now: float | None = None) -> np.ndarray:
+        """Rows of ``ids`` as float32[n, dim] (zeros for ids without a row)."""
+        return self._native.lookup(_as_ids(ids), bool(train), _now(now))
+
+    def lookup_unique(self, ids, train: bool = True, *, now: float | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(unique_ids, inverse, rows)``: distinct ids in order of first appearance,
+        ``ids == unique_ids[inverse]``, and float32[len(unique_ids), dim] rows."""
+        return tuple(self._native.lookup_unique(_as_ids(ids), bool(train), _now(now)))
+
+    def apply_gradients(self, ids, grads, step: int, *, now: float | None = None) -> None:
+        """One optimizer update per distinct id (rows of equal ids summed first, in order).
+
+        ``grads`` is float[n, dim] (cast to float32) and must be finite. Ids without a row are
+        ignored. Each updated row records update_count + 1, ``step`` and ``now``. Bad input
+        raises before anything changes.
+        """
+        ids = _as_ids(ids)
+        step = _as_step(step)
+        grads = np.asarray(grads)
+        if not np.issubdtype(grads.dtype, np.floating):
+            raise InvalidDtypeError(f"grads must be floating point, got dtype {grads.dtype}")
+        if grads.ndim != 2:
+            raise InvalidInputError(f"grads must be 2-D [n, {self.dim}], got shape {grads.shape}")
+        if grads.shape[0] != ids.shape[0]:
+            raise InvalidInputError(f"grads has {grads.shape[0]} rows but ids has {ids.shape[0]}")
+        if grads.shape[1] != self.dim:
+            raise InvalidInputError(
+                f"grads has {grads.shape[1]} columns but the store's dim is {self.dim}")
+        with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf: refused below
+            grads = np.ascontiguousarray(grads, dtype=np.float32)
+        self._native.apply_gradients(ids, grads, step, _now(now))
+
+    # -- expiry ----------------------------------------------------------------------------
+
+    def expire(self, max_idle_steps: int | None = None, max_idle_seconds: float | None = None,
+               *, now: float | None = None) -> int:
+        """Removes rows not updated for more than ``max_idle_steps`` steps (counted from the
+        largest step seen) or more than ``max_idle_seconds`` seconds; either condition suffices.
+        New rows count as updated when admitted. Returns the number of rows removed."""
+        if max_idle_steps is None and max_idle_seconds is None:
+            raise InvalidInputError("expire needs max_idle_steps or max_idle_seconds")
+        steps = -1 if max_idle_steps is None else _as_step(max_idle_steps)
+        seconds = -1.0
+        if max_idle_seconds is not None:
+            seconds = float(max_idle_seconds)
+            if not (np.isfinite(seconds) and seconds >= 0):
+                raise InvalidInputError(
+                    f"max_idle_seconds must be a finite number >= 0, got {max_idle_seconds!r}")
+        return self._native.expire(steps, seconds, _now(now))
+
+    def expire_where(self, fn: Callable[..., np.ndarray]) -> int:
+        """Removes the rows for which ``fn(ids, update_counts, last_steps, last_times, l2_norms)``
+        (numpy arrays, one entry per row) returns True in a boolean mask. Returns rows removed.
+
+        Runs on a copy of the statistics: a row updated while ``fn`` runs is still removed.
+        """
+        rows = self._native.rows(False)
+        ids = rows["ids"]
+        mask = np.asarray(fn(ids, rows["update_counts"], rows["last_steps"], rows["last_times"],
+                             rows["l2_norms"]))
+        if mask.dtype != np.bool_ or mask.shape != ids.shape:
+            raise InvalidInputError(
+                f"expire_where's function must return a bool array of shape {ids.shape}, "
+                f"got dtype {mask.dtype} and shape {mask.shape}")
+        return self._native.remove(np.ascontiguousarray(ids[mask]))
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Writes a full snapshot to ``directory/store.snapshot`` atomically; returns its path."""
+        directory = os.fspath(directory)
+        self._native.save(directory)
+        return os.path.join(directory, "store.snapshot")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, config: StoreConfig | None = None) -> "EmbeddingStore":
+        """The store saved in ``directory``, equal bit for bit to the one saved. With ``config``,
+        refuses a snapshot whose dim or optimizer differ from it."""
+        store = cls._wrap(_store.Store.load(os.fspath(directory)))
+        if config is not None:
+            found = store.config
+            if found.dim != config.dim or type(found.optimizer) is not type(config.optimizer):
+                raise IncompatibleStoreError(
+                    f"snapshot in {os.fspath(directory)} has dim {found.dim} and optimizer "
+                    f"{type(found.optimizer).__name__}, expected dim {config.dim} and optimizer "
+                    f"{type(config.optimizer).__name__}")
+        return store
+
+    def export_delta(self, directory: str | os.PathLike) -> str:
+        """Writes ``directory/delta-NNNNNN.bin`` with the rows admitted or changed since the
+        previous delta and tombstones for rows removed since then; returns its path."""
+        path, _ = self._native.export_delta(os.fspath(directory))
+        return path
+
+    def apply_delta(self, path: str | os.PathLike) -> int:
+        """Applies a delta written by a store of the same dim and optimizer; deltas must come in
+        sequence (the first after a fresh store is 1, after ``load`` the snapshot's + 1).
+        Returns the delta's sequence number. A refused delta changes nothing."""
+        return self._native.apply_delta(os.fspath(path))
+
+    # -- inspection ------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        return StoreStats(**self._native.stats())
+
+    def initial_rows(self, ids) -> np.ndarray:
+        """The values a newly admitted id starts with: a function of (seed, id) only."""
+        return self._native.initial_rows(_as_ids(ids))
+
+    def to_numpy(self) -> dict[str, np.ndarray]:
+        """Copies of all rows: ids, values [n, dim], state [n, k], update_counts, last_steps,
+        last_times, l2_norms (row order is the store's, not sorted)."""
+        return dict(self._native.rows(True))
+
+    def to_arrow(self):
+        """All rows as a ``pyarrow.Table`` (id, values, optimizer_state, update_count, last_step,
+        last_time). Needs pyarrow, imported only here."""
+        import pyarrow as pa
+
+        rows = self._native.rows(True)
+        columns = {
+            "id": pa.array(rows["ids"]),
+            "values": pa.FixedSizeListArray.from_arrays(pa.array(rows["values"].reshape(-1)), self.dim),
+        }
+        width = rows["state"].shape[1]
+        if width:
+            columns["optimizer_state"] = pa.FixedSizeListArray.from_arrays(
+                pa.array(rows["state"].reshape(-1)), width)
+        columns["update_count"] = pa.array(rows["update_counts"])
+        columns["last_step"] = pa.array(rows["last_steps"])
+        columns["last_time"] = pa.array(rows["last_times"])
+        table = pa.table(columns)
+        return table.replace_schema_metadata({
+            "dim": str(self.dim), "optimizer": type(self._config.optimizer).__name__})
