@@ -8,7 +8,7 @@ NATIVE_SOURCES := $(shell find native -name '*.cc' -o -name '*.h' 2>/dev/null)
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 200000
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean native test-asan
 
 install: $(STAMP)
 
@@ -25,9 +25,32 @@ demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
 	$(PY) -m pipelines.generate --schema schemas/examples/taobao_like.yaml \
 	    --samples $(DEMO_SAMPLES) --out $(DEMO_DIR)/raw --seed 7
-	$(PY) -m compression.compress --schema schemas/examples/taobao_like.yaml \
-	    --input '$(DEMO_DIR)/raw/*.parquet' --output $(DEMO_DIR)/trees
+	$(PY) -m pipelines.compress --schema schemas/examples/taobao_like.yaml \
+	    --input '$(DEMO_DIR)/raw/*.parquet' --output $(DEMO_DIR)/trees --shards 4
 	$(PY) -m compression.inspect $(DEMO_DIR)/trees
+
+# Rebuild the native embedding store extension in place (native/_store*.so) after editing C++.
+native:
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+
+# tests/native against an AddressSanitizer + UndefinedBehaviorSanitizer build of the extension.
+# The sanitized copy is built from a copy of the sources under build/asan, so the in-place
+# build used by `make test` is left as it is.
+ASAN_DIR := build/asan
+test-asan: $(STAMP)
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)/src $(ASAN_DIR)/site
+	cp -r setup.py pyproject.toml native_build.py MANIFEST.in requirements.txt \
+	    requirements-test.txt $(ASAN_DIR)/src/
+	mkdir -p $(ASAN_DIR)/src/native && cp -r native/include native/src native/*.py native/*.pyi \
+	    $(ASAN_DIR)/src/native/
+	PREFIXREC_SANITIZE=1 $(PY) -m pip wheel -q --disable-pip-version-check --no-deps \
+	    -w $(ASAN_DIR)/wheel $(ASAN_DIR)/src
+	$(PY) -m zipfile -e $(ASAN_DIR)/wheel/prefixrec-*.whl $(ASAN_DIR)/site
+	cd $(ASAN_DIR)/site && \
+	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    PREFIXREC_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider --capture=sys \
+	    --rootdir=$(CURDIR) -m "asan or not asan" $(CURDIR)/tests/native
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(DEMO_DIR)
