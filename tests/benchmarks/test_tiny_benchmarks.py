@@ -26,3 +26,18 @@ def test_pipeline_benchmark_tiny(kafka_broker, capsys):
     assert result["batch"]["samples"] == 2000
     assert result["batch"]["beam_samples_per_s"] > 0 and result["batch"]["inproc_seconds"] > 0
     assert result["stream"]["samples"] == 500 and result["stream"]["tree_messages"] > 0
+
+
+def test_store_benchmark_tiny():
+    import benchmarks.store
+
+    result = benchmarks.store.run(["--rows", "20000", "--dims", "4", "--batch", "3000",
+                                   "--batches", "2", "--no-tf"])
+    (entry,) = result["results"]
+    assert entry["rows"] == 20000 and entry["dim"] == 4
+    native = entry["native"]
+    for key in ("lookup_ids_per_s", "adagrad_ids_per_s", "snapshot_write_mb_per_s",
+                "snapshot_read_mb_per_s", "delta_write_mb_per_s", "delta_apply_mb_per_s"):
+        assert native[key] > 0, key
+    assert native["floor_bytes_per_row"] == 8 + 8 * 4
+    assert 0 < native["delta_rows"] <= 20000
