@@ -1,0 +1,107 @@
+"""TrainConfig: YAML loading, round trips, and the pinned messages of bad configs."""
+import os
+
+import pytest
+
+import native
+from trainer import ConfigError, TrainConfig
+from trainer.config import ExpiryConfig
+
+from trainer_data import ROOT
+
+EXAMPLE = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")
+
+
+def write(tmp_path, text):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_example_config_loads_and_fits_the_example_schema(schema):
+    config = TrainConfig.load(EXAMPLE)
+    tables = config.check(schema)
+    assert config.batch_size == 5000 and config.embedding.dim == 18
+    assert sum(len(v) for v in tables.values()) == 22  # every id/ids feature, price is dense
+
+
+def test_yaml_sets_tables_sharing_pooling_filters_and_expiry(tmp_path, schema):
+    config = TrainConfig.load(write(tmp_path, """
+batch_size: 64
+compute: flat
+dense_optimizer: {name: adagrad, lr: 0.1}
+embedding:
+  dim: 8
+  optimizer: {name: ftrl, alpha: 0.1}
+  filter: {name: counter, min_count: 2}
+features:
+  clicked_cats: {table: cate, pooling: mean}
+  cate_id: {table: cate}
+tables:
+  cate: {dim: 4, expire: {every_steps: 10, max_idle_steps: 100}, filter: null}
+"""))
+    assert config.compute == "flat" and config.batch_size == 64
+    assert config.dense_optimizer.name == "adagrad" and config.dense_optimizer.lr == 0.1
+    assert config.feature("clicked_cats").pooling == "mean"
+    assert config.table_of("cate_id") == "cate" and config.table_of("ad_id") == "ad_id"
+    cate, other = config.table("cate"), config.table("ad_id")
+    assert cate.dim == 4 and cate.entry_filter is None
+    assert cate.expire == ExpiryConfig(every_steps=10, max_idle_steps=100)
+    assert cate.optimizer == native.FTRL(alpha=0.1)       # inherited from `embedding`
+    assert other.dim == 8 and other.entry_filter == native.CounterFilter(2)
+    tables = config.check(schema)
+    assert tables["cate"] == ["clicked_cats", "cate_id"]
+    assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("text, message", [
+    ("features: {clicked_catz: {pooling: sum}}",
+     "features.clicked_catz: the schema 'taobao_like' has no feature 'clicked_catz'; features "
+     "are user_id, "),
+    ("features: {price: {table: p}}",
+     "features.price: 'price' is a dense feature and has no embedding table"),
+    ("tables: {cate: {dim: 4}}", "tables.cate: no feature uses table 'cate'"),
+    ("dense: {cate_id: {transform: log1p}}",
+     "dense.cate_id: the schema 'taobao_like' has no dense feature 'cate_id'; dense features "
+     "are price"),
+])
+def test_schema_mismatches_name_the_feature(tmp_path, schema, text, message):
+    config = TrainConfig.load(write(tmp_path, text))
+    with pytest.raises(ConfigError) as e:
+        config.check(schema)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("features: {clicked_cats: {pooling: max}}",
+     "features.clicked_cats.pooling: 'max' is not a pooling; use one of sum, mean"),
+    ("embedding: {optimizer: {name: rmsprop}}",
+     "embedding.optimizer.name: 'rmsprop' is not a known store optimizer; use one of sgd, "
+     "adagrad, adam, ftrl"),
+    ("embedding: {optimizer: {name: adagrad, lr: -1}}",
+     "embedding.optimizer: Adagrad.lr must be in (0, inf], got -1"),
+    ("dense_optimizer: {name: lamb}",
+     "dense_optimizer.name: 'lamb' is not supported; use one of adam, adagrad, sgd"),
+    ("tables: {cate: {filter: {name: counter, count: 3}}}",
+     "tables.cate.filter: counter takes min_count, got count"),
+    ("embedding: {expire: {every_steps: 10}}",
+     "embedding.expire: give max_idle_steps or max_idle_seconds"),
+    ("compute: tree", "compute: 'tree' is not a compute mode; use one of structured, flat"),
+    ("dense: {price: {transform: sqrt}}",
+     "dense.price.transform: 'sqrt' is not a transform; use one of none, log1p"),
+    ("batch_size: 0", "batch_size: expected an integer >= 1, got 0"),
+    ("epochs: 3", "config: unknown key 'epochs'; known keys are batch_size, "),
+    ("embedding: {dim: 0}", "embedding.dim: expected an integer in [1, 4096], got 0"),
+])
+def test_bad_configs_are_refused_with_the_key_and_the_fix(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.load(path)
+    assert str(e.value).startswith(f"{path}: {message}")
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        TrainConfig.load(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TrainConfig.load(write(tmp_path, "batch_size: [1"))
