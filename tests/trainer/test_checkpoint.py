@@ -1,0 +1,65 @@
+"""save/restore: a restored run continues exactly as the uninterrupted one."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import compression
+from trainer import TrainConfig, Trainer, models
+
+CONFIG = {"batch_size": 128, "embedding": {"dim": 6, "filter": {"name": "counter", "min_count": 2}},
+          "features": {"clicked_cats": {"table": "cate", "pooling": "mean"},
+                       "cate_id": {"table": "cate"}}}
+
+
+def store_rows(store):
+    rows = store.to_numpy()
+    order = np.argsort(rows["ids"])
+    return {k: rows[k][order] for k in ("ids", "values", "state", "update_counts", "last_steps")}
+
+
+def test_restored_run_continues_exactly(schema, trees_small, tmp_path):
+    config = TrainConfig.from_dict(CONFIG)
+    batches = list(compression.iter_batches(trees_small, schema, config.batch_size))
+    assert len(batches) >= 8
+    k = 5
+    straight = Trainer(schema, models.MLP(hidden=(16, 8)), config)
+    straight.fit(batches)
+
+    first = Trainer(schema, models.MLP(hidden=(16, 8)), config)
+    first.fit(batches[:k])
+    checkpoint = first.save(tmp_path / "ckpt")
+    del first
+    resumed = Trainer.restore(checkpoint)
+    assert resumed.step == k
+    assert resumed.config == config and isinstance(resumed.model, models.MLP)
+    resumed.fit(batches[k:])
+
+    assert resumed.step == straight.step == len(batches)
+    assert resumed.samples == straight.samples
+    for a, b in zip(resumed.network.variables, straight.network.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(resumed.network.optimizer.variables, straight.network.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a.numpy()), np.asarray(b.numpy()))
+    assert resumed.stores.keys() == straight.stores.keys()
+    for table in straight.stores:
+        ra, rb = store_rows(resumed.stores[table]), store_rows(straight.stores[table])
+        for key in ra:
+            np.testing.assert_array_equal(ra[key], rb[key], err_msg=f"{table} {key}")
+        assert resumed.stores[table].stats().rejected == straight.stores[table].stats().rejected
+
+
+def test_checkpoint_layout_and_errors(schema, trees_small, tmp_path):
+    trainer = Trainer(schema, models.MLP(hidden=(8,)), TrainConfig(batch_size=512))
+    trainer.fit(trees_small)
+    path = trainer.save(tmp_path / "ckpt")
+    trainer.save(path)  # overwriting an existing checkpoint replaces it
+    names = sorted(os.listdir(path))
+    assert names == ["dense.npz", "stores", "trainer.json"]
+    assert sorted(os.listdir(os.path.join(path, "stores"))) == sorted(trainer.tables)
+    with open(os.path.join(path, "trainer.json")) as f:
+        state = json.load(f)
+    assert state["step"] == trainer.step and state["model"]["name"] == "mlp"
+    with pytest.raises(FileNotFoundError, match="no trainer checkpoint"):
+        Trainer.restore(tmp_path / "missing")

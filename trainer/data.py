@@ -1,0 +1,102 @@
+"""Training input: TreeBatches from tree Parquet, raw sample files or in-memory tables.
+
+``batch_source(data, schema, batch_size)`` accepts tree Parquet files (what the pipelines
+write), raw files (Parquet, CSV, JSON lines; compressed into trees on the fly, one chunk of
+rows at a time), a ``pyarrow.Table`` of either kind, or TreeBatches. It returns a function that
+starts a fresh pass over the data, so ``fit(data, epochs=3)`` reads it three times.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import compression
+from compression import TreeBatch
+from schemas import Schema
+from schemas.schema import SCHEMA_YAML_KEY
+
+RAW_CHUNK_ROWS = 1 << 18  # raw rows compressed together: one user's rows in a chunk share a tree
+
+
+def is_tree_table(arrow_schema: pa.Schema, schema: Schema) -> bool:
+    """Whether a table/file holds trees (nested child lists) rather than flat samples."""
+    if arrow_schema.metadata and SCHEMA_YAML_KEY in arrow_schema.metadata:
+        return True
+    if len(schema.layers) == 1:
+        return False  # one layer: the tree table is the flat table
+    return schema.layers[1].name in arrow_schema.names
+
+
+def batch_source(data, schema: Schema, batch_size: int,
+                 split_trees: bool = True) -> Callable[[], Iterator[TreeBatch]]:
+    if isinstance(data, TreeBatch):
+        return lambda: iter([data])
+    if isinstance(data, pa.Table):
+        if not is_tree_table(data.schema, schema):
+            data = compression.build_trees(data, schema)
+        table = data
+        return lambda: compression.iter_batches(table, schema, batch_size, split_trees)
+    if isinstance(data, (str, os.PathLike)) or (
+            isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))):
+        files = compression.expand_paths(data if isinstance(data, (list, tuple))
+                                         else os.fspath(data))
+        return lambda: compression.iter_batches(_file_tables(files, schema), schema,
+                                                batch_size, split_trees)
+    if isinstance(data, (list, tuple)):
+        for i, item in enumerate(data):
+            if not isinstance(item, TreeBatch):
+                raise TypeError(f"data[{i}] is a {type(item).__name__}; a list of data must hold "
+                                "TreeBatches (or be a list of file paths)")
+        return lambda: iter(data)
+    if isinstance(data, Iterable):
+        used = []
+
+        def once():
+            if used:
+                raise ValueError("this data is a one-shot iterator and was read already; pass "
+                                 "a list, a table or file paths to train several epochs")
+            used.append(True)
+            return iter(data)
+        return once
+    raise TypeError(f"cannot train on a {type(data).__name__}; pass tree or raw file paths, a "
+                    "pyarrow.Table, or TreeBatches")
+
+
+def count_samples(data, schema: Schema) -> int | None:
+    """Samples in the data if cheap to know (raw Parquet row counts, tables), else None."""
+    if isinstance(data, pa.Table):
+        return None if is_tree_table(data.schema, schema) else data.num_rows
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], TreeBatch):
+        return sum(b.num_leaves for b in data)
+    if isinstance(data, (str, os.PathLike, list, tuple)):
+        try:
+            files = compression.expand_paths(data if isinstance(data, (list, tuple))
+                                             else os.fspath(data))
+        except FileNotFoundError:
+            return None
+        total = 0
+        for path in files:
+            if not path.endswith((".parquet", ".pq")):
+                return None
+            meta = pq.ParquetFile(path).metadata
+            if is_tree_table(meta.schema.to_arrow_schema(), schema):
+                return None
+            total += meta.num_rows
+        return total
+    return None
+
+
+def _file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
+    for path in files:
+        if path.endswith((".parquet", ".pq")) and is_tree_table(
+                pq.ParquetFile(path).schema_arrow, schema):
+            yield from compression.iter_trees(path)
+            continue
+        for chunk, first in compression.iter_raw_chunks(path, schema,
+                                                       chunk_rows=RAW_CHUNK_ROWS):
+            flat = compression.validate_raw(chunk, schema, source=path, first_row=first)
+            yield compression.build_trees(flat, schema, validate=False)
