@@ -1,0 +1,76 @@
+"""python -m trainer.train and python -m trainer.evaluate, end to end on tiny data."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+
+import compression
+
+from trainer_data import ROOT, SCHEMA_PATH
+
+
+def run(args):
+    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def scalar_tags(directory):
+    """Tags of the TensorBoard scalars in a directory's event files."""
+    import tensorflow as tf
+
+    tags = set()
+    for path in glob.glob(str(directory / "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "scalars":
+                    tags.add(value.tag)
+    return tags
+
+
+def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
+    compression.write_trees(trees_small, str(tmp_path / "trees" / "part-00000.parquet"))
+    pq.write_table(raw_small.slice(0, 600), tmp_path / "eval.parquet")
+    config = tmp_path / "trainer.yaml"
+    config.write_text("embedding: {dim: 4}\nlog_every: 2\n")
+    run_dir = tmp_path / "run"
+    result, stderr = run(["trainer.train", "--schema", SCHEMA_PATH,
+                          "--train-data", str(tmp_path / "trees" / "*.parquet"),
+                          "--eval-data", str(tmp_path / "eval.parquet"),
+                          "--config", str(config), "--model", "mlp", "--hidden", "8",
+                          "--compute", "structured", "--batch-size", "200", "--epochs", "2",
+                          "--out", str(run_dir)])
+    assert result["samples"] == 2 * raw_small.num_rows and result["eval_samples"] == 600
+    assert result["steps"] == 20 and result["samples_per_sec"] > 0
+    assert 0 <= result["auc"] <= 1 and result["logloss"] > 0
+    assert result["id_compression"] > 1.5   # ~10 samples per user: user ids looked up once
+    assert result["store_rows"] > 0 and result["admitted"] >= result["store_rows"]
+    assert "train" in stderr and "samples" in stderr      # the progress bar
+    assert f"eval AUC {result['auc']:.4f} | " in stderr      # the summary line
+    assert scalar_tags(run_dir / "train") >= {"loss", "auc", "samples_per_sec", "store/rows",
+                                              "store/admitted", "store/rejected",
+                                              "store/expired"}
+    assert scalar_tags(run_dir / "eval") >= {"auc", "logloss"}
+    assert json.loads((run_dir / "result.json").read_text()) == result
+
+    evaluation, _ = run(["trainer.evaluate", "--run", str(run_dir),
+                         "--data", str(tmp_path / "eval.parquet"), "--no-progress"])
+    assert evaluation["samples"] == 600 and evaluation["step"] == 20
+    assert evaluation["auc"] == result["auc"]
+    assert evaluation["store_rows"] == result["store_rows"]
+
+
+def test_bad_config_is_a_usage_error(tmp_path):
+    config = tmp_path / "trainer.yaml"
+    config.write_text("features: {nope: {pooling: sum}}\n")
+    out = subprocess.run([sys.executable, "-m", "trainer.train", "--schema", SCHEMA_PATH,
+                          "--train-data", str(tmp_path), "--config", str(config),
+                          "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2
+    assert "features.nope: the schema 'taobao_like' has no feature 'nope'" in out.stderr
+    assert not os.path.exists(tmp_path / "run")

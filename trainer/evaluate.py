@@ -1,0 +1,50 @@
+"""The evaluation command: score files with a run's checkpoint and report AUC and log loss.
+
+    python -m trainer.evaluate --run runs/mlp --data 'test/*.parquet'
+
+Restores ``RUN_DIR/checkpoint`` (written by ``python -m trainer.train``), shows a progress bar on
+stderr, adds the scalars to ``RUN_DIR/eval`` and prints the result as one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from trainer.train import _json_number  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+
+def run(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--run", required=True, help="run directory of python -m trainer.train")
+    parser.add_argument("--data", required=True,
+                        help="tree Parquet or raw Parquet/CSV/JSON lines files (path or glob)")
+    parser.add_argument("--batch-size", type=int, help="default: the run's batch size")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    checkpoint = os.path.join(args.run, "checkpoint")
+    if not os.path.exists(os.path.join(checkpoint, "trainer.json")):
+        parser.error(f"--run {args.run}: no checkpoint in {checkpoint}; train with "
+                     "python -m trainer.train --out RUN_DIR first")
+    trainer = Trainer.restore(checkpoint)
+    if args.batch_size:
+        trainer.config = trainer.config.replace(batch_size=args.batch_size)
+    result = trainer.evaluate(args.data, progress=not args.no_progress, log_dir=args.run)
+    result["store_rows"] = trainer.store_rows()
+    result["step"] = trainer.step
+    return {k: _json_number(v) for k, v in result.items()}
+
+
+def main(argv=None) -> int:
+    print(json.dumps(run(argv)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
