@@ -1,0 +1,229 @@
+"""Serving: a SavedModel of the dense network plus store snapshots, and a Predictor over them.
+
+    trainer.export("export/")                      # dense SavedModel + every store's snapshot
+    export_increment(trainer, "export/")           # later: store deltas + new dense weights
+    predictor = Predictor("export/")
+    predictor.predict(raw_samples)                 # probabilities, in the samples' order
+    predictor.update()                             # apply what appeared since, in order
+
+Layout of an export directory::
+
+    export.json                 schema, config, model spec and heads, format version
+    saved_model/                tf.saved_model with a ``predict`` function over the feed
+    stores/<table>/store.snapshot
+    deltas/<table>/delta-NNNNNN.bin, dense.npz    (export_increment, later)
+
+The SavedModel takes the feed of :mod:`trainer.feed` (ids already turned into embedding rows);
+the Predictor does that part with the native stores, so a serving process follows the trainer
+through ``apply_delta`` without reloading TensorFlow. Samples are scored one leaf per sample
+(every layer's node is the sample itself), which keeps their order.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import tensorflow as tf
+
+import compression
+import native
+import schemas
+from compression import LayerBatch, TreeBatch
+from trainer.config import TrainConfig
+from trainer.feed import FeedBuilder, Layout
+from trainer.network import dummy_feed, feed_signature
+
+EXPORT_VERSION = 1
+_DELTA = re.compile(r"delta-(\d+)\.bin$")
+
+
+def export(trainer, directory: str | os.PathLike) -> str:
+    """Write ``trainer``'s dense network as a SavedModel and its stores' snapshots."""
+    directory = os.path.abspath(os.fspath(directory))
+    tmp = f"{directory}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    network = trainer.network
+    # The structured signature over one-sample-per-node batches is what the Predictor feeds.
+    signature = feed_signature(trainer.layout, structured=True)
+    serving_network = _structured_twin(trainer)
+    module = tf.Module()
+    module.variables_ = [getattr(v, "value", v) for v in network.variables]
+
+    @tf.function(input_signature=[signature])
+    def predict(feed):
+        return serving_network._predict_step(feed)[1]
+
+    module.predict = predict
+    # A SavedModel gives dict outputs back in its own key order; keep the model's.
+    heads = list(serving_network._predict_step(dummy_feed(trainer.layout, True))[1])
+    tf.saved_model.save(module, os.path.join(tmp, "saved_model"))
+    for table, store in trainer.stores.items():
+        os.makedirs(os.path.join(tmp, "stores", table))
+        store.save(os.path.join(tmp, "stores", table))
+    try:
+        spec = trainer.model.spec()
+    except NotImplementedError:
+        spec = None
+    meta = {"version": EXPORT_VERSION, "schema": trainer.schema.to_dict(),
+            "config": trainer.config.to_dict(), "model": spec, "step": trainer.step,
+            "tables": list(trainer.tables), "heads": heads}
+    with open(os.path.join(tmp, "export.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    old = f"{directory}.old-{os.getpid()}"
+    if os.path.exists(directory):
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def _structured_twin(trainer):
+    """The trainer's network in structured mode (same model, same variables)."""
+    if trainer.network.structured:
+        return trainer.network
+    from trainer.network import Network
+
+    twin = Network.__new__(Network)
+    twin.layout, twin.model, twin.optimizer = trainer.layout, trainer.model, None
+    twin.structured = True
+    twin.variables = trainer.network.variables
+    return twin
+
+
+def export_increment(trainer, directory: str | os.PathLike) -> dict:
+    """Keep an export directory up to date cheaply: the first call writes a full
+    :func:`export`; later calls add every store's delta under ``directory/deltas/<table>/`` and
+    replace ``directory/dense.npz`` (the dense weights, atomically). ``Predictor.update``
+    applies both."""
+    directory = os.fspath(directory)
+    if not os.path.exists(os.path.join(directory, "export.json")):
+        export(trainer, directory)
+        return {"full": directory}
+    deltas = trainer.export_delta(os.path.join(directory, "deltas"))
+    path = os.path.join(directory, "dense.npz")
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, step=np.int64(trainer.step),
+             **{f"model/{i:04d}": v.numpy() for i, v in enumerate(trainer.network.variables)})
+    os.replace(tmp, path)
+    return {"deltas": deltas, "dense": path}
+
+
+class Predictor:
+    """Scores raw samples with an export directory's SavedModel and embedding snapshots."""
+
+    def __init__(self, directory: str | os.PathLike, batch_size: int = 4096):
+        self.directory = os.fspath(directory)
+        path = os.path.join(self.directory, "export.json")
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.directory}: not a trainer export (export.json "
+                                    "missing); write one with Trainer.export") from None
+        if meta.get("version") != EXPORT_VERSION:
+            raise ValueError(f"{path}: export version {meta.get('version')}, this Predictor "
+                             f"reads version {EXPORT_VERSION}")
+        self.schema = schemas.from_dict(meta["schema"])
+        self.config = TrainConfig.from_dict(meta["config"])
+        tables = self.config.check(self.schema)
+        dims = {t: self.config.table(t).dim for t in tables}
+        poolings = {f.name: self.config.feature(f.name).pooling for f in self.schema.features
+                    if f.kind != "dense"}
+        self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
+        self.builder = FeedBuilder(self.layout, structured=True)
+        self.stores = {t: native.EmbeddingStore.load(os.path.join(self.directory, "stores", t))
+                       for t in tables}
+        self.model = tf.saved_model.load(os.path.join(self.directory, "saved_model"))
+        self.batch_size = batch_size
+        self.heads = meta["heads"]   # probability columns, in the model's order
+        self.dense_step = meta["step"]
+
+    def _update_dense(self) -> None:
+        path = os.path.join(self.directory, "dense.npz")
+        if not os.path.exists(path) or _dense_step(path) <= self.dense_step:
+            return
+        with np.load(path) as arrays:
+            for i, variable in enumerate(self.model.variables_):
+                variable.assign(arrays[f"model/{i:04d}"])
+            self.dense_step = int(arrays["step"])
+
+    def predict(self, samples) -> np.ndarray:
+        """Probabilities for raw samples (a pyarrow Table, a list of row dicts, or raw files),
+        in their order: float32[n] for a one-head model, [n, heads] otherwise."""
+        if isinstance(samples, list):
+            samples = pa.Table.from_pylist(samples)
+        elif isinstance(samples, (str, os.PathLike)):
+            samples = compression.read_raw(os.fspath(samples), self.schema)
+        for label in self.schema.labels:  # serving samples have no labels yet
+            if label not in samples.column_names:
+                samples = samples.append_column(label, pa.array(np.zeros(samples.num_rows,
+                                                                         np.float32)))
+        table = compression.validate_raw(samples, self.schema)
+        outputs = []
+        for start in range(0, table.num_rows, self.batch_size):
+            batch = _one_node_per_sample(table.slice(start, self.batch_size), self.schema)
+            feed = self.builder.lookup(self.builder.prepare(batch), self.stores, train=False)
+            probabilities = self.model.predict(tf.nest.map_structure(tf.convert_to_tensor,
+                                                                     feed.feed))
+            outputs.append(np.stack([probabilities[h].numpy() for h in self.heads], axis=1))
+        if not outputs:
+            return np.zeros(0, np.float32)
+        out = np.concatenate(outputs)
+        return out[:, 0] if out.shape[1] == 1 else out
+
+    def update(self, delta_root: str | os.PathLike | None = None) -> int:
+        """Apply, in order, every delta not applied yet from ``delta_root/<table>/`` (written
+        by ``Trainer.export_delta``; default: the export's own ``deltas/`` of
+        :func:`export_increment`), and newer dense weights from ``dense.npz`` if there are.
+        Returns the number of delta files applied."""
+        if delta_root is None:
+            delta_root = os.path.join(self.directory, "deltas")
+        self._update_dense()
+        applied = 0
+        for table, store in self.stores.items():
+            current = store.stats().delta_sequence
+            found = []
+            for path in glob.glob(os.path.join(os.fspath(delta_root), table, "delta-*.bin")):
+                match = _DELTA.search(path)
+                if match and int(match.group(1)) > current:
+                    found.append((int(match.group(1)), path))
+            for _, path in sorted(found):
+                store.apply_delta(path)
+                applied += 1
+        return applied
+
+
+def _dense_step(path: str) -> int:
+    with np.load(path) as arrays:
+        return int(arrays["step"])
+
+
+def _one_node_per_sample(table: pa.Table, schema) -> TreeBatch:
+    """A batch in which every layer has one node per sample (parent i -> i): the samples keep
+    their order and no grouping work is done at serving time."""
+    n = table.num_rows
+    identity = np.arange(n, dtype=np.int32)
+    flat = TreeBatch.from_trees(_as_one_layer(table, schema), _one_layer_schema(schema))
+    features = flat.layers[0].features
+    layers = []
+    for level, layer in enumerate(schema.layers):
+        layers.append(LayerBatch(layer.name, n, None if level == 0 else identity,
+                                 {f.name: features[f.name] for f in layer.features}))
+    return TreeBatch(layers, flat.labels)
+
+
+def _one_layer_schema(schema):
+    return schemas.from_dict({"name": schema.name, "labels": list(schema.labels),
+                              "layers": [{"name": "sample", "key": [], "features": [
+                                  f.to_dict() for f in schema.features]}]})
+
+
+def _as_one_layer(table: pa.Table, schema) -> pa.Table:
+    return table.select([f.name for f in schema.features] + list(schema.labels))
