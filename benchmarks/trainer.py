@@ -1,0 +1,273 @@
+"""Benchmark of the trainer: structured vs flat compute vs a plain Keras model, same data.
+
+    python -m benchmarks.trainer                          # 300k samples at 1, 10, 57 per user
+    python -m benchmarks.trainer --samples 12000 --samples-per-user 10 --batch-size 1000 \\
+        --quality-samples 0                               # CI size
+
+The paper's MLP (taobao_like schema: 23 features, embedding dim 18, sum pooling, 200-80-1),
+batch 5000, on generated data with about 1, 10 and 57 samples per user, all in one run:
+- ``structured``: trainer.Trainer, compute="structured" (per-node lookups, pooling and first
+  dense layer part, native stores);
+- ``flat``: the same Trainer with compute="flat" (every feature expanded to the samples);
+- ``keras``: a plain Keras model, one ``tf.Variable`` table of ``--keras-rows`` rows (ids hashed
+  into it per feature), ``tf.nn.embedding_lookup``, Adam on the table and on the dense layers
+  (the trainer's default optimizers) inside one ``tf.function`` step (Keras 3 updates the
+  table densely).
+Batches are built in memory before timing (reading is benchmarked in benchmarks.compression);
+each model trains ``--warmup`` batches first (tracing) and is then timed over the rest.
+Reports samples/s, the speed-ups, and where a structured/flat step's time goes (prepare = numpy
+feed work, lookup = store lookups, TF step, update = apply_gradients), measured with the three
+pipeline stages running sequentially so the parts add up. With ``--quality-samples`` it also
+trains the structured MLP (trainer/examples/mlp.yaml) on the first 80% of a 57-samples-per-user
+data set and reports its test AUC on the rest next to the Bayes-optimal AUC of the generator's
+true probabilities.
+Prints a table and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+import pyarrow as pa
+
+import compression
+import schemas
+from pipelines.generate import generate_tables
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+EXAMPLE_CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")  # log1p on price
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import tensorflow as tf
+    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
+            "numpy": np.__version__, "tensorflow": tf.__version__,
+            "load_average": os.getloadavg()}
+
+
+def make_batches(schema, samples: int, spu: float, batch_size: int, seed: int):
+    raw = pa.concat_tables(list(generate_tables(schema, samples, seed=seed,
+                                                samples_per_user=spu)))
+    trees = compression.build_trees(raw, schema, validate=False)
+    batches = list(compression.iter_batches(trees, schema, batch_size))
+    nodes = np.mean([[layer.size for layer in b.layers] for b in batches[:-1] or batches], 0)
+    return batches, [float(x) for x in nodes]
+
+
+class TrainerRun:
+    """One Trainer (structured or flat) and its timed passes."""
+
+    def __init__(self, schema, batches, mode: str, warmup: int, hidden):
+        import trainer
+
+        config = trainer.TrainConfig(compute=mode, batch_size=batches[0].num_leaves)
+        self.trainer = trainer.Trainer(schema, trainer.models.MLP(hidden=hidden), config)
+        self.trainer.fit(batches[:warmup])
+        self.timed = batches[warmup:]
+
+    def pipelined(self) -> float:
+        """Seconds of ``fit`` (the three-stage pipeline) over the timed batches."""
+        return self.trainer.fit(self.timed)["seconds"]
+
+    def sequential(self) -> dict:
+        """ms per step of each stage, run one after another on one thread."""
+        t = self.trainer
+        t.timings.clear()
+        for batch in self.timed:
+            t0 = time.perf_counter()
+            prepared = t.builder.prepare(batch)
+            t1 = time.perf_counter()
+            feed = t.builder.lookup(prepared, t.stores, train=True)
+            t.timings["prepare"] += t1 - t0
+            t.timings["lookup"] += time.perf_counter() - t1
+            t._train_on(feed)
+        return {k: 1000 * v / len(self.timed) for k, v in t.timings.items()}
+
+
+class KerasBaseline:
+    """The plain Keras model: a tf.Variable table and tf.nn.embedding_lookup."""
+
+    def __init__(self, schema, rows: int, dim: int, hidden, seed: int):
+        import keras
+        import tensorflow as tf
+
+        self.tf = tf
+        self.schema, self.rows = schema, rows
+        keras.utils.set_random_seed(seed)
+        self.table = tf.Variable(tf.random.normal([rows, dim], stddev=0.01), name="table")
+        layers = [keras.layers.Dense(u, activation="relu") for u in hidden]
+        self.model = keras.Sequential(layers + [keras.layers.Dense(1)])
+        # the trainer's defaults: Adam(0.003) on the dense layers, Adam(0.01) on the table
+        self.dense_optimizer = keras.optimizers.Adam(0.003)
+        self.table_optimizer = keras.optimizers.Adam(0.01)
+        self.salts = {f.name: (i + 1) * 0x9E3779B1 for i, f in enumerate(schema.features)}
+        spec = {}
+        for f in schema.features:
+            if f.kind == "id":
+                spec[f.name] = tf.TensorSpec([None], tf.int64)
+            elif f.kind == "ids":
+                spec[f.name] = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64))
+            else:
+                spec[f.name] = tf.TensorSpec([None, f.dim], tf.float32)
+        self.step = tf.function(self._step, input_signature=[spec, tf.TensorSpec([None])])
+
+    def inputs(self, batch):
+        """Leaf features with ids hashed into the table's rows (part of the timed work)."""
+        out = {}
+        for name, array in batch.leaf_features().items():
+            f = self.schema.feature(name)
+            if f.kind == "dense":
+                out[name] = array
+                continue
+            values = array[0] if f.kind == "ids" else array
+            index = ((values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                      + np.uint64(self.salts[name])) % np.uint64(self.rows)).astype(np.int64)
+            out[name] = (index, array[1].astype(np.int64)) if f.kind == "ids" else index
+        return out
+
+    def _step(self, features, labels):
+        tf = self.tf
+        with tf.GradientTape() as tape:
+            parts = []
+            for f in self.schema.features:
+                x = features[f.name]
+                if f.kind == "id":
+                    parts.append(tf.nn.embedding_lookup(self.table, x))
+                elif f.kind == "ids":
+                    ragged = tf.RaggedTensor.from_row_splits(x[0], x[1], validate=False)
+                    parts.append(tf.reduce_sum(tf.nn.embedding_lookup(self.table, ragged), 1))
+                else:
+                    parts.append(x)
+            logits = self.model(tf.concat(parts, 1))[:, 0]
+            loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
+        variables = self.model.trainable_variables
+        grads = tape.gradient(loss, variables + [self.table])
+        self.dense_optimizer.apply_gradients(zip(grads[:-1], variables))
+        self.table_optimizer.apply_gradients([(grads[-1], self.table)])
+        return loss
+
+    def fit(self, batches) -> float:
+        label = self.schema.labels[0]
+        started = time.perf_counter()
+        for batch in batches:
+            self.step(self.inputs(batch), batch.labels[label])
+        return time.perf_counter() - started
+
+
+def quality(schema, samples: int, batch_size: int, hidden, seed: int) -> dict:
+    import trainer
+    from trainer.metrics import auc
+
+    raw = pa.concat_tables(list(generate_tables(schema, samples, seed=seed,
+                                                samples_per_user=57,
+                                                with_probabilities=True)))
+    cut = int(samples * 0.8)
+    train = raw.slice(0, cut).drop_columns([f"p_{n}" for n in schema.labels])
+    test = raw.slice(cut)
+    config = trainer.TrainConfig.load(EXAMPLE_CONFIG).replace(batch_size=batch_size)
+    t = trainer.Trainer(schema, trainer.models.MLP(hidden=hidden), config)
+    history = t.fit(train)
+    result = t.evaluate(test.drop_columns([f"p_{n}" for n in schema.labels]))
+    label = schema.labels[0]
+    bayes = auc(test[f"p_{label}"].to_numpy(), test[label].to_numpy())
+    return {"train_samples": cut, "test_samples": samples - cut, "test_auc": result["auc"],
+            "test_logloss": result["logloss"], "bayes_auc": bayes,
+            "gap": bayes - result["auc"], "train_samples_per_sec": history["samples_per_sec"]}
+
+
+def run(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=300_000, help="samples per data set")
+    parser.add_argument("--samples-per-user", default="1,10,57")
+    parser.add_argument("--batch-size", type=int, default=5000)
+    parser.add_argument("--hidden", default="200,80")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches per model")
+    parser.add_argument("--keras-rows", type=int, default=2_000_000)
+    parser.add_argument("--threads", type=int, default=0, help="TF intra-op threads (0: all)")
+    parser.add_argument("--quality-samples", type=int, default=1_000_000,
+                        help="samples of the AUC-vs-Bayes run (0: skip)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="timed passes per model (best)")
+    parser.add_argument("--skip-keras", action="store_true")
+    args = parser.parse_args(argv)
+    hidden = tuple(int(x) for x in args.hidden.split(","))
+    schema = schemas.load(SCHEMA)
+    if args.threads:
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+
+    results = {"machine": machine(), "samples": args.samples, "batch_size": args.batch_size,
+               "hidden": list(hidden), "runs": []}
+    print(f"{'per user':>8} {'nodes/batch (user/ad/leaf)':>27} {'structured':>11} {'flat':>9} "
+          f"{'keras':>9} {'str/flat':>8} {'flat/keras':>10}   structured ms/step "
+          "(prepare lookup step update) | flat ms/step", flush=True)
+    for spu in [float(x) for x in args.samples_per_user.split(",")]:
+        batches, nodes = make_batches(schema, args.samples, spu, args.batch_size, args.seed)
+        warmup = min(args.warmup, max(len(batches) - 1, 1))
+        timed_samples = sum(b.num_leaves for b in batches[warmup:])
+        run_ = {"samples_per_user": spu, "nodes_per_batch": nodes, "batches": len(batches),
+                "timed_samples": timed_samples}
+        runs = {mode: TrainerRun(schema, batches, mode, warmup, hidden)
+                for mode in ("structured", "flat")}
+        keras_model = None
+        if not args.skip_keras:
+            keras_model = KerasBaseline(schema, args.keras_rows, 18, hidden, seed=0)
+            keras_model.fit(batches[:warmup])
+        # Modes take turns, best of --rounds: other jobs on the machine hit all of them alike.
+        best = {}
+        for _ in range(args.rounds):
+            for mode, r in runs.items():
+                best[mode] = min(best.get(mode, float("inf")), r.pipelined())
+            if keras_model is not None:
+                best["keras"] = min(best.get("keras", float("inf")),
+                                    keras_model.fit(batches[warmup:]))
+        for mode, seconds in best.items():
+            run_[mode] = {"samples_per_sec": timed_samples / seconds, "seconds": seconds}
+        for mode, r in runs.items():
+            run_[mode]["ms_per_step_sequential"] = r.sequential()
+            run_[mode]["store_rows"] = r.trainer.store_rows()
+        s, f = run_["structured"]["samples_per_sec"], run_["flat"]["samples_per_sec"]
+        k = run_.get("keras", {}).get("samples_per_sec", float("nan"))
+        run_["structured_over_flat"] = s / f
+        run_["flat_over_keras"] = f / k
+        results["runs"].append(run_)
+
+        def parts(mode):
+            p = run_[mode]["ms_per_step_sequential"]
+            return " ".join(f"{p.get(key, 0):5.1f}" for key in ("prepare", "lookup", "step",
+                                                                 "update"))
+        print(f"{spu:8.0f} {'/'.join(f'{n:.0f}' for n in nodes):>27} {s:11,.0f} {f:9,.0f} "
+              f"{k:9,.0f} {s / f:7.2f}x {f / k:9.2f}x   {parts('structured')} | {parts('flat')}",
+              flush=True)
+    if args.quality_samples:
+        results["quality"] = quality(schema, args.quality_samples, args.batch_size, hidden,
+                                     args.seed + 1)
+        q = results["quality"]
+        print(f"MLP test AUC {q['test_auc']:.4f} vs Bayes-optimal {q['bayes_auc']:.4f} "
+              f"(gap {q['gap']:.4f}) after one epoch of {q['train_samples']:,} samples",
+              flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    print(json.dumps(run(argv)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
