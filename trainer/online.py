@@ -1,0 +1,357 @@
+"""Online learning: train continuously from a Kafka topic, checkpoint with offsets, export deltas.
+
+    python -m trainer.online --schema S --bootstrap-servers HOST:PORT --topic samples \\
+        --group ctr-online --run-dir run/ [--export-dir export/ --export-every 10]
+
+The loop, and why it is crash-exact:
+
+1. A reader thread consumes up to a batch of messages, decodes them in bulk (malformed ones go
+   to ``TOPIC.dlq``), compresses the samples into trees and cuts them into TreeBatches. One
+   such *unit* carries the consumer positions after its last message.
+2. The main thread trains every batch of a unit (store lookups, TensorFlow step, store
+   updates). Only then do the unit's positions become the *trained* positions.
+3. Every ``--checkpoint-every`` seconds, between units, it writes a checkpoint (dense weights,
+   stores, step, the trained positions and the offset ranges trained since the previous
+   checkpoint) atomically, and only after that commits the same offsets to Kafka.
+4. On start it restores the latest checkpoint and seeks every partition to its offsets.
+
+So after a crash at any moment the restored model has trained exactly the messages before the
+checkpoint's offsets, and training resumes right after them: nothing lost, nothing twice.
+SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import compression
+import schemas
+from trainer import models as models_lib
+from trainer.checkpoints import CheckpointManager
+from trainer.config import TrainConfig
+from trainer.kafka_source import KafkaSampleSource
+from trainer.trainer import Trainer
+
+log = logging.getLogger("trainer.online")
+MODELS = {"mlp": models_lib.MLP, "din": getattr(models_lib, "DIN", None),
+          "esmm": getattr(models_lib, "ESMM", None)}
+
+
+@dataclass
+class Unit:
+    """Batches cut from one poll, and the consumer positions after it."""
+
+    batches: list
+    samples: int
+    positions: dict
+    ranges: dict
+    timestamps_ms: np.ndarray
+    dead: int
+    messages: int
+
+
+@dataclass
+class OnlineStats:
+    samples: int = 0
+    messages: int = 0
+    dead: int = 0
+    units: int = 0
+    checkpoints: int = 0
+    exports: int = 0
+    delays_ms: list = field(default_factory=list)   # arrival-to-export delay per sample
+    started: float = field(default_factory=time.monotonic)
+
+    def delay_percentiles(self) -> dict:
+        if not self.delays_ms:
+            return {"p50": None, "p99": None}
+        delays = np.concatenate(self.delays_ms)
+        return {"p50": float(np.percentile(delays, 50)) / 1000,
+                "p99": float(np.percentile(delays, 99)) / 1000}
+
+
+class OnlineTrainer:
+    """Owns the trainer, the Kafka source, checkpoints and exports of one online run."""
+
+    def __init__(self, schema: schemas.Schema, trainer: Trainer, source: KafkaSampleSource,
+                 checkpoints: CheckpointManager, checkpoint_every: float = 30.0,
+                 export_dir: str | None = None, export_every: float = 10.0,
+                 expire_every: int | None = None, expire_fn=None,
+                 max_samples: int | None = None, idle_exit: float | None = None,
+                 poll_timeout: float = 0.2, status_path: str | None = None):
+        self.schema = schema
+        self.trainer = trainer
+        self.source = source
+        self.checkpoints = checkpoints
+        self.checkpoint_every = checkpoint_every
+        self.export_dir = export_dir
+        self.export_every = export_every
+        self.expire_every = expire_every
+        self.expire_fn = expire_fn
+        self.max_samples = max_samples
+        self.idle_exit = idle_exit
+        self.poll_timeout = poll_timeout
+        self.status_path = status_path
+        self._last_status = 0.0
+        self.stats = OnlineStats()
+        self.trained_positions = dict(source.positions)
+        self.ranges_since_checkpoint: dict[int, list] = {}
+        self._pending_timestamps: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the consumer is used by the reader and by commits
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._reader_error: list = []
+
+    def stop(self, *_):
+        """Ask the loop to finish the current unit, checkpoint, commit and return."""
+        self._stop.set()
+
+    # -- the reader thread: consume, decode, compress, batch -------------------------------
+
+    def _read(self):
+        batch_size = self.trainer.config.batch_size
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    polled = self.source.poll(batch_size, self.poll_timeout)
+                    positions = dict(self.source.positions)
+                if not polled.messages:
+                    self._put(None)  # an idle tick, so the trainer can checkpoint on time
+                    continue
+                batches = []
+                if polled.num_samples:
+                    trees = (compression.build_trees(polled.samples, self.schema, validate=False)
+                             if polled.samples is not None else polled.trees)
+                    batches = list(compression.iter_batches(trees, self.schema, batch_size,
+                                                            self.trainer.config.split_trees))
+                self._put(Unit(batches, polled.num_samples, positions, polled.ranges,
+                               polled.timestamps_ms, polled.dead, polled.messages))
+        except BaseException as e:  # surfaced by the main loop
+            self._reader_error.append(e)
+            self._put(None)
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    # -- the main loop: train, expire, export, checkpoint ----------------------------------
+
+    def run(self) -> dict:
+        reader = threading.Thread(target=self._read, name="online-reader", daemon=True)
+        reader.start()
+        last_checkpoint = last_export = time.monotonic()
+        last_message = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                try:
+                    unit = self._queue.get(timeout=0.5)
+                except queue.Empty:
+                    unit = None
+                if self._reader_error:
+                    raise self._reader_error[0]
+                now = time.monotonic()
+                if unit is not None or not self.source.assigned:
+                    # idle time counts only while partitions are assigned: joining the group
+                    # (or a rebalance) is not the topic being idle
+                    last_message = now
+                if unit is not None:
+                    self._train(unit)
+                if self.export_dir and now - last_export >= self.export_every:
+                    self.export()
+                    last_export = time.monotonic()
+                if now - last_checkpoint >= self.checkpoint_every:
+                    self.checkpoint()
+                    last_checkpoint = time.monotonic()
+                if self.max_samples is not None and self.stats.samples >= self.max_samples:
+                    break
+                if self.idle_exit is not None and now - last_message >= self.idle_exit:
+                    break
+        finally:
+            self._stop.set()
+            reader.join(timeout=10)
+        # Units the reader polled but we did not train are simply not in the checkpoint:
+        # their offsets are after the trained positions, so the next run consumes them.
+        if self.export_dir:
+            self.export()
+        self.checkpoint()
+        return self.summary()
+
+    def _train(self, unit: Unit):
+        for batch in unit.batches:
+            self.trainer.train_batch(batch)
+        self.trained_positions.update(unit.positions)
+        for p, (first, end) in unit.ranges.items():
+            spans = self.ranges_since_checkpoint.setdefault(int(p), [])
+            if spans and spans[-1][1] == first:
+                spans[-1][1] = end
+            else:
+                spans.append([first, end])
+        if len(unit.timestamps_ms):
+            self._pending_timestamps.append(unit.timestamps_ms)
+        self.stats.samples += unit.samples
+        self.stats.messages += unit.messages
+        self.stats.dead += unit.dead
+        self.stats.units += 1
+        if self.status_path and time.monotonic() - self._last_status >= 1.0:
+            self.write_status()
+        if self.expire_every and self.expire_fn is not None and \
+                self.stats.units % self.expire_every == 0:
+            for store in self.trainer.stores.values():
+                self.trainer.expired += store.expire_where(self.expire_fn)
+
+    def write_status(self):
+        """Replace ``status.json`` in the run dir with the current summary (for operators and
+        scripts: how far the run is, without reading logs)."""
+        tmp = f"{self.status_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.summary(), f, sort_keys=True)
+        os.replace(tmp, self.status_path)
+        self._last_status = time.monotonic()
+
+    def checkpoint(self):
+        """Write a checkpoint holding the trained positions; then commit them to Kafka."""
+        positions = dict(self.trained_positions)
+        state = {"step": self.trainer.step, "samples": self.trainer.samples,
+                 "offsets": {str(p): o for p, o in sorted(positions.items())},
+                 "trained_ranges": {str(p): spans for p, spans in
+                                    sorted(self.ranges_since_checkpoint.items())},
+                 "previous": (self.checkpoints.latest().path if self.checkpoints.latest()
+                              else None),
+                 "topic": self.source.topic, "time": time.time()}
+        self.checkpoints.save(lambda d: self.trainer.save(os.path.join(d, "model")), state)
+        with self._lock:
+            self.source.commit(positions)
+        self.ranges_since_checkpoint = {}
+        self.stats.checkpoints += 1
+
+    def export(self):
+        """Export store deltas (upserts and tombstones) and the dense weights for serving."""
+        from trainer.serving import export_increment  # serving pieces live there
+
+        export_increment(self.trainer, self.export_dir)
+        now_ms = time.time() * 1000
+        if self._pending_timestamps:
+            stamps = np.concatenate(self._pending_timestamps)
+            self.stats.delays_ms.append(now_ms - stamps)
+            self._pending_timestamps = []
+        self.stats.exports += 1
+
+    def summary(self) -> dict:
+        seconds = time.monotonic() - self.stats.started
+        store = self.trainer.store_stats()
+        return {"samples": self.stats.samples, "messages": self.stats.messages,
+                "dead_letters": self.stats.dead, "steps": self.trainer.step,
+                "seconds": round(seconds, 3),
+                "samples_per_sec": round(self.stats.samples / max(seconds, 1e-9), 1),
+                "checkpoints": self.stats.checkpoints, "exports": self.stats.exports,
+                "store_rows": store.get("rows", 0), "admitted": store.get("admitted", 0),
+                "rejected": store.get("rejected", 0), "expired": store.get("expired", 0),
+                "delay_s": self.stats.delay_percentiles(),
+                "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())}}
+
+
+def load_function(spec: str):
+    """``module:function`` -> the function (for user expiry predicates)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{spec!r}: expected module:function, e.g. mypkg.expiry:stale")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{spec!r}: cannot load it ({e})") from None
+
+
+def _kafka_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected kafka.key=value, got {text!r}")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.online",
+        description="Train continuously from a Kafka topic of samples with crash-exact "
+                    "recovery: checkpoints hold the consumed offsets, which are committed to "
+                    "Kafka only after the checkpoint is durable.")
+    parser.add_argument("--schema", required=True, help="schema YAML")
+    parser.add_argument("--bootstrap-servers", required=True, help="Kafka HOST:PORT[,...]")
+    parser.add_argument("--topic", required=True, help="topic of samples")
+    parser.add_argument("--format", choices=["json", "trees"], default="json",
+                        help="json: one raw sample per message; trees: Arrow IPC tree batches "
+                             "from pipelines.stream_compress (default json)")
+    parser.add_argument("--group", required=True, help="consumer group id")
+    parser.add_argument("--run-dir", required=True,
+                        help="checkpoints and TensorBoard logs; restored from on start")
+    parser.add_argument("--config", help="trainer YAML (see trainer/examples/mlp.yaml)")
+    parser.add_argument("--model", choices=[m for m, cls in MODELS.items() if cls],
+                        default="mlp", help="built-in model for a new run (default mlp)")
+    parser.add_argument("--export-dir", help="write store deltas and dense weights here")
+    parser.add_argument("--export-every", type=float, default=10.0,
+                        help="seconds between exports (default 10)")
+    parser.add_argument("--checkpoint-every", type=float, default=30.0,
+                        help="seconds between checkpoints (default 30)")
+    parser.add_argument("--expire-every", type=int,
+                        help="units (polls) between runs of the config's expiry function")
+    parser.add_argument("--max-samples", type=int,
+                        help="stop (checkpoint, commit, exit 0) after this many samples")
+    parser.add_argument("--idle-exit", type=float,
+                        help="stop when no message arrived for this many seconds")
+    parser.add_argument("-X", dest="kafka", action="append", type=_kafka_option, default=[],
+                        metavar="KEY=VALUE", help="extra consumer setting (repeatable)")
+    return parser
+
+
+def run(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    schema = schemas.load(args.schema)
+    checkpoints = CheckpointManager(args.run_dir)
+    latest = checkpoints.latest()
+    if latest is not None:
+        trainer = Trainer.restore(os.path.join(latest.path, "model"))
+        offsets = {int(p): o for p, o in latest.state["offsets"].items()}
+        log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
+    else:
+        config = TrainConfig.load(args.config) if args.config else TrainConfig()
+        trainer = Trainer(schema, MODELS[args.model](), config)
+        offsets = {}
+    expire_fn = load_function(trainer.config.expire_function) \
+        if getattr(trainer.config, "expire_function", None) else None
+    source = KafkaSampleSource(schema, args.bootstrap_servers, args.topic, args.group,
+                               format=args.format, start_offsets=offsets,
+                               config=dict(args.kafka))
+    online = OnlineTrainer(schema, trainer, source, checkpoints,
+                           checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
+                           export_every=args.export_every, expire_every=args.expire_every,
+                           expire_fn=expire_fn, max_samples=args.max_samples,
+                           idle_exit=args.idle_exit,
+                           status_path=os.path.join(args.run_dir, "status.json"))
+    signal.signal(signal.SIGTERM, online.stop)
+    signal.signal(signal.SIGINT, online.stop)
+    try:
+        summary = online.run()
+    finally:
+        source.close()
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    run()
+    sys.exit(0)
