@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NATIVE_SOURCES := $(shell find native -name '*.cc' -o -name '*.h' 2>/dev/null)
 DEMO_DIR ?= demo_out
-DEMO_SAMPLES ?= 200000
+DEMO_SAMPLES ?= 500000
 
 .PHONY: demo test install clean native test-asan
 
@@ -24,10 +24,14 @@ test: $(STAMP)
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
 	$(PY) -m pipelines.generate --schema schemas/examples/taobao_like.yaml \
-	    --samples $(DEMO_SAMPLES) --out $(DEMO_DIR)/raw --seed 7
+	    --samples $(DEMO_SAMPLES) --shards 5 --out $(DEMO_DIR)/raw --seed 7
 	$(PY) -m pipelines.compress --schema schemas/examples/taobao_like.yaml \
-	    --input '$(DEMO_DIR)/raw/*.parquet' --output $(DEMO_DIR)/trees --shards 4
-	$(PY) -m compression.inspect $(DEMO_DIR)/trees
+	    --input '$(DEMO_DIR)/raw/part-0000[0-3].parquet' --output $(DEMO_DIR)/trees --shards 4
+	$(PY) -m trainer.train --schema schemas/examples/taobao_like.yaml \
+	    --config trainer/examples/mlp.yaml --model mlp --compute structured \
+	    --train-data '$(DEMO_DIR)/trees/*.parquet' --eval-data $(DEMO_DIR)/raw/part-00004.parquet \
+	    --out $(DEMO_DIR)/run
+	$(PY) -m trainer.evaluate --run $(DEMO_DIR)/run --data $(DEMO_DIR)/raw/part-00004.parquet
 
 # Rebuild the native embedding store extension in place (native/_store*.so) after editing C++.
 native:
