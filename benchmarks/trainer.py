@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 import numpy as np
@@ -37,6 +36,7 @@ import pyarrow as pa
 
 import compression
 import schemas
+from benchmarks import compression as compression_benchmark
 from pipelines.generate import generate_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,16 +45,9 @@ EXAMPLE_CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")  # log1p 
 
 
 def machine() -> dict:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import tensorflow as tf
-    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "numpy": np.__version__, "tensorflow": tf.__version__,
+
+    return {**compression_benchmark.machine(), "tensorflow": tf.__version__,
             "load_average": os.getloadavg()}
 
 
