@@ -89,7 +89,8 @@ class OnlineTrainer:
                  export_dir: str | None = None, export_every: float = 10.0,
                  expire_every: int | None = None, expire_fn=None,
                  max_samples: int | None = None, idle_exit: float | None = None,
-                 poll_timeout: float = 0.2, status_path: str | None = None):
+                 poll_timeout: float = 0.2, status_path: str | None = None,
+                 on_export=None):
         self.schema = schema
         self.trainer = trainer
         self.source = source
@@ -103,6 +104,7 @@ class OnlineTrainer:
         self.idle_exit = idle_exit
         self.poll_timeout = poll_timeout
         self.status_path = status_path
+        self.on_export = on_export  # called with this OnlineTrainer after every export
         self._last_status = 0.0
         self.stats = OnlineStats()
         self.trained_positions = dict(source.positions)
@@ -250,6 +252,8 @@ class OnlineTrainer:
             self.stats.delays_ms.append(now_ms - stamps)
             self._pending_timestamps = []
         self.stats.exports += 1
+        if self.on_export is not None:
+            self.on_export(self)
 
     def summary(self) -> dict:
         seconds = time.monotonic() - self.stats.started
