@@ -72,6 +72,8 @@ class OnlineStats:
     exports: int = 0
     delays_ms: list = field(default_factory=list)   # arrival-to-export delay per sample
     started: float = field(default_factory=time.monotonic)
+    first_unit: float | None = None  # when the first unit was trained (after start-up/join)
+    first_unit_samples: int = 0
 
     def delay_percentiles(self) -> dict:
         if not self.delays_ms:
@@ -205,6 +207,9 @@ class OnlineTrainer:
                 spans.append([first, end])
         if len(unit.timestamps_ms):
             self._pending_timestamps.append(unit.timestamps_ms)
+        if self.stats.first_unit is None:
+            self.stats.first_unit = time.monotonic()
+            self.stats.first_unit_samples = unit.samples
         self.stats.samples += unit.samples
         self.stats.messages += unit.messages
         self.stats.dead += unit.dead
@@ -256,12 +261,17 @@ class OnlineTrainer:
             self.on_export(self)
 
     def summary(self) -> dict:
-        seconds = time.monotonic() - self.stats.started
+        now = time.monotonic()
+        seconds = now - self.stats.started
         store = self.trainer.store_stats()
+        # steady-state rate: from the end of the first unit (after start-up and group join)
+        steady = (self.stats.samples - self.stats.first_unit_samples) / max(
+            now - self.stats.first_unit, 1e-9) if self.stats.first_unit else 0.0
         return {"samples": self.stats.samples, "messages": self.stats.messages,
                 "dead_letters": self.stats.dead, "steps": self.trainer.step,
                 "seconds": round(seconds, 3),
                 "samples_per_sec": round(self.stats.samples / max(seconds, 1e-9), 1),
+                "steady_samples_per_sec": round(steady, 1),
                 "checkpoints": self.stats.checkpoints, "exports": self.stats.exports,
                 "store_rows": store.get("rows", 0), "admitted": store.get("admitted", 0),
                 "rejected": store.get("rejected", 0), "expired": store.get("expired", 0),

@@ -1,0 +1,168 @@
+"""Benchmark of online learning from Kafka: end-to-end samples/s and arrival-to-export delay.
+
+    python -m benchmarks.online --samples 200000
+
+Against a local Tansu broker (or ``--bootstrap-servers``), with the paper's MLP on the
+taobao_like schema (trainer/examples/mlp.yaml, batch 5000):
+1. throughput: the topic is preloaded with ``--samples`` JSON samples, then the online trainer
+   consumes, decodes, compresses, trains and updates the stores; samples/s is measured from the
+   end of its first unit (after start-up and the group join);
+2. delay: a producer sends ``--rate`` samples/s for ``--seconds`` while the trainer runs with
+   ``--export-every``; the delay of a sample is from its message timestamp to the end of the
+   export that holds its update (p50, p99).
+Prints a table and a final JSON line. Targets (ARCHITECTURE.md): at least 100k samples/s, p99
+delay under 10 s with exports every 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import pyarrow as pa
+
+import schemas
+from benchmarks.compression import machine
+from pipelines import local_broker
+from pipelines.generate import generate_tables
+from pipelines.replay import json_lines, message_keys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")
+
+
+def _messages(schema, samples: int, seed: int):
+    table = pa.concat_tables(generate_tables(schema, samples, seed=seed))
+    return list(zip(message_keys(table, schema).to_pylist(),
+                    json_lines(table, schema).to_pylist()))
+
+
+def _produce(bootstrap: str, topic: str, messages, rate: float | None = None,
+             stop: threading.Event | None = None) -> int:
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20,
+                         "queue.buffering.max.messages": 1_000_000})
+    started = time.monotonic()
+    sent = 0
+    for key, value in messages:
+        if stop is not None and stop.is_set():
+            break
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        sent += 1
+        if rate and sent % 200 == 0:
+            ahead = sent / rate - (time.monotonic() - started)
+            if ahead > 0:
+                producer.poll(0)
+                time.sleep(ahead)
+    producer.flush(60)
+    return sent
+
+
+def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, **kwargs):
+    from trainer import models
+    from trainer.checkpoints import CheckpointManager
+    from trainer.config import TrainConfig
+    from trainer.kafka_source import KafkaSampleSource, group_id
+    from trainer.online import OnlineTrainer
+    from trainer.trainer import Trainer
+
+    trainer = Trainer(schema, models.MLP(), TrainConfig.load(CONFIG))
+    source = KafkaSampleSource(schema, bootstrap, topic, group_id(),
+                               config={"fetch.max.bytes": 64 << 20})
+    online = OnlineTrainer(schema, trainer, source, CheckpointManager(run_dir),
+                           checkpoint_every=1e9, export_dir=export_dir,
+                           export_every=export_every, **kwargs)
+    try:
+        return online.run()
+    finally:
+        source.close()
+
+
+def _create_topic(bootstrap: str, partitions: int) -> str:
+    import uuid
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    name = f"bench-{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # must outlive the future
+    admin.create_topics([NewTopic(name, num_partitions=partitions,
+                                  replication_factor=1)])[name].result(30)
+    time.sleep(0.5)
+    return name
+
+
+def run(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.online",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=200_000, help="throughput phase")
+    parser.add_argument("--rate", type=float, default=20_000, help="delay phase samples/s")
+    parser.add_argument("--seconds", type=float, default=30, help="delay phase duration")
+    parser.add_argument("--export-every", type=float, default=5.0)
+    parser.add_argument("--partitions", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--bootstrap-servers", help="use this broker instead of Tansu")
+    args = parser.parse_args(argv)
+    schema = schemas.load(SCHEMA)
+    work = tempfile.mkdtemp(prefix="bench-online-")
+    broker = (contextlib.nullcontext((args.bootstrap_servers, None, None))
+              if args.bootstrap_servers else local_broker.tansu())
+    try:
+        with broker as (bootstrap, _, _):
+            messages = _messages(schema, args.samples, args.seed)
+            topic = _create_topic(bootstrap, args.partitions)
+            _produce(bootstrap, topic, messages)
+            throughput = _online(schema, bootstrap, topic, os.path.join(work, "run1"),
+                                 os.path.join(work, "export1"), 1e9,
+                                 max_samples=args.samples, idle_exit=10)
+
+            delay_samples = int(args.rate * args.seconds)
+            delayed = _messages(schema, delay_samples, args.seed + 1)
+            topic = _create_topic(bootstrap, args.partitions)
+            stop = threading.Event()
+            producer = threading.Thread(target=_produce, args=(bootstrap, topic, delayed,
+                                                               args.rate, stop))
+            producer.start()
+            try:
+                delay = _online(schema, bootstrap, topic, os.path.join(work, "run2"),
+                                os.path.join(work, "export2"), args.export_every,
+                                max_samples=delay_samples, idle_exit=10)
+            finally:
+                stop.set()
+                producer.join()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    result = {"benchmark": "online", "samples": throughput["samples"],
+              "samples_per_sec": throughput["steady_samples_per_sec"],
+              "samples_per_sec_with_startup": throughput["samples_per_sec"],
+              "delay_phase": {"rate": args.rate, "samples": delay["samples"],
+                              "export_every": args.export_every,
+                              "delay_p50_s": delay["delay_s"]["p50"],
+                              "delay_p99_s": delay["delay_s"]["p99"],
+                              "exports": delay["exports"],
+                              "samples_per_sec": delay["steady_samples_per_sec"]},
+              "machine": machine()}
+    print(f"online learning, taobao_like JSON samples, paper's MLP, {os.cpu_count()} cpus")
+    print(f"  throughput   {result['samples_per_sec']:>12,.0f} samples/s (steady; "
+          f"{throughput['samples_per_sec']:,.0f} with start-up)   target >= 100k")
+    print(f"  delay p50/p99 at {args.rate:,.0f} samples/s, exports every {args.export_every} s: "
+          f"{delay['delay_s']['p50']} / {delay['delay_s']['p99']} s   target p99 < 10 s")
+    print(json.dumps(result, sort_keys=True))
+    return result
+
+
+if __name__ == "__main__":
+    run()
