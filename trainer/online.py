@@ -362,6 +362,12 @@ def run(argv=None) -> dict:
         summary = online.run()
     finally:
         source.close()
+    delay = {k: "n/a" if v is None else f"{v:.2f}" for k, v in summary["delay_s"].items()}
+    print(f"trained {summary['samples']:,} samples from {args.topic!r} "
+          f"({summary['steady_samples_per_sec']:,.0f} samples/s steady), "
+          f"{summary['dead_letters']} dead letters, {summary['checkpoints']} checkpoints, "
+          f"{summary['exports']} exports (arrival-to-export delay p50 {delay['p50']} s, "
+          f"p99 {delay['p99']} s), {summary['store_rows']:,} store rows", flush=True)
     print(json.dumps(summary, sort_keys=True), flush=True)
     return summary
 
