@@ -45,6 +45,7 @@ import compression
 import schemas
 from compression import RawDataError, TreeStats
 from compression.stats import format_summary
+from pipelines._runner import with_default_runner
 from pipelines import _coders  # noqa: F401  (registers the Arrow table coder)
 from pipelines._shards import split_by_shard
 
@@ -283,12 +284,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _with_default_runner(beam_args: list[str]) -> list[str]:
-    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
-        return beam_args
-    return ["--runner=FnApiRunner", *beam_args]
-
-
 def _clear_previous_output(output: str):
     """Remove what an earlier run wrote here (only files this job writes), so the directory
     never mixes two runs' shards."""
@@ -331,7 +326,7 @@ def run(argv=None) -> dict:
     output = os.path.abspath(args.output)
     os.makedirs(output, exist_ok=True)
     _clear_previous_output(output)
-    options = PipelineOptions(_with_default_runner(beam_args))
+    options = PipelineOptions(with_default_runner(beam_args))
     log.info("compressing %d file(s) into %d shard(s) -> %s", len(files), args.shards, output)
     try:
         with beam.Pipeline(options=options) as p:

@@ -48,6 +48,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 import compression
 import schemas
+from pipelines._runner import with_default_runner
 from pipelines import _coders  # noqa: F401  (registers the Arrow table coder)
 from pipelines import kafka_io
 from pipelines._shards import split_by_shard
@@ -297,12 +298,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _with_default_runner(beam_args: list[str]) -> list[str]:
-    if any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
-        return beam_args
-    return ["--runner=FnApiRunner", *beam_args]
-
-
 def _dead_letter_as_json(record):
     """A dead letter for a writer without headers: the reason moves into the value."""
     key, value, headers = record
@@ -355,7 +350,7 @@ def run(argv=None) -> None:
     if args.shards < 1:
         raise ValueError(f"--shards: expected a positive number, got {args.shards}")
     schema = schemas.load(args.schema)
-    options = PipelineOptions(_with_default_runner(beam_args))
+    options = PipelineOptions(with_default_runner(beam_args))
     if not args.bounded:
         options.view_as(StandardOptions).streaming = True
         if options.view_as(StandardOptions).runner in ("FnApiRunner", "DirectRunner", None):
