@@ -23,7 +23,6 @@ SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -45,8 +44,7 @@ from trainer.kafka_source import KafkaSampleSource
 from trainer.trainer import Trainer
 
 log = logging.getLogger("trainer.online")
-MODELS = {"mlp": models_lib.MLP, "din": getattr(models_lib, "DIN", None),
-          "esmm": getattr(models_lib, "ESMM", None)}
+MODELS = {"mlp": models_lib.MLP, "din": models_lib.DIN, "esmm": models_lib.ESMM}
 
 
 @dataclass
@@ -279,17 +277,6 @@ class OnlineTrainer:
                 "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())}}
 
 
-def load_function(spec: str):
-    """``module:function`` -> the function (for user expiry predicates)."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"{spec!r}: expected module:function, e.g. mypkg.expiry:stale")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{spec!r}: cannot load it ({e})") from None
-
-
 def _kafka_option(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -313,15 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True,
                         help="checkpoints and TensorBoard logs; restored from on start")
     parser.add_argument("--config", help="trainer YAML (see trainer/examples/mlp.yaml)")
-    parser.add_argument("--model", choices=[m for m, cls in MODELS.items() if cls],
+    parser.add_argument("--model", choices=sorted(MODELS),
                         default="mlp", help="built-in model for a new run (default mlp)")
     parser.add_argument("--export-dir", help="write store deltas and dense weights here")
     parser.add_argument("--export-every", type=float, default=10.0,
                         help="seconds between exports (default 10)")
     parser.add_argument("--checkpoint-every", type=float, default=30.0,
                         help="seconds between checkpoints (default 30)")
-    parser.add_argument("--expire-every", type=int,
-                        help="units (polls) between runs of the config's expiry function")
     parser.add_argument("--max-samples", type=int,
                         help="stop (checkpoint, commit, exit 0) after this many samples")
     parser.add_argument("--idle-exit", type=float,
@@ -345,15 +330,12 @@ def run(argv=None) -> dict:
         config = TrainConfig.load(args.config) if args.config else TrainConfig()
         trainer = Trainer(schema, MODELS[args.model](), config)
         offsets = {}
-    expire_fn = load_function(trainer.config.expire_function) \
-        if getattr(trainer.config, "expire_function", None) else None
     source = KafkaSampleSource(schema, args.bootstrap_servers, args.topic, args.group,
                                format=args.format, start_offsets=offsets,
                                config=dict(args.kafka))
     online = OnlineTrainer(schema, trainer, source, checkpoints,
                            checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
-                           export_every=args.export_every, expire_every=args.expire_every,
-                           expire_fn=expire_fn, max_samples=args.max_samples,
+                           export_every=args.export_every, max_samples=args.max_samples,
                            idle_exit=args.idle_exit,
                            status_path=os.path.join(args.run_dir, "status.json"))
     signal.signal(signal.SIGTERM, online.stop)
