@@ -12,6 +12,7 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
       initializer: {name: normal, stddev: 0.01}
       filter: {name: counter, min_count: 2}           # or probability / bloom; null admits all
       expire: {every_steps: 1000, max_idle_steps: 100000}
+      # or a user function of the row statistics: {every_steps: 1000, function: "mod:fn"}
     features:                      # per feature: its table (default: its own) and pooling
       clicked_cats: {table: cate, pooling: mean}
       cate_id: {table: cate}
@@ -27,7 +28,9 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -54,11 +57,17 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ExpiryConfig:
     """Every ``every_steps`` steps, drop rows idle for more than ``max_idle_steps`` steps or
-    ``max_idle_seconds`` seconds (either suffices)."""
+    ``max_idle_seconds`` seconds (either suffices), and the rows ``function`` selects.
+
+    ``function`` names a user function as ``module:function`` (importable from the working
+    directory or PYTHONPATH). It is called with numpy arrays of the table's rows — ``ids,
+    update_counts, last_steps, last_times, l2_norms`` — and the keyword ``step`` (the trainer's
+    current step), and returns a bool mask of the rows to drop."""
 
     every_steps: int = 1000
     max_idle_steps: int | None = None
     max_idle_seconds: float | None = None
+    function: str | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,23 @@ class TrainConfig:
     def table(self, table: str) -> TableConfig:
         return dict(self.tables).get(table, self.embedding)
 
+    def with_expire_every(self, steps: int) -> "TrainConfig":
+        """This config with every configured expiry running every ``steps`` steps (the online
+        trainer's ``--expire-every``); a ConfigError when no table has an ``expire`` section."""
+        _check_int("--expire-every", steps, 1)
+
+        def every(t: TableConfig) -> TableConfig:
+            return t if t.expire is None else dataclasses.replace(
+                t, expire=dataclasses.replace(t.expire, every_steps=steps))
+
+        changed = dataclasses.replace(self, embedding=every(self.embedding),
+                                      tables=tuple((n, every(t)) for n, t in self.tables))
+        if changed.embedding.expire is None and all(t.expire is None for _, t in changed.tables):
+            raise ConfigError("--expire-every: no table has an expiry to schedule; add "
+                              "`embedding: {expire: {max_idle_steps: N}}` (or max_idle_seconds, "
+                              "or function: module:function) to the config")
+        return changed
+
     def check(self, schema: Schema) -> dict[str, list[str]]:
         """Check the config against ``schema``; returns table -> its features (schema order)."""
         sparse = [f.name for f in schema.features if f.kind != "dense"]
@@ -253,6 +279,27 @@ class TrainConfig:
                 raise ConfigError(f"tables.{name}: no feature uses table {name!r}; set "
                                   f"`features: {{<feature>: {{table: {name}}}}}` or remove it")
         return tables
+
+
+_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def resolve_function(spec, key: str):
+    """The callable a ``module:function`` string names; a ConfigError naming ``key`` when the
+    string is malformed, the module cannot be imported or the name is not a function."""
+    if not isinstance(spec, str) or not _FUNCTION_SPEC.match(spec):
+        raise ConfigError(f"{key}: expected `module:function` (e.g. `my_rules:stale_rows`), "
+                          f"got {spec!r}")
+    module_name, name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import module {module_name!r} ({e}); put it on "
+                          "PYTHONPATH or in the working directory") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: module {module_name!r} has no function {name!r}")
+    return fn
 
 
 def _check_int(key: str, value, low: int):
@@ -318,10 +365,14 @@ def _table(raw, where: str, base: TableConfig) -> TableConfig:
             if not isinstance(exp, Mapping):
                 raise ConfigError(f"{where}.expire: expected a mapping like "
                                   "`{every_steps: 1000, max_idle_steps: 100000}`")
-            _no_unknown(exp, ("every_steps", "max_idle_steps", "max_idle_seconds"),
+            _no_unknown(exp, ("every_steps", "max_idle_steps", "max_idle_seconds", "function"),
                         f"{where}.expire")
-            if exp.get("max_idle_steps") is None and exp.get("max_idle_seconds") is None:
-                raise ConfigError(f"{where}.expire: give max_idle_steps or max_idle_seconds")
+            if all(exp.get(k) is None for k in ("max_idle_steps", "max_idle_seconds",
+                                                 "function")):
+                raise ConfigError(f"{where}.expire: give max_idle_steps, max_idle_seconds or "
+                                  "function (`module:function`)")
+            if exp.get("function") is not None:
+                resolve_function(exp["function"], f"{where}.expire.function")
             _check_int(f"{where}.expire.every_steps", exp.get("every_steps", 1000), 1)
             if exp.get("max_idle_steps") is not None:
                 _check_int(f"{where}.expire.max_idle_steps", exp["max_idle_steps"], 0)

@@ -33,7 +33,7 @@ import schemas
 from compression import TreeBatch
 from schemas import Schema
 from trainer import models as models_lib
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, FeedBuilder, Layout
 from trainer.metrics import StreamingAUC, auc, logloss
@@ -61,6 +61,10 @@ class Trainer:
                 raise ConfigError(f"table name {table!r}: use letters, digits, _ . - only")
         if hasattr(self.model, "check"):
             self.model.check(schema)
+        for table in self.tables:
+            expiry = config.table(table).expire
+            if expiry is not None and expiry.function is not None:  # fail before any data
+                resolve_function(expiry.function, f"tables.{table}.expire.function")
         _configure_threads(config.threads)
         self.stores = {t: native.EmbeddingStore(config.table(t).store_config(
             seed=_table_seed(config.seed, t))) for t in self.tables}
@@ -146,8 +150,7 @@ class Trainer:
         for table in self.tables:
             expiry = self.config.table(table).expire
             if expiry is not None and self.step % expiry.every_steps == 0:
-                self.expired += self.stores[table].expire(expiry.max_idle_steps,
-                                                          expiry.max_idle_seconds)
+                self.expire(table)
         self.samples += feed.num_leaves
         self.ids_fed += feed.ids_fed
         self.leaf_ids += feed.leaf_ids
@@ -155,6 +158,21 @@ class Trainer:
         self.timings["step"] += t1 - t0
         self.timings["update"] += t2 - t1
         return float(loss), probabilities
+
+    def expire(self, table: str) -> int:
+        """Run ``table``'s configured expiry now (idle steps/seconds, then its function);
+        returns the rows removed."""
+        expiry = self.config.table(table).expire
+        store = self.stores[table]
+        removed = 0
+        if expiry.max_idle_steps is not None or expiry.max_idle_seconds is not None:
+            removed += store.expire(expiry.max_idle_steps, expiry.max_idle_seconds)
+        if expiry.function is not None:
+            fn = resolve_function(expiry.function, f"tables.{table}.expire.function")
+            step = self.step
+            removed += store.expire_where(lambda *rows: fn(*rows, step=step))
+        self.expired += removed
+        return removed
 
     def train_batch(self, batch: TreeBatch) -> float:
         """One training step on one batch, on the caller's thread (for callers that batch
@@ -334,13 +352,12 @@ class Trainer:
 
     def _write_scalars(self, writer, loss, window_auc, rate):
         stats = self.store_stats()
-        with writer.as_default(step=self.step):
-            _scalar("loss", loss)
-            if np.isfinite(window_auc):
-                _scalar("auc", window_auc)
-            _scalar("samples_per_sec", rate)
-            for key in ("rows", "admitted", "rejected", "expired"):
-                _scalar(f"store/{key}", stats.get(key, 0))
+        scalars = {"loss": loss, "samples_per_sec": rate,
+                   **{f"store/{k}": stats.get(k, 0) for k in ("rows", "admitted", "rejected",
+                                                              "expired")}}
+        if np.isfinite(window_auc):
+            scalars["auc"] = window_auc
+        write_scalars(writer, self.step, scalars)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a checkpoint (dense weights, dense optimizer state, every store's snapshot, the
@@ -438,6 +455,13 @@ def _scalar(name: str, value) -> None:
     """A TensorBoard scalar through TensorFlow's own summary op: ``tf.summary.scalar`` lives in
     the tensorboard package, which the trainer does not need in order to write event files."""
     tf.summary.write(name, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
+
+
+def write_scalars(writer, step: int, scalars: dict) -> None:
+    """TensorBoard scalars ``{name: value}`` at ``step`` through ``writer``."""
+    with writer.as_default(step=step):
+        for name, value in scalars.items():
+            _scalar(name, value)
 
 
 def _table_seed(seed: int, table: str) -> int:

@@ -85,7 +85,15 @@ def test_schema_mismatches_name_the_feature(tmp_path, schema, text, message):
     ("tables: {cate: {filter: {name: counter, count: 3}}}",
      "tables.cate.filter: counter takes min_count, got count"),
     ("embedding: {expire: {every_steps: 10}}",
-     "embedding.expire: give max_idle_steps or max_idle_seconds"),
+     "embedding.expire: give max_idle_steps, max_idle_seconds or function (`module:function`)"),
+    ("embedding: {expire: {function: stale_rows}}",
+     "embedding.expire.function: expected `module:function` (e.g. `my_rules:stale_rows`), "
+     "got 'stale_rows'"),
+    ("embedding: {expire: {function: 'no_such_module_xyz:stale'}}",
+     "embedding.expire.function: cannot import module 'no_such_module_xyz' (No module named "
+     "'no_such_module_xyz'); put it on PYTHONPATH or in the working directory"),
+    ("embedding: {expire: {function: 'json:no_such_function'}}",
+     "embedding.expire.function: module 'json' has no function 'no_such_function'"),
     ("compute: tree", "compute: 'tree' is not a compute mode; use one of structured, flat"),
     ("dense: {price: {transform: sqrt}}",
      "dense.price.transform: 'sqrt' is not a transform; use one of none, log1p"),
@@ -105,3 +113,18 @@ def test_missing_and_malformed_files(tmp_path):
         TrainConfig.load(str(tmp_path / "nope.yaml"))
     with pytest.raises(ConfigError, match="not valid YAML"):
         TrainConfig.load(write(tmp_path, "batch_size: [1"))
+
+
+def test_expire_every_reschedules_every_configured_expiry(tmp_path):
+    config = TrainConfig.load(write(tmp_path, """
+embedding: {expire: {every_steps: 1000, max_idle_steps: 5}}
+tables: {cate: {dim: 4, expire: null}, brand: {expire: {every_steps: 7, function: 'json:dumps'}}}
+"""))
+    changed = config.with_expire_every(3)
+    assert changed.embedding.expire == ExpiryConfig(every_steps=3, max_idle_steps=5)
+    assert changed.table("brand").expire == ExpiryConfig(every_steps=3, function="json:dumps")
+    assert changed.table("cate").expire is None
+    with pytest.raises(ConfigError, match="--expire-every: no table has an expiry to schedule"):
+        TrainConfig().with_expire_every(3)
+    with pytest.raises(ConfigError, match="--expire-every: expected an integer >= 1, got 0"):
+        config.with_expire_every(0)

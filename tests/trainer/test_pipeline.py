@@ -65,3 +65,29 @@ def test_expiry_and_entry_filter_counters(schema, trees_small):
     assert stats["rejected"] > 0 and stats["admitted"] > 0
     assert trainer.expired == stats["expired"] > 0
     assert stats["rows"] == stats["admitted"] - stats["expired"] - stats.get("evicted", 0)
+
+
+def test_expiry_by_a_user_function_named_in_the_config(schema, trees_small, tmp_path,
+                                                       monkeypatch):
+    # a user's rule: drop rows of odd ids updated fewer than 3 times, once past step 2
+    (tmp_path / "my_expiry_rules.py").write_text(
+        "import numpy as np\n"
+        "calls = []\n"
+        "def odd_and_rare(ids, update_counts, last_steps, last_times, l2_norms, step):\n"
+        "    calls.append((len(ids), step))\n"
+        "    return (ids % 2 == 1) & (update_counts < 3) & (step > 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    trainer = Trainer(schema, models.MLP(hidden=(8,)), config(embedding={
+        "dim": 4, "expire": {"every_steps": 2, "function": "my_expiry_rules:odd_and_rare"}}))
+    trainer.fit(trees_small)
+    import my_expiry_rules
+
+    steps = sorted({step for _, step in my_expiry_rules.calls})
+    assert steps == list(range(2, trainer.step + 1, 2))  # every 2 steps, with the current step
+    assert trainer.expired == trainer.store_stats()["expired"] > 0
+    for table, store in trainer.stores.items():
+        rows = store.to_numpy()
+        # what is left of the odd ids was updated at least 3 times or after the last expiry
+        odd = rows["ids"] % 2 == 1
+        assert np.all((rows["update_counts"][odd] >= 3) |
+                      (rows["last_steps"][odd] > steps[-1])), table
