@@ -170,19 +170,37 @@ class KafkaSampleSource:
 
     # -- committing ----------------------------------------------------------------------
 
-    def commit(self, offsets: dict[int, int] | None = None, timeout: float = 30.0):
-        """Commit ``offsets`` (default: :attr:`positions`) after every dead letter is durable.
-
-        Call it only once a checkpoint holding these offsets is on disk."""
+    def flush_dead_letters(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until every dead letter sent so far is delivered; False if
+        some are not (e.g. the broker is unreachable). A checkpoint must not cover messages
+        whose dead letters could still be lost."""
         remaining = self.producer.flush(timeout)
         if remaining:
-            raise RuntimeError(f"{remaining} dead-letter messages to {self.dlq_topic!r} were not "
-                               "delivered; not committing past them")
+            log.warning("%d dead letters to %s not delivered yet", remaining, self.dlq_topic)
+        return remaining == 0
+
+    def commit(self, offsets: dict[int, int] | None = None) -> bool:
+        """Commit ``offsets`` (default: :attr:`positions`) of the partitions this member owns.
+
+        Call it only once a checkpoint holding these offsets is on disk. Returns False when the
+        commit failed (broker unreachable, a rebalance in progress): the checkpoint, not Kafka,
+        is where a restart resumes, so the next checkpoint simply commits again. Offsets of
+        partitions another member took over are not committed, so its commits stand."""
         offsets = self.positions if offsets is None else offsets
-        if not offsets:
-            return
-        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o)
-                                      for p, o in sorted(offsets.items())], asynchronous=False)
+        owned = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())
+                 if p in self.assigned]
+        if not owned:
+            return True
+        try:
+            self.consumer.commit(offsets=owned, asynchronous=False)
+        except KafkaException as e:
+            error = e.args[0] if e.args else e
+            if isinstance(error, KafkaError) and error.fatal():
+                raise
+            log.warning("commit of %s offsets failed, retrying at the next checkpoint: %s",
+                        self.topic, error)
+            return False
+        return True
 
     def lag(self) -> int | None:
         """Messages behind the end of the assigned partitions (None when unknown).

@@ -34,14 +34,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import tensorflow as tf
 
 import compression
 import schemas
 from trainer import models as models_lib
 from trainer.checkpoints import CheckpointManager
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
-from trainer.trainer import Trainer
+from trainer.trainer import Trainer, write_scalars
 
 log = logging.getLogger("trainer.online")
 MODELS = {"mlp": models_lib.MLP, "din": models_lib.DIN, "esmm": models_lib.ESMM}
@@ -60,6 +61,30 @@ class Unit:
     messages: int
 
 
+class DelayHistogram:
+    """Arrival-to-export delays of every sample of a run in constant memory: 10 ms buckets up
+    to 10 minutes (longer delays count in the last bucket), percentiles to within 10 ms."""
+
+    BUCKET_MS = 10
+    BUCKETS = 60_000
+
+    def __init__(self):
+        self.counts = np.zeros(self.BUCKETS, np.int64)
+
+    def add(self, delays_ms: np.ndarray) -> None:
+        buckets = np.clip(np.asarray(delays_ms) // self.BUCKET_MS, 0, self.BUCKETS - 1)
+        self.counts += np.bincount(buckets.astype(np.int64), minlength=self.BUCKETS)
+
+    def percentiles(self) -> dict:
+        """``{"p50": s, "p99": s}`` (upper bucket edges, in seconds); None before any sample."""
+        total = int(self.counts.sum())
+        if total == 0:
+            return {"p50": None, "p99": None}
+        cumulative = np.cumsum(self.counts)
+        return {name: float(np.searchsorted(cumulative, q * total) + 1) * self.BUCKET_MS / 1000
+                for name, q in (("p50", 0.5), ("p99", 0.99))}
+
+
 @dataclass
 class OnlineStats:
     samples: int = 0
@@ -68,17 +93,11 @@ class OnlineStats:
     units: int = 0
     checkpoints: int = 0
     exports: int = 0
-    delays_ms: list = field(default_factory=list)   # arrival-to-export delay per sample
+    delays: "DelayHistogram" = field(default_factory=lambda: DelayHistogram())
     started: float = field(default_factory=time.monotonic)
     first_unit: float | None = None  # when the first unit was trained (after start-up/join)
     first_unit_samples: int = 0
 
-    def delay_percentiles(self) -> dict:
-        if not self.delays_ms:
-            return {"p50": None, "p99": None}
-        delays = np.concatenate(self.delays_ms)
-        return {"p50": float(np.percentile(delays, 50)) / 1000,
-                "p99": float(np.percentile(delays, 99)) / 1000}
 
 
 class OnlineTrainer:
@@ -87,10 +106,9 @@ class OnlineTrainer:
     def __init__(self, schema: schemas.Schema, trainer: Trainer, source: KafkaSampleSource,
                  checkpoints: CheckpointManager, checkpoint_every: float = 30.0,
                  export_dir: str | None = None, export_every: float = 10.0,
-                 expire_every: int | None = None, expire_fn=None,
                  max_samples: int | None = None, idle_exit: float | None = None,
                  poll_timeout: float = 0.2, status_path: str | None = None,
-                 on_export=None):
+                 on_export=None, log_dir: str | None = None, report_every: float = 10.0):
         self.schema = schema
         self.trainer = trainer
         self.source = source
@@ -98,14 +116,18 @@ class OnlineTrainer:
         self.checkpoint_every = checkpoint_every
         self.export_dir = export_dir
         self.export_every = export_every
-        self.expire_every = expire_every
-        self.expire_fn = expire_fn
         self.max_samples = max_samples
         self.idle_exit = idle_exit
         self.poll_timeout = poll_timeout
         self.status_path = status_path
         self.on_export = on_export  # called with this OnlineTrainer after every export
+        self.log_dir = log_dir        # TensorBoard scalars (None: none)
+        self.report_every = report_every  # seconds between console lines and scalars
+        self._writer = None
         self._last_status = 0.0
+        self._last_report = (time.monotonic(), 0)  # (when, samples then)
+        self.last_lag: int | None = None
+        self.last_delay: dict = {"p50": None, "p99": None}  # of the latest export
         self.stats = OnlineStats()
         self.trained_positions = dict(source.positions)
         self.ranges_since_checkpoint: dict[int, list] = {}
@@ -156,8 +178,10 @@ class OnlineTrainer:
     def run(self) -> dict:
         reader = threading.Thread(target=self._read, name="online-reader", daemon=True)
         reader.start()
-        last_checkpoint = last_export = time.monotonic()
+        last_checkpoint = last_export = last_report = time.monotonic()
         last_message = time.monotonic()
+        if self.log_dir:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
         try:
             while not self._stop.is_set():
                 try:
@@ -177,8 +201,11 @@ class OnlineTrainer:
                     self.export()
                     last_export = time.monotonic()
                 if now - last_checkpoint >= self.checkpoint_every:
-                    self.checkpoint()
+                    self.checkpoint()  # postponed (returns False) while dead letters wait
                     last_checkpoint = time.monotonic()
+                if now - last_report >= self.report_every:
+                    self.report()
+                    last_report = time.monotonic()
                 if self.max_samples is not None and self.stats.samples >= self.max_samples:
                     break
                 if self.idle_exit is not None and now - last_message >= self.idle_exit:
@@ -190,7 +217,14 @@ class OnlineTrainer:
         # their offsets are after the trained positions, so the next run consumes them.
         if self.export_dir:
             self.export()
-        self.checkpoint()
+        if not self.checkpoint(flush_timeout=60.0):
+            raise RuntimeError(
+                f"the final checkpoint was not written: dead letters to "
+                f"{self.source.dlq_topic!r} could not be delivered within 60 s (is the broker "
+                "reachable?); the run resumes from the previous checkpoint")
+        self.report()
+        if self._writer is not None:
+            self._writer.close()
         return self.summary()
 
     def _train(self, unit: Unit):
@@ -214,10 +248,6 @@ class OnlineTrainer:
         self.stats.units += 1
         if self.status_path and time.monotonic() - self._last_status >= 1.0:
             self.write_status()
-        if self.expire_every and self.expire_fn is not None and \
-                self.stats.units % self.expire_every == 0:
-            for store in self.trainer.stores.values():
-                self.trainer.expired += store.expire_where(self.expire_fn)
 
     def write_status(self):
         """Replace ``status.json`` in the run dir with the current summary (for operators and
@@ -228,9 +258,16 @@ class OnlineTrainer:
         os.replace(tmp, self.status_path)
         self._last_status = time.monotonic()
 
-    def checkpoint(self):
-        """Write a checkpoint holding the trained positions; then commit them to Kafka."""
+    def checkpoint(self, flush_timeout: float = 5.0) -> bool:
+        """Write a checkpoint holding the trained positions; then commit them to Kafka.
+
+        The dead letters of the messages it covers are delivered first: if they cannot be
+        within ``flush_timeout`` s, the checkpoint is postponed (returns False) and training
+        goes on. A failed commit is logged and made good by the next checkpoint's commit."""
         positions = dict(self.trained_positions)
+        if not self.source.flush_dead_letters(flush_timeout):
+            log.warning("checkpoint postponed: dead letters are not delivered yet")
+            return False
         state = {"step": self.trainer.step, "samples": self.trainer.samples,
                  "offsets": {str(p): o for p, o in sorted(positions.items())},
                  "trained_ranges": {str(p): spans for p, spans in
@@ -243,6 +280,7 @@ class OnlineTrainer:
             self.source.commit(positions)
         self.ranges_since_checkpoint = {}
         self.stats.checkpoints += 1
+        return True
 
     def export(self):
         """Export store deltas (upserts and tombstones) and the dense weights for serving."""
@@ -251,12 +289,44 @@ class OnlineTrainer:
         export_increment(self.trainer, self.export_dir)
         now_ms = time.time() * 1000
         if self._pending_timestamps:
-            stamps = np.concatenate(self._pending_timestamps)
-            self.stats.delays_ms.append(now_ms - stamps)
+            delays = now_ms - np.concatenate(self._pending_timestamps)
             self._pending_timestamps = []
+            self.stats.delays.add(delays)
+            self.last_delay = {"p50": float(np.percentile(delays, 50)) / 1000,
+                               "p99": float(np.percentile(delays, 99)) / 1000}
+            if self._writer is not None:
+                write_scalars(self._writer, self.trainer.step,
+                              {"delay/p50_s": self.last_delay["p50"],
+                               "delay/p99_s": self.last_delay["p99"]})
         self.stats.exports += 1
         if self.on_export is not None:
             self.on_export(self)
+
+    def report(self):
+        """One console line and TensorBoard scalars: samples/s since the last report, consumer
+        lag, store rows admitted/rejected/expired, dead letters, the latest export's delay."""
+        now = time.monotonic()
+        then, samples_then = self._last_report
+        rate = (self.stats.samples - samples_then) / max(now - then, 1e-9)
+        self._last_report = (now, self.stats.samples)
+        with self._lock:
+            self.last_lag = self.source.lag()
+        store = self.trainer.store_stats()
+        delay = {k: "n/a" if v is None else f"{v:.2f} s" for k, v in self.last_delay.items()}
+        log.info("%s samples, %s samples/s, lag %s messages, %s store rows (admitted %s, "
+                 "rejected %s, expired %s), %d dead letters, export delay p50 %s p99 %s",
+                 f"{self.stats.samples:,}", f"{rate:,.0f}",
+                 "n/a" if self.last_lag is None else f"{self.last_lag:,}",
+                 f"{store.get('rows', 0):,}", f"{store.get('admitted', 0):,}",
+                 f"{store.get('rejected', 0):,}", f"{store.get('expired', 0):,}",
+                 self.stats.dead, delay["p50"], delay["p99"])
+        if self._writer is not None:
+            scalars = {"samples_per_sec": rate, "dead_letters": self.stats.dead,
+                       **{f"store/{k}": store.get(k, 0)
+                          for k in ("rows", "admitted", "rejected", "expired")}}
+            if self.last_lag is not None:
+                scalars["lag_messages"] = self.last_lag
+            write_scalars(self._writer, self.trainer.step, scalars)
 
     def summary(self) -> dict:
         now = time.monotonic()
@@ -273,7 +343,7 @@ class OnlineTrainer:
                 "checkpoints": self.stats.checkpoints, "exports": self.stats.exports,
                 "store_rows": store.get("rows", 0), "admitted": store.get("admitted", 0),
                 "rejected": store.get("rejected", 0), "expired": store.get("expired", 0),
-                "delay_s": self.stats.delay_percentiles(),
+                "delay_s": self.stats.delays.percentiles(), "lag": self.last_lag,
                 "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())}}
 
 
@@ -307,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between exports (default 10)")
     parser.add_argument("--checkpoint-every", type=float, default=30.0,
                         help="seconds between checkpoints (default 30)")
+    parser.add_argument("--expire-every", type=int, metavar="N",
+                        help="run the config's expiry (idle steps/seconds or its "
+                             "module:function) every N steps instead of its every_steps")
+    parser.add_argument("--report-every", type=float, default=10.0,
+                        help="seconds between console lines and TensorBoard points "
+                             "(samples/s, lag, store rows, delay; default 10)")
     parser.add_argument("--max-samples", type=int,
                         help="stop (checkpoint, commit, exit 0) after this many samples")
     parser.add_argument("--idle-exit", type=float,
@@ -317,19 +393,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    schema = schemas.load(args.schema)
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
-    if latest is not None:
-        trainer = Trainer.restore(os.path.join(latest.path, "model"))
-        offsets = {int(p): o for p, o in latest.state["offsets"].items()}
-        log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
-    else:
-        config = TrainConfig.load(args.config) if args.config else TrainConfig()
-        trainer = Trainer(schema, MODELS[args.model](), config)
-        offsets = {}
+    try:
+        schema = schemas.load(args.schema)
+        if latest is not None:
+            trainer = Trainer.restore(os.path.join(latest.path, "model"))
+            offsets = {int(p): o for p, o in latest.state["offsets"].items()}
+            log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
+        else:
+            config = TrainConfig.load(args.config) if args.config else TrainConfig()
+            trainer = Trainer(schema, MODELS[args.model](), config)
+            offsets = {}
+        if args.expire_every is not None:
+            trainer.config = trainer.config.with_expire_every(args.expire_every)
+    except (schemas.SchemaError, ConfigError) as e:
+        parser.error(str(e))
     source = KafkaSampleSource(schema, args.bootstrap_servers, args.topic, args.group,
                                format=args.format, start_offsets=offsets,
                                config=dict(args.kafka))
@@ -337,7 +419,9 @@ def run(argv=None) -> dict:
                            checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
                            export_every=args.export_every, max_samples=args.max_samples,
                            idle_exit=args.idle_exit,
-                           status_path=os.path.join(args.run_dir, "status.json"))
+                           status_path=os.path.join(args.run_dir, "status.json"),
+                           log_dir=os.path.join(args.run_dir, "online"),
+                           report_every=args.report_every)
     signal.signal(signal.SIGTERM, online.stop)
     signal.signal(signal.SIGINT, online.stop)
     try:

@@ -48,7 +48,7 @@ def test_source_decodes_tracks_positions_and_dead_letters(kafka_broker):
         assert sids == list(range(40))
         assert source.positions == {0: 21, 1: 21}
         assert all(len(p.timestamps_ms) == p.num_samples for p in polls)
-        source.commit()
+        assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
     dead = kafka_broker.consume_all(f"{topic}.dlq")
@@ -106,7 +106,7 @@ def test_tree_messages_are_decoded_and_wrong_ones_dead_lettered(kafka_broker):
         assert sum(p.dead for p in polls) == 2
         got = [t for p in polls for t in p.trees]
         assert len(got) == 1 and got[0].equals(trees)
-        source.commit()
+        assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
     reasons = sorted(dict(m.headers())["reason"].decode()

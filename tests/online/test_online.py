@@ -1,5 +1,6 @@
 """Online learning against a real broker: crash-exact recovery, SIGTERM, dead letters."""
 
+import glob
 import json
 import os
 import random
@@ -15,6 +16,9 @@ import yaml
 from confluent_kafka import Consumer, TopicPartition
 
 import native
+from kafka_broker import KafkaBroker
+from pipelines import local_broker
+from tcp_proxy import TcpProxy
 from trainer.checkpoints import CheckpointManager
 
 SCHEMA = {"name": "online_test", "labels": ["click"], "layers": [
@@ -61,19 +65,7 @@ def test_kill_9_at_random_moments_trains_every_sample_exactly_once(kafka_broker,
     schema_path, config_path = files
     topic = kafka_broker.create_topic(partitions=2)
     run_dir = str(tmp_path / "run")
-    produced = []
-    streaming = threading.Event()
-    streaming.set()
-
-    def stream():  # a producer streams unique ids for as long as the trainer is being killed
-        while streaming.is_set():
-            start = len(produced)
-            kafka_broker.produce(topic, [_sample(i) for i in range(start, start + 300)])
-            produced.extend(range(start, start + 300))
-            time.sleep(0.3)
-
-    producer = threading.Thread(target=stream)
-    producer.start()
+    producer = _Stream(kafka_broker, topic)  # for as long as the trainer is being killed
     rng = random.Random(11)
     command = _online(schema_path, config_path, kafka_broker, topic, "g-kill", run_dir,
                       "--checkpoint-every", "0.3")
@@ -96,28 +88,144 @@ def test_kill_9_at_random_moments_trains_every_sample_exactly_once(kafka_broker,
             latest = CheckpointManager(run_dir).latest()
             steps_seen.append(latest.step if latest else 0)
     finally:
-        streaming.clear()
-        producer.join()
-    total = len(produced)
+        total = producer.stop()
     final = subprocess.run(command + ["--idle-exit", "5"], capture_output=True, text=True,
                            timeout=300)
     assert final.returncode == 0, final.stderr[-3000:]
-    summary = json.loads(final.stdout.strip().splitlines()[-1])
     assert steps_seen[-1] > 0, "no kill happened after a checkpoint had been written"
+    _assert_trained_exactly_once(kafka_broker, topic, "g-kill", run_dir, final.stdout, total)
 
+
+class _Stream:
+    """A producer thread streaming unique sample ids (0, 1, 2, ...) to both partitions until
+    :meth:`stop`, which returns how many it produced."""
+
+    def __init__(self, broker, topic, chunk=300, pause=0.3):
+        self.produced = 0
+        self._running = threading.Event()
+        self._running.set()
+
+        def stream():
+            while self._running.is_set():
+                start = self.produced
+                broker.produce(topic, [_sample(i) for i in range(start, start + chunk)])
+                self.produced += chunk
+                time.sleep(pause)
+
+        self._thread = threading.Thread(target=stream)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._running.clear()
+        self._thread.join()
+        return self.produced
+
+
+def _wait_until_training(process, run_dir, timeout=180):
+    status = os.path.join(run_dir, "status.json")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if os.path.exists(status) and json.load(open(status))["samples"] > 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the trainer did not start training (exit code {process.poll()})")
+
+
+def _assert_trained_exactly_once(broker, topic, group, run_dir, stdout, total):
+    summary = json.loads(stdout.strip().splitlines()[-1])
     latest, store = _final_store(run_dir, "sid")
     rows = store.to_numpy()
     # Every sample's unique id has a row, updated exactly once: trained exactly once by the
-    # restored model's lineage, whatever the kills threw away.
+    # restored model's lineage, whatever happened to the process, the broker or the group.
     assert sorted(rows["ids"].tolist()) == list(range(total))
     assert set(rows["update_counts"].tolist()) == {1}
-    assert latest.state["offsets"] == {k: v for k, v in summary["offsets"].items()}
+    assert latest.state["offsets"] == summary["offsets"]
     assert sum(latest.state["offsets"].values()) == total
     # Kafka's committed offsets equal the checkpoint's
-    consumer = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": "g-kill"})
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
     committed = consumer.committed([TopicPartition(topic, p) for p in (0, 1)], timeout=10)
     consumer.close()
     assert {str(tp.partition): tp.offset for tp in committed} == latest.state["offsets"]
+    return summary
+
+
+@pytest.fixture
+def broker_behind_proxy():
+    """A Tansu broker of its own that clients reach only through a TcpProxy (it advertises
+    the proxy's port), so a test can take it away and bring it back."""
+    proxy_port = local_broker.free_port()
+    with local_broker.tansu(advertised_port=proxy_port) as (bootstrap, process, log_path):
+        upstream = ("127.0.0.1", int(bootstrap.rsplit(":", 1)[1]))
+        with TcpProxy(upstream, port=proxy_port) as proxy:
+            broker = KafkaBroker(f"127.0.0.1:{proxy_port}", process, log_path)
+            try:
+                broker.admin.list_topics(timeout=30)
+                yield broker, proxy
+            finally:
+                broker.admin = None
+
+
+def test_a_broker_outage_is_survived_without_losing_or_repeating_a_sample(
+        broker_behind_proxy, files, tmp_path):
+    broker, proxy = broker_behind_proxy
+    schema_path, config_path = files
+    topic = broker.create_topic(partitions=2)
+    run_dir = str(tmp_path / "run")
+    producer = _Stream(broker, topic)
+    process = subprocess.Popen(
+        _online(schema_path, config_path, broker, topic, "g-outage", run_dir,
+                "--checkpoint-every", "0.5", "--idle-exit", "8", "--report-every", "1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_until_training(process, run_dir)
+        time.sleep(1.0)
+        before = json.load(open(os.path.join(run_dir, "status.json")))["samples"]
+        proxy.cut()       # every connection reset, reconnects refused: the broker is gone,
+        time.sleep(8.0)   # longer than the group session (6 s): the member is evicted too
+        proxy.restore()   # and back
+        time.sleep(4.0)   # the producer's buffered and new samples flow again
+    finally:
+        total = producer.stop()
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    summary = _assert_trained_exactly_once(broker, topic, "g-outage", run_dir, out, total)
+    assert 0 < before < summary["samples"] == total  # trained before and after the outage
+    assert "Connection refused" in err or "Disconnected" in err  # the outage was seen
+
+
+def test_a_rebalance_mid_run_loses_and_repeats_nothing(kafka_broker, files, tmp_path):
+    schema_path, config_path = files
+    topic = kafka_broker.create_topic(partitions=2)
+    run_dir = str(tmp_path / "run")
+    producer = _Stream(kafka_broker, topic)
+    process = subprocess.Popen(
+        _online(schema_path, config_path, kafka_broker, topic, "g-rebalance", run_dir,
+                "--checkpoint-every", "0.5", "--idle-exit", "8"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    taken = set()
+    try:
+        _wait_until_training(process, run_dir)
+        # A second member joins the group: the trainer gives up a partition; it leaves without
+        # committing: the trainer gets the partition back and resumes where *it* stopped.
+        other = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": "g-rebalance",
+                          "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                          "session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
+        other.subscribe([topic], on_assign=lambda c, ps: taken.update(p.partition for p in ps))
+        deadline = time.monotonic() + 60
+        while not taken and time.monotonic() < deadline:
+            other.poll(0.2)
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            other.poll(0.2)
+        other.close()
+        time.sleep(3.0)
+    finally:
+        total = producer.stop()
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert len(taken) == 1, "the second member was never given a partition"
+    assert "revoked partitions" in err
+    _assert_trained_exactly_once(kafka_broker, topic, "g-rebalance", run_dir, out, total)
 
 
 def test_restored_store_equals_the_checkpointed_one_bit_for_bit(kafka_broker, files,
@@ -192,3 +300,40 @@ def test_malformed_messages_go_to_the_dead_letter_topic_while_good_ones_train(
     assert dead[b"b3"] == "label 'click': value out of range, labels must be in [0, 1]"
     _, store = _final_store(run_dir, "sid")
     assert len(store) == 400
+
+
+def test_expiry_by_a_config_function_and_run_metrics_in_tensorboard(kafka_broker, tmp_path):
+    import tensorflow as tf
+
+    (tmp_path / "online_rules.py").write_text(
+        "def odd_ids(ids, update_counts, last_steps, last_times, l2_norms, step):\n"
+        "    return ids % 2 == 1\n")
+    schema_path = tmp_path / "schema.yaml"
+    schema_path.write_text(yaml.safe_dump(SCHEMA))
+    config = {**CONFIG, "embedding": {**CONFIG["embedding"], "expire": {
+        "every_steps": 1000, "function": "online_rules:odd_ids"}}}
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    topic = kafka_broker.create_topic()
+    kafka_broker.produce(topic, [_sample(i) for i in range(1000)])
+    run_dir = str(tmp_path / "run")
+    result = subprocess.run(
+        _online(str(schema_path), str(config_path), kafka_broker, topic, "g-expire", run_dir,
+                "--expire-every", "1", "--max-samples", "1000", "--report-every", "0.2",
+                "--export-dir", str(tmp_path / "export"), "--export-every", "0.2"),
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    _, store = _final_store(run_dir, "sid")
+    # every step ends with the user's rule: each sample's own id is odd or even, so what is
+    # left of table sid is exactly the even ids
+    assert sorted(store.to_numpy()["ids"].tolist()) == list(range(0, 1000, 2))
+    assert summary["expired"] >= 500 and summary["lag"] is not None
+    assert "samples/s, lag" in result.stderr  # the console line
+    tags = set()
+    for path in glob.glob(os.path.join(run_dir, "online", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"samples_per_sec", "lag_messages", "dead_letters", "store/rows", "store/admitted",
+            "store/rejected", "store/expired", "delay/p50_s", "delay/p99_s"} <= tags

@@ -1,0 +1,104 @@
+"""A TCP forwarder to take a broker away from its clients and give it back, as a restart does.
+
+    with TcpProxy(("127.0.0.1", broker_port)) as proxy:   # clients use proxy.port
+        proxy.cut()      # every connection reset, new ones refused: the broker is "down"
+        proxy.restore()  # listening again on the same port: the broker is "back"
+
+The broker must advertise the proxy's port, or clients reconnect to it directly after the first
+metadata request. Tansu's memory storage loses every topic when the process restarts (and this
+Tansu build has no persistent storage engine), so restarting the broker process itself cannot
+show that a client resumes where it was; cutting the network path can.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+from pipelines.local_broker import free_port
+
+
+class TcpProxy:
+    def __init__(self, target: tuple[str, int], port: int | None = None):
+        self.target = target
+        self.port = port or free_port()
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+
+    def __enter__(self) -> "TcpProxy":
+        self.restore()
+        return self
+
+    def __exit__(self, *exc):
+        self.cut()
+
+    def restore(self):
+        """Listen (again) on :attr:`port` and forward every connection to the target."""
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        self._acceptor = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        self._acceptor.start()
+
+    def cut(self):
+        """Stop listening and reset every open connection (both sides see the peer vanish)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, set()
+        for s in sockets:
+            try:  # SO_LINGER 0: close sends RST, as a dead process's sockets do
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=5)
+        self.cuts += 1
+
+    def _accept(self, listener: socket.socket):
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # closed by cut()
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:  # cut while connecting
+                    client.close()
+                    upstream.close()
+                    return
+                self._sockets.update((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket):
+        try:
+            while True:
+                data = source.recv(1 << 16)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:  # one side closed: close both (the other pump then ends too)
+            with self._lock:
+                self._sockets.difference_update((source, sink))
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
