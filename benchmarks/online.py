@@ -44,6 +44,20 @@ def _messages(schema, samples: int, seed: int):
                     json_lines(table, schema).to_pylist()))
 
 
+def _tree_messages(schema, samples: int, seed: int):
+    """The same samples as tree messages, as ``pipelines.stream_compress`` writes them: one
+    Arrow IPC tree table per root key and window. At the target rate (100k samples/s) a 60 s
+    window holds millions of samples, so the whole preload is one window here."""
+    import compression
+
+    table = pa.concat_tables(generate_tables(schema, samples, seed=seed))
+    trees = compression.build_trees(table, schema)
+    root_key = schema.layers[0].key[0]
+    keys = trees.column(root_key).to_pylist()
+    return [(str(key).encode(), compression.encode_trees(trees.slice(i, 1)))
+            for i, key in enumerate(keys)]
+
+
 def _produce(bootstrap: str, topic: str, messages, rate: float | None = None,
              stop: threading.Event | None = None) -> int:
     from confluent_kafka import Producer
@@ -71,7 +85,8 @@ def _produce(bootstrap: str, topic: str, messages, rate: float | None = None,
     return sent
 
 
-def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, **kwargs):
+def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, format="json",
+            **kwargs):
     from trainer import models
     from trainer.checkpoints import CheckpointManager
     from trainer.config import TrainConfig
@@ -80,7 +95,7 @@ def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, **kwarg
     from trainer.trainer import Trainer
 
     trainer = Trainer(schema, models.MLP(), TrainConfig.load(CONFIG))
-    source = KafkaSampleSource(schema, bootstrap, topic, group_id(),
+    source = KafkaSampleSource(schema, bootstrap, topic, group_id(), format=format,
                                config={"fetch.max.bytes": 64 << 20})
     online = OnlineTrainer(schema, trainer, source, CheckpointManager(run_dir),
                            checkpoint_every=1e9, export_dir=export_dir,
@@ -114,6 +129,9 @@ def run(argv=None) -> dict:
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--bootstrap-servers", help="use this broker instead of Tansu")
+    parser.add_argument("--trees", action="store_true",
+                        help="also measure the throughput from a topic of tree messages (the "
+                             "streaming job's output, --format trees) on the same samples")
     args = parser.parse_args(argv)
     schema = schemas.load(SCHEMA)
     work = tempfile.mkdtemp(prefix="bench-online-")
@@ -127,6 +145,13 @@ def run(argv=None) -> dict:
             throughput = _online(schema, bootstrap, topic, os.path.join(work, "run1"),
                                  os.path.join(work, "export1"), 1e9,
                                  max_samples=args.samples, idle_exit=10)
+            from_trees = None
+            if args.trees:
+                topic = _create_topic(bootstrap, args.partitions)
+                _produce(bootstrap, topic, _tree_messages(schema, args.samples, args.seed))
+                from_trees = _online(schema, bootstrap, topic, os.path.join(work, "run3"),
+                                     os.path.join(work, "export3"), 1e9, format="trees",
+                                     max_samples=args.samples, idle_exit=10)
 
             delay_samples = int(args.rate * args.seconds)
             delayed = _messages(schema, delay_samples, args.seed + 1)
@@ -155,9 +180,16 @@ def run(argv=None) -> dict:
                               "exports": delay["exports"],
                               "samples_per_sec": delay["steady_samples_per_sec"]},
               "machine": machine()}
+    if from_trees is not None:
+        result["trees"] = {"samples": from_trees["samples"],
+                           "samples_per_sec": from_trees["steady_samples_per_sec"],
+                           "samples_per_sec_with_startup": from_trees["samples_per_sec"]}
     print(f"online learning, taobao_like JSON samples, paper's MLP, {os.cpu_count()} cpus")
     print(f"  throughput   {result['samples_per_sec']:>12,.0f} samples/s (steady; "
           f"{throughput['samples_per_sec']:,.0f} with start-up)   target >= 100k")
+    if from_trees is not None:
+        print(f"  from trees   {result['trees']['samples_per_sec']:>12,.0f} samples/s (steady; "
+              f"--format trees, the streaming job's tree messages)")
     print(f"  delay p50/p99 at {args.rate:,.0f} samples/s, exports every {args.export_every} s: "
           f"{delay['delay_s']['p50']} / {delay['delay_s']['p99']} s   target p99 < 10 s")
     print(json.dumps(result, sort_keys=True))

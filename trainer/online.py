@@ -145,14 +145,23 @@ class OnlineTrainer:
 
     def _read(self):
         batch_size = self.trainer.config.batch_size
+        # A unit holds about one batch of samples whatever the format: a tree message holds
+        # many, so ask for as many messages as the samples per message so far suggest.
+        seen_samples = seen_messages = 0
         try:
             while not self._stop.is_set():
+                if seen_samples:
+                    ask = max(1, round(batch_size * seen_messages / seen_samples))
+                else:
+                    ask = batch_size if self.source.format == "json" else 1
                 with self._lock:
-                    polled = self.source.poll(batch_size, self.poll_timeout)
+                    polled = self.source.poll(ask, self.poll_timeout)
                     positions = dict(self.source.positions)
                 if not polled.messages:
                     self._put(None)  # an idle tick, so the trainer can checkpoint on time
                     continue
+                seen_samples += polled.num_samples
+                seen_messages += polled.messages
                 batches = []
                 if polled.num_samples:
                     trees = (compression.build_trees(polled.samples, self.schema, validate=False)

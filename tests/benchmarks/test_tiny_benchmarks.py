@@ -47,9 +47,10 @@ def test_online_benchmark_tiny(kafka_broker):
     import benchmarks.online
 
     result = benchmarks.online.run(["--samples", "16000", "--rate", "2000", "--seconds", "2",
-                                    "--export-every", "0.5", "--bootstrap-servers",
+                                    "--export-every", "0.5", "--trees", "--bootstrap-servers",
                                     kafka_broker.bootstrap])
     assert result["samples"] == 16000 and result["samples_per_sec"] > 0
+    assert result["trees"]["samples"] == 16000 and result["trees"]["samples_per_sec"] > 0
     delay = result["delay_phase"]
     assert delay["samples"] == 4000 and delay["exports"] >= 2
     assert 0 < delay["delay_p50_s"] <= delay["delay_p99_s"]

@@ -96,16 +96,23 @@ def test_tree_messages_are_decoded_and_wrong_ones_dead_lettered(kafka_broker):
         {"name": "s", "key": ["a"], "features": [{"name": "a", "kind": "id"}]}]})
     wrong = compression.build_trees(pa.table({"a": [1], "y": [1.0]}).cast(
         other.raw_arrow_schema()), other)
-    kafka_broker.produce(topic, [(b"1", compression.encode_trees(trees)),
-                                 (b"2", compression.encode_trees(wrong)), (b"3", b"junk")])
+    # the right schema, but user 2's list of ads is null: not a tree
+    broken = trees.slice(1, 1).set_column(1, "ad", pa.array([None], trees.schema.field("ad").type))
+    kafka_broker.produce(topic, [(b"1", compression.encode_trees(trees), None, 1000),
+                                 (b"2", compression.encode_trees(wrong)), (b"3", b"junk"),
+                                 (b"4", compression.encode_trees(broken)),
+                                 (b"5", compression.encode_trees(trees.slice(1, 1)), None,
+                                  2000)])
     source = KafkaSampleSource(SCHEMA, kafka_broker.bootstrap, topic, group_id(),
                                format="trees")
     try:
-        polls = _drain(source, 3)
-        assert sum(p.num_samples for p in polls) == 3
-        assert sum(p.dead for p in polls) == 2
-        got = [t for p in polls for t in p.trees]
-        assert len(got) == 1 and got[0].equals(trees)
+        polls = _drain(source, 5)
+        assert sum(p.num_samples for p in polls) == 3 + 1
+        assert sum(p.dead for p in polls) == 3
+        got = pa.concat_tables([t for p in polls for t in p.trees])
+        assert got.equals(pa.concat_tables([trees, trees.slice(1, 1)]))
+        # a timestamp per sample, its message's
+        assert [t for p in polls for t in p.timestamps_ms.tolist()] == [1000] * 3 + [2000]
         assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
@@ -113,6 +120,8 @@ def test_tree_messages_are_decoded_and_wrong_ones_dead_lettered(kafka_broker):
                      for m in kafka_broker.consume_all(f"{topic}.dlq"))
     assert reasons[0].startswith("not a tree message: not an Arrow IPC tree message (4 bytes)")
     assert reasons[1].startswith("not a tree message: tree schema does not match schema 't'")
+    assert reasons[2] == ("not a tree message: tree table: 1 null 'ad' lists under layer "
+                          "'user'; a node's children list cannot be null")
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
