@@ -173,6 +173,7 @@ def run(argv=None) -> dict:
     result = {"benchmark": "online", "samples": throughput["samples"],
               "samples_per_sec": throughput["steady_samples_per_sec"],
               "samples_per_sec_with_startup": throughput["samples_per_sec"],
+              "busy_seconds": throughput["busy_seconds"],
               "delay_phase": {"rate": args.rate, "samples": delay["samples"],
                               "export_every": args.export_every,
                               "delay_p50_s": delay["delay_s"]["p50"],
@@ -183,10 +184,14 @@ def run(argv=None) -> dict:
     if from_trees is not None:
         result["trees"] = {"samples": from_trees["samples"],
                            "samples_per_sec": from_trees["steady_samples_per_sec"],
-                           "samples_per_sec_with_startup": from_trees["samples_per_sec"]}
+                           "samples_per_sec_with_startup": from_trees["samples_per_sec"],
+                           "busy_seconds": from_trees["busy_seconds"]}
     print(f"online learning, taobao_like JSON samples, paper's MLP, {os.cpu_count()} cpus")
     print(f"  throughput   {result['samples_per_sec']:>12,.0f} samples/s (steady; "
           f"{throughput['samples_per_sec']:,.0f} with start-up)   target >= 100k")
+    busy = ", ".join(f"{k} {v:.1f}" for k, v in throughput["busy_seconds"].items())
+    print(f"  busy seconds (reader thread: poll_decode, compress_batch; trainer: the rest): "
+          f"{busy}")
     if from_trees is not None:
         print(f"  from trees   {result['trees']['samples_per_sec']:>12,.0f} samples/s (steady; "
               f"--format trees, the streaming job's tree messages)")

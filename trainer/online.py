@@ -97,6 +97,9 @@ class OnlineStats:
     started: float = field(default_factory=time.monotonic)
     first_unit: float | None = None  # when the first unit was trained (after start-up/join)
     first_unit_samples: int = 0
+    # the reader thread's busy seconds (the trainer's own are in Trainer.timings)
+    reader_seconds: dict = field(default_factory=lambda: {"poll_decode": 0.0,
+                                                         "compress_batch": 0.0})
 
 
 
@@ -154,9 +157,11 @@ class OnlineTrainer:
                     ask = max(1, round(batch_size * seen_messages / seen_samples))
                 else:
                     ask = batch_size if self.source.format == "json" else 1
+                t0 = time.perf_counter()
                 with self._lock:
                     polled = self.source.poll(ask, self.poll_timeout)
                     positions = dict(self.source.positions)
+                t1 = time.perf_counter()
                 if not polled.messages:
                     self._put(None)  # an idle tick, so the trainer can checkpoint on time
                     continue
@@ -168,6 +173,8 @@ class OnlineTrainer:
                              if polled.samples is not None else polled.trees)
                     batches = list(compression.iter_batches(trees, self.schema, batch_size,
                                                             self.trainer.config.split_trees))
+                self.stats.reader_seconds["poll_decode"] += t1 - t0
+                self.stats.reader_seconds["compress_batch"] += time.perf_counter() - t1
                 self._put(Unit(batches, polled.num_samples, positions, polled.ranges,
                                polled.timestamps_ms, polled.dead, polled.messages))
         except BaseException as e:  # surfaced by the main loop
@@ -353,6 +360,9 @@ class OnlineTrainer:
                 "store_rows": store.get("rows", 0), "admitted": store.get("admitted", 0),
                 "rejected": store.get("rejected", 0), "expired": store.get("expired", 0),
                 "delay_s": self.stats.delays.percentiles(), "lag": self.last_lag,
+                "busy_seconds": {**{k: round(v, 3) for k, v in self.stats.reader_seconds.items()},
+                                 **{k: round(self.trainer.timings[k], 3)
+                                    for k in ("lookup", "step", "update")}},
                 "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())}}
 
 

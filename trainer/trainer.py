@@ -177,7 +177,9 @@ class Trainer:
     def train_batch(self, batch: TreeBatch) -> float:
         """One training step on one batch, on the caller's thread (for callers that batch
         themselves, e.g. online learning); returns the loss."""
+        t0 = time.perf_counter()
         feed = self.builder.lookup(self.builder.prepare(batch), self.stores, train=True)
+        self.timings["lookup"] += time.perf_counter() - t0
         loss, _ = self._train_on(feed)
         return loss
 
