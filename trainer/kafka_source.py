@@ -142,40 +142,23 @@ class KafkaSampleSource:
     def _decode_tree_messages(self, messages, polled: Polled):
         """Decode tree messages into one table for the whole poll (batching one table is much
         cheaper than batching many small ones), with a timestamp per leaf."""
-        tables, kept = [], []
-        for msg in messages:
-            try:
-                trees = compression.decode_trees(msg.value())
-                if not trees.schema.equals(self._tree_schema):
-                    raise ValueError(f"tree schema does not match schema "
-                                     f"{self.schema.name!r}: {trees.schema}")
-            except (ValueError, pa.ArrowException) as e:
-                self._dead(msg, f"not a tree message: {e}")
-                polled.dead += 1
-                continue
-            tables.append(trees)
-            kept.append(msg)
-        if not tables:
+        good = self._sift([(m.value(), m) for m in messages], self._decode_tree, polled)
+        if not good:
             return
         try:
-            table = pa.concat_tables(tables)
+            table = pa.concat_tables([trees for trees, _ in good])
             leaves = _leaves_per_root(table, self.schema)
         except (ValueError, pa.ArrowException):  # a malformed tree: find it message by message
-            good_tables, good_msgs = [], []
-            for trees, msg in zip(tables, kept):
-                try:
-                    _leaves_per_root(trees, self.schema)
-                except (ValueError, pa.ArrowException) as e:
-                    self._dead(msg, f"not a tree message: {e}")
-                    polled.dead += 1
-                    continue
-                good_tables.append(trees)
-                good_msgs.append(msg)
-            if not good_tables:
+            def well_formed(trees):
+                _leaves_per_root(trees, self.schema)  # raises on a malformed tree
+                return trees
+
+            good = self._sift(good, well_formed, polled)
+            if not good:
                 return
-            tables, kept = good_tables, good_msgs
-            table = pa.concat_tables(tables)
+            table = pa.concat_tables([trees for trees, _ in good])
             leaves = _leaves_per_root(table, self.schema)
+        tables, kept = zip(*good)
         leaves_before = np.r_[0, np.cumsum(leaves)]  # leaves before each root
         root_bounds = np.r_[0, np.cumsum([t.num_rows for t in tables])]
         per_message = leaves_before[root_bounds[1:]] - leaves_before[root_bounds[:-1]]
@@ -183,6 +166,25 @@ class KafkaSampleSource:
         polled.num_samples = int(per_message.sum())
         polled.timestamps_ms = np.repeat(
             np.array([m.timestamp()[1] for m in kept], np.int64), per_message)
+
+    def _decode_tree(self, value: bytes) -> pa.Table:
+        trees = compression.decode_trees(value)
+        if not trees.schema.equals(self._tree_schema):
+            raise ValueError(f"tree schema does not match schema {self.schema.name!r}: "
+                             f"{trees.schema}")
+        return trees
+
+    def _sift(self, items, check, polled: Polled) -> list:
+        """``(check(value), msg)`` of the ``(value, msg)`` items ``check`` accepts; the others'
+        messages go to the dead-letter topic."""
+        kept = []
+        for value, msg in items:
+            try:
+                kept.append((check(value), msg))
+            except (ValueError, pa.ArrowException) as e:
+                self._dead(msg, f"not a tree message: {e}")
+                polled.dead += 1
+        return kept
 
     def _dead(self, msg, reason: str):
         headers = [("reason", reason.encode()), ("source.topic", self.topic.encode()),

@@ -121,6 +121,20 @@ class _Stream:
         return self.produced
 
 
+def _run_while_streaming(broker, files, tmp_path, group, *extra):
+    """A fresh 2-partition topic with a producer streaming into it, and a trainer process on
+    it that checkpoints every 0.5 s and exits after 8 idle seconds."""
+    schema_path, config_path = files
+    topic = broker.create_topic(partitions=2)
+    run_dir = str(tmp_path / "run")
+    producer = _Stream(broker, topic)
+    process = subprocess.Popen(
+        _online(schema_path, config_path, broker, topic, group, run_dir, "--checkpoint-every",
+                "0.5", "--idle-exit", "8", *extra),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return topic, run_dir, producer, process
+
+
 def _wait_until_training(process, run_dir, timeout=180):
     status = os.path.join(run_dir, "status.json")
     deadline = time.monotonic() + timeout
@@ -168,14 +182,8 @@ def broker_behind_proxy():
 def test_a_broker_outage_is_survived_without_losing_or_repeating_a_sample(
         broker_behind_proxy, files, tmp_path):
     broker, proxy = broker_behind_proxy
-    schema_path, config_path = files
-    topic = broker.create_topic(partitions=2)
-    run_dir = str(tmp_path / "run")
-    producer = _Stream(broker, topic)
-    process = subprocess.Popen(
-        _online(schema_path, config_path, broker, topic, "g-outage", run_dir,
-                "--checkpoint-every", "0.5", "--idle-exit", "8", "--report-every", "1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    topic, run_dir, producer, process = _run_while_streaming(broker, files, tmp_path,
+                                                             "g-outage", "--report-every", "1")
     try:
         _wait_until_training(process, run_dir)
         time.sleep(1.0)
@@ -194,14 +202,8 @@ def test_a_broker_outage_is_survived_without_losing_or_repeating_a_sample(
 
 
 def test_a_rebalance_mid_run_loses_and_repeats_nothing(kafka_broker, files, tmp_path):
-    schema_path, config_path = files
-    topic = kafka_broker.create_topic(partitions=2)
-    run_dir = str(tmp_path / "run")
-    producer = _Stream(kafka_broker, topic)
-    process = subprocess.Popen(
-        _online(schema_path, config_path, kafka_broker, topic, "g-rebalance", run_dir,
-                "--checkpoint-every", "0.5", "--idle-exit", "8"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    topic, run_dir, producer, process = _run_while_streaming(kafka_broker, files, tmp_path,
+                                                             "g-rebalance")
     taken = set()
     try:
         _wait_until_training(process, run_dir)
