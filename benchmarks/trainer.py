@@ -181,6 +181,24 @@ def quality(schema, samples: int, batch_size: int, hidden, seed: int) -> dict:
             "gap": bayes - result["auc"], "train_samples_per_sec": history["samples_per_sec"]}
 
 
+def matmul_bound(schema, nodes: list[float], hidden, dim: int = 18) -> dict:
+    """What structured compute can save at most, counting the dense layers' multiply-adds:
+    flat runs every layer on every leaf; structured runs the first layer's part of layer l on
+    that layer's ``nodes[l]`` nodes and the rest on the leaves. ``at_these_nodes`` is the
+    flat/structured ratio at the measured node counts, ``all_upper_shared`` the ratio if every
+    upper layer cost nothing (the ceiling of any sharing). The backward pass scales both sides
+    alike."""
+    widths = [sum(f.dim if f.kind == "dense" else dim for f in layer.features)
+              for layer in schema.layers]
+    sizes = [*hidden, 1]
+    rest = sum(a * b for a, b in zip(sizes, sizes[1:]))  # every layer after the first
+    leaves = nodes[-1]
+    flat = leaves * (sum(widths) * sizes[0] + rest)
+    structured = sum(n * w * sizes[0] for n, w in zip(nodes, widths)) + leaves * rest
+    ceiling = leaves * (widths[-1] * sizes[0] + rest)
+    return {"at_these_nodes": flat / structured, "all_upper_shared": flat / ceiling}
+
+
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer",
                                      description=__doc__.split("\n")[0])
@@ -237,6 +255,7 @@ def run(argv=None) -> dict:
         s, f = run_["structured"]["samples_per_sec"], run_["flat"]["samples_per_sec"]
         k = run_.get("keras", {}).get("samples_per_sec", float("nan"))
         run_["structured_over_flat"] = s / f
+        run_["matmul_bound"] = matmul_bound(schema, nodes, hidden)
         run_["flat_over_keras"] = f / k
         results["runs"].append(run_)
 
@@ -244,9 +263,11 @@ def run(argv=None) -> dict:
             p = run_[mode]["ms_per_step_sequential"]
             return " ".join(f"{p.get(key, 0):5.1f}" for key in ("prepare", "lookup", "step",
                                                                  "update"))
+        bound = run_["matmul_bound"]
         print(f"{spu:8.0f} {'/'.join(f'{n:.0f}' for n in nodes):>27} {s:11,.0f} {f:9,.0f} "
-              f"{k:9,.0f} {s / f:7.2f}x {f / k:9.2f}x   {parts('structured')} | {parts('flat')}",
-              flush=True)
+              f"{k:9,.0f} {s / f:7.2f}x {f / k:9.2f}x   {parts('structured')} | {parts('flat')}"
+              f"   matmul bound {bound['at_these_nodes']:.2f}x "
+              f"(ceiling {bound['all_upper_shared']:.2f}x)", flush=True)
     if args.quality_samples:
         results["quality"] = quality(schema, args.quality_samples, args.batch_size, hidden,
                                      args.seed + 1)

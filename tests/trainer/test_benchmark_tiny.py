@@ -14,3 +14,17 @@ def test_trainer_benchmark_tiny():
     for mode in ("structured", "flat"):
         assert set(run[mode]["ms_per_step_sequential"]) == {"prepare", "lookup", "step", "update"}
     assert run["nodes_per_batch"][0] < run["nodes_per_batch"][-1] == 1000
+
+
+def test_matmul_bound_counts_the_first_layer_per_node_and_the_rest_per_leaf():
+    import schemas
+
+    schema = schemas.from_dict({"name": "b", "labels": ["y"], "layers": [
+        {"name": "u", "key": ["a"], "features": [{"name": "a", "kind": "id"},
+                                                 {"name": "d", "kind": "dense", "dim": 2}]},
+        {"name": "s", "key": ["c"], "features": [{"name": "c", "kind": "id"}]}]})
+    # widths: user 4 + 2 = 6, leaf 4; hidden 10 -> 1: rest = 10 per leaf
+    bound = benchmarks.trainer.matmul_bound(schema, [2, 8], (10,), dim=4)
+    flat = 8 * (10 * 10 + 10)
+    assert bound["at_these_nodes"] == flat / (2 * 6 * 10 + 8 * 4 * 10 + 8 * 10)
+    assert bound["all_upper_shared"] == flat / (8 * (4 * 10 + 10))
