@@ -21,12 +21,12 @@ def extensions(root):
         for pattern in ("native/include/prefixrec/*.h", "native/src/internal/*.h")
         for path in glob.glob(os.path.join(root, pattern))
     )
-    compile_args = ["-O3", "-ffp-contract=off", "-fvisibility=hidden", "-Wall", "-Wextra"]
+    compile_args = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra"]
     link_args = ["-pthread"]
     if os.environ.get("PREFIXREC_SANITIZE") == "1":
         sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                     "-fno-sanitize-recover=undefined"]
-        compile_args = ["-O1", "-g", "-ffp-contract=off"] + sanitize
+        compile_args = ["-O1", "-g", "-ffp-contract=off", "-fno-math-errno"] + sanitize
         link_args += sanitize
     return [
         Pybind11Extension(

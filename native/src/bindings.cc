@@ -8,10 +8,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "internal/memory.h"
 #include "prefixrec/embedding_store.h"
 
 namespace py = pybind11;
@@ -54,8 +56,20 @@ std::pair<const int64_t*, size_t> IdsOf(const py::array& ids) {
   return {static_cast<const int64_t*>(ids.data()), static_cast<size_t>(ids.shape(0))};
 }
 
+// Output rows. An output of 2 MiB or more is mapped directly in 2 MiB-aligned, huge-page-advised
+// memory (a LargeBlock owned by the array): fresh memory is faulted in on first touch, and with
+// 4 KiB pages those faults cost more than the lookup itself on a 25 MB output (each fault is
+// taken by the thread that writes that part of the output, in parallel).
 py::array_t<float> NewRows(size_t n, int dim) {
-  return py::array_t<float>({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(dim)});
+  using prefixrec::internal::LargeBlock;
+  const size_t bytes = n * static_cast<size_t>(dim) * sizeof(float);
+  std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(dim)};
+  if (bytes < LargeBlock::kHugePage) return py::array_t<float>(shape);
+  auto block = std::make_unique<LargeBlock>(bytes);
+  float* data = reinterpret_cast<float*>(block->data());
+  py::capsule owner(block.get(), [](void* p) { delete static_cast<LargeBlock*>(p); });
+  block.release();  // owned by the capsule from here on
+  return py::array_t<float>(shape, data, owner);
 }
 
 py::dict OptionsDict(const prefixrec::StoreOptions& o) {

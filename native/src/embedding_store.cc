@@ -11,6 +11,8 @@
 #include <tuple>
 
 #include "internal/hash.h"
+#include "internal/kernels.h"
+#include "internal/scratch.h"
 #include "internal/parallel.h"
 #include "internal/store_impl.h"
 
@@ -66,6 +68,104 @@ class LocalIndex {
 
 uint64_t ColumnBits(uint64_t key, uint64_t counter) {
   return Mix64(key ^ Mix64(counter + 0x632be59bd9b4e019ULL));
+}
+
+// Open-addressing table of 4-byte indices into a dense key array, in scratch memory. It starts
+// at about n/2 slots (batches are mostly repeats, and a small table stays in L2) and doubles
+// when 5/8 full, rebuilt from the keys.
+class ScratchIndex {
+ public:
+  ScratchIndex(internal::ScratchSet& scratch, size_t buffer, size_t n)
+      : scratch_(scratch), buffer_(buffer) {
+    size_t capacity = 64;
+    while (capacity < n / 2) capacity <<= 1;
+    Resize(capacity, nullptr, 0);
+  }
+  // Slot of `key` (hash `h`) in keys[0 .. count): its index, or kNone where it would go.
+  uint32_t* Slot(const int64_t* keys, int64_t key, uint64_t h) {
+    for (size_t slot = h & mask_;; slot = (slot + 1) & mask_) {
+      uint32_t u = table_[slot];
+      if (u == LocalIndex::kNone || keys[u] == key) return &table_[slot];
+    }
+  }
+  // Call after adding key number count - 1; may move the slots.
+  void Added(const int64_t* keys, size_t count, uint64_t (*hash)(int64_t)) {
+    if (count * 8 > (mask_ + 1) * 5) Resize((mask_ + 1) * 2, keys, count, hash);
+  }
+
+ private:
+  void Resize(size_t capacity, const int64_t* keys, size_t count,
+              uint64_t (*hash)(int64_t) = nullptr) {
+    table_ = scratch_.Get<uint32_t>(buffer_, capacity);
+    mask_ = capacity - 1;
+    std::fill(table_, table_ + capacity, LocalIndex::kNone);
+    for (size_t u = 0; u < count; ++u) {
+      size_t slot = hash(keys[u]) & mask_;
+      while (table_[slot] != LocalIndex::kNone) slot = (slot + 1) & mask_;
+      table_[slot] = static_cast<uint32_t>(u);
+    }
+  }
+
+  internal::ScratchSet& scratch_;
+  size_t buffer_;
+  uint32_t* table_ = nullptr;
+  size_t mask_ = 0;
+};
+
+uint64_t DedupHash(int64_t id) { return Mix64(static_cast<uint64_t>(id)); }
+uint64_t LowStoreHash(int64_t id) { return static_cast<uint32_t>(HashId(id)); }
+
+// unique[0 .. result) = distinct ids in order of first appearance, inverse[i] = index of ids[i];
+// unique has room for n ids. The table lives in scratch buffer `buffer`.
+size_t DeduplicateRaw(const int64_t* ids, size_t n, internal::ScratchSet& scratch, size_t buffer,
+                      int64_t* unique, uint32_t* inverse) {
+  ScratchIndex index(scratch, buffer, n);
+  uint32_t count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    uint32_t* slot = index.Slot(unique, id, DedupHash(id));
+    if (*slot != LocalIndex::kNone) {
+      inverse[i] = *slot;
+      continue;
+    }
+    *slot = count;
+    unique[count] = id;
+    inverse[i] = count++;
+    index.Added(unique, count, DedupHash);
+  }
+  return count;
+}
+
+// unique = distinct ids in order of first appearance, inverse[i] = index of ids[i] in unique.
+// The table holds only indices into `unique` (4 bytes a slot), so it stays in L2 longer than a
+// table of (id, index) pairs would.
+template <typename Index>
+void DeduplicateInto(const int64_t* ids, size_t n, std::vector<int64_t>* unique, Index* inverse) {
+  unique->clear();
+  unique->reserve(n / 4 + 16);
+  size_t capacity = 16;
+  while (capacity < n + n / 2) capacity <<= 1;
+  const size_t mask = capacity - 1;
+  std::unique_ptr<uint32_t[]> table(new uint32_t[capacity]);
+  std::fill(table.get(), table.get() + capacity, LocalIndex::kNone);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    size_t slot = Mix64(static_cast<uint64_t>(id)) & mask;
+    for (;; slot = (slot + 1) & mask) {
+      uint32_t u = table[slot];
+      if (u == LocalIndex::kNone) {
+        u = static_cast<uint32_t>(unique->size());
+        table[slot] = u;
+        unique->push_back(id);
+        inverse[i] = static_cast<Index>(u);
+        break;
+      }
+      if ((*unique)[u] == id) {
+        inverse[i] = static_cast<Index>(u);
+        break;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -344,14 +444,9 @@ void EmbeddingStore::Impl::Update(float* w, float* state, const float* g, uint32
     case OptimizerKind::kSgd:
       for (int j = 0; j < dim; ++j) w[j] -= o.learning_rate * g[j];
       break;
-    case OptimizerKind::kAdagrad: {
-      float* acc = state;
-      for (int j = 0; j < dim; ++j) {
-        acc[j] += g[j] * g[j];
-        w[j] -= o.learning_rate * g[j] / std::sqrt(acc[j]);
-      }
+    case OptimizerKind::kAdagrad:
+      internal::AdagradRow(w, state, g, static_cast<size_t>(dim), o.learning_rate);
       break;
-    }
     case OptimizerKind::kAdam: {
       float* m = state;
       float* v = state + dim;
@@ -444,21 +539,63 @@ void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now
   const size_t dim = static_cast<size_t>(s.dim);
   if (n < 4096) {
     s.LookupDistinct(ids, n, train, now, out);
-  } else {
-    // Read each distinct id once, then expand: batches of real (Zipf-like) traffic are mostly
-    // repeats, and a private hash set is cheaper than re-probing the shared table per repeat.
-    std::vector<int64_t> unique, inverse(n);
-    Deduplicate(ids, n, &unique, inverse.data());
-    std::vector<float> rows(unique.size() * dim);
-    s.LookupDistinct(unique.data(), unique.size(), train, now, rows.data());
-    const int threads = s.ThreadsFor(n);
-    const size_t tasks = Impl::RangeTasks(threads);
+    s.lookups.fetch_add(n, std::memory_order_relaxed);
+    return;
+  }
+  // Batches of real (Zipf-like) traffic are mostly repeats: each task deduplicates its own range
+  // of positions in a private table, reads each distinct id once and expands into its own part
+  // of `out`, with no step that waits for the other tasks (a hot id in two ranges is read twice,
+  // from cache). Only a training lookup that met unseen ids has a second, exclusive phase.
+  const int threads = s.ThreadsFor(n);
+  const size_t tasks = threads <= 1 ? 1 : static_cast<size_t>(threads) * 2;
+  struct Range {
+    int64_t* unique = nullptr;
+    size_t distinct = 0;
+    uint32_t* inverse = nullptr;
+    float* rows = nullptr;
+    std::vector<uint32_t> misses;  // indices into unique
+  };
+  std::vector<Range> ranges(tasks);
+  internal::ScratchLease scratch;
+  scratch->Reserve(4 * tasks);
+  auto expand = [&](size_t t) {
+    size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+    internal::GatherRows(out + begin * dim, ranges[t].rows, ranges[t].inverse, end - begin, dim);
+  };
+  {
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    locks.reserve(s.shards.size());
+    for (auto& shard : s.shards) locks.emplace_back(shard->mu);
     ParallelFor(threads, tasks, [&](size_t t) {
-      for (size_t i = n * t / tasks, end = n * (t + 1) / tasks; i < end; ++i) {
-        const float* src = rows.data() + static_cast<size_t>(inverse[i]) * dim;
-        for (size_t j = 0; j < dim; ++j) out[i * dim + j] = src[j];
-      }
+      size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+      Range& r = ranges[t];
+      const size_t count = end - begin;
+      r.inverse = scratch->Get<uint32_t>(4 * t, count);
+      r.unique = scratch->Get<int64_t>(4 * t + 1, count);
+      r.distinct = DeduplicateRaw(ids + begin, count, *scratch, 4 * t + 2, r.unique, r.inverse);
+      // The distinct rows are copied to a dense block first (measured faster than gathering
+      // straight from the scattered store rows: the block stays in L2 at small dims).
+      r.rows = scratch->Get<float>(4 * t + 3, r.distinct * dim);
+      s.ReadRows(r.unique, 0, r.distinct, r.rows, train ? &r.misses : nullptr);
+      if (r.misses.empty()) expand(t);
     });
+  }
+  if (train) {
+    std::vector<int64_t> missed_ids;
+    std::vector<float*> missed_rows;
+    std::vector<size_t> pending;
+    for (size_t t = 0; t < tasks; ++t) {
+      if (ranges[t].misses.empty()) continue;
+      pending.push_back(t);
+      for (uint32_t u : ranges[t].misses) {
+        missed_ids.push_back(ranges[t].unique[u]);
+        missed_rows.push_back(ranges[t].rows + static_cast<size_t>(u) * dim);
+      }
+    }
+    if (!pending.empty()) {
+      s.AdmitMissing(missed_ids, missed_rows, now);
+      ParallelFor(threads, pending.size(), [&](size_t k) { expand(pending[k]); });
+    }
   }
   s.lookups.fetch_add(n, std::memory_order_relaxed);
 }
@@ -491,11 +628,21 @@ void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool tra
   }
   if (!train) return;
   // Phase 2 (training only): unseen ids go through the filter under their shard's exclusive lock.
-  std::vector<uint32_t> missed_positions;
-  for (auto& m : misses) missed_positions.insert(missed_positions.end(), m.begin(), m.end());
-  if (missed_positions.empty()) return;
-  std::vector<int64_t> missed_ids(missed_positions.size());
-  for (size_t i = 0; i < missed_positions.size(); ++i) missed_ids[i] = ids[missed_positions[i]];
+  std::vector<int64_t> missed_ids;
+  std::vector<float*> missed_rows;
+  for (auto& m : misses) {
+    for (uint32_t pos : m) {
+      missed_ids.push_back(ids[pos]);
+      missed_rows.push_back(out + static_cast<size_t>(pos) * dim);
+    }
+  }
+  if (!missed_ids.empty()) s.AdmitMissing(missed_ids, missed_rows, now);
+}
+
+void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
+                                        const std::vector<float*>& missed_rows, double now) {
+  Impl& s = *this;
+  const size_t dim = static_cast<size_t>(s.dim);
   Impl::Partition p = s.Bucketize(missed_ids.data(), missed_ids.size());
   std::atomic<uint64_t> admitted{0}, rejected{0};
   ParallelFor(s.ThreadsFor(missed_ids.size()), s.shards.size(), [&](size_t shard_index) {
@@ -508,7 +655,7 @@ void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool tra
     for (size_t k = begin; k < end; ++k) {
       uint32_t local = p.order[k];
       int64_t id = missed_ids[local];
-      float* dst = out + static_cast<size_t>(missed_positions[local]) * dim;
+      float* dst = missed_rows[local];
       uint32_t row = shard.Find(id, p.hash[local]);  // another thread may have added it
       if (row == Shard::kEmpty) {
         bool first_sighting;
@@ -534,33 +681,7 @@ void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool tra
 
 void EmbeddingStore::Deduplicate(const int64_t* ids, size_t n, std::vector<int64_t>* unique,
                                  int64_t* inverse) {
-  // The table holds only indices into `unique` (4 bytes a slot): for a 100k-id batch it is 1 MiB
-  // and stays in L2, where a table of (id, index) pairs would not.
-  unique->clear();
-  unique->reserve(n / 4 + 16);
-  size_t capacity = 16;
-  while (capacity < n + n / 2) capacity <<= 1;
-  const size_t mask = capacity - 1;
-  std::unique_ptr<uint32_t[]> table(new uint32_t[capacity]);
-  std::fill(table.get(), table.get() + capacity, LocalIndex::kNone);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t id = ids[i];
-    size_t slot = Mix64(static_cast<uint64_t>(id)) & mask;
-    for (;; slot = (slot + 1) & mask) {
-      uint32_t u = table[slot];
-      if (u == LocalIndex::kNone) {
-        u = static_cast<uint32_t>(unique->size());
-        table[slot] = u;
-        unique->push_back(id);
-        inverse[i] = u;
-        break;
-      }
-      if ((*unique)[u] == id) {
-        inverse[i] = u;
-        break;
-      }
-    }
-  }
+  DeduplicateInto(ids, n, unique, inverse);
 }
 
 void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step,
@@ -569,60 +690,145 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   const size_t dim = static_cast<size_t>(s.dim);
   if (step < 0) Invalid("step must be >= 0, got " + std::to_string(step));
   if (!std::isfinite(now)) Invalid("now must be a finite number of seconds");
-  {
-    // Check every gradient before changing anything; report the first bad one.
-    const int threads = s.ThreadsFor(n);
-    const size_t workers = Impl::RangeTasks(threads);
-    std::vector<size_t> first_bad(workers, n * dim);
-    ParallelFor(threads, workers, [&](size_t w) {
-      for (size_t i = n * w / workers * dim, end = n * (w + 1) / workers * dim; i < end; ++i) {
-        if (!Finite(grads[i])) {
-          first_bad[w] = i;
+  // Ids are split by shard into `parts` groups of whole shards. Phase 1 hashes the ids. Phase 2:
+  // each group sums the rows of its equal ids in input order (so each distinct id gets exactly
+  // one optimizer step; the first occurrence is copied, not added to zero, to keep the sign of
+  // zeros) and checks on the way that every gradient is finite. Only when all are, phase 3
+  // updates each group's shards under their exclusive locks, taken in shard order.
+  const size_t num_shards = s.shards.size();
+  const int threads = s.ThreadsFor(n);
+  const size_t parts =
+      std::min(num_shards, threads <= 1 ? size_t{1} : static_cast<size_t>(threads) * 2);
+  internal::ScratchLease scratch;
+  scratch->Reserve(3 + 4 * parts);
+  uint32_t* hash = scratch->Get<uint32_t>(0, n);
+  uint16_t* shard_of = scratch->Get<uint16_t>(1, n);
+  // order: each range task's positions grouped by part (input order kept within a group), so a
+  // part reads its positions, in input order, from every range in turn.
+  uint32_t* order = scratch->Get<uint32_t>(2, n);
+  std::vector<uint16_t> part_of_shard(num_shards);
+  for (size_t sh = 0; sh < num_shards; ++sh) {
+    part_of_shard[sh] = static_cast<uint16_t>(sh * parts / num_shards);
+  }
+  const size_t tasks = Impl::RangeTasks(threads);
+  std::vector<size_t> cursor((parts + 1) * tasks, 0);  // [t * (parts + 1) + p]: start of part p
+  ParallelFor(threads, tasks, [&](size_t t) {
+    const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+    size_t* starts = cursor.data() + t * (parts + 1);
+    std::vector<size_t> counts(parts, 0);
+    for (size_t i = begin; i < end; ++i) {
+      uint64_t h = HashId(ids[i]);
+      hash[i] = static_cast<uint32_t>(h);
+      uint16_t sh = static_cast<uint16_t>(s.ShardOf(h));
+      shard_of[i] = sh;
+      ++counts[part_of_shard[sh]];
+    }
+    size_t running = begin;
+    for (size_t p = 0; p < parts; ++p) {
+      starts[p] = running;
+      running += counts[p];
+    }
+    starts[parts] = end;
+    std::vector<size_t> next(starts, starts + parts);
+    for (size_t i = begin; i < end; ++i) {
+      order[next[part_of_shard[shard_of[i]]]++] = static_cast<uint32_t>(i);
+    }
+  });
+  struct Group {
+    size_t shard_begin = 0, shard_end = 0;
+    size_t distinct = 0;
+    size_t first_bad = SIZE_MAX;           // smallest position with a non-finite gradient
+    uint32_t* first = nullptr;             // a position of each distinct id
+    int64_t* key = nullptr;                // the distinct ids, densely
+    float* sums = nullptr;                 // distinct x dim
+  };
+  std::vector<Group> groups(parts);
+  ParallelFor(threads, parts, [&](size_t part) {
+    Group& group = groups[part];
+    // This group's shards: those with shard * parts / num_shards == part.
+    const size_t shard_begin = (part * num_shards + parts - 1) / parts;
+    size_t shard_end = shard_begin;
+    while (shard_end < num_shards && shard_end * parts / num_shards == part) ++shard_end;
+    group.shard_begin = shard_begin;
+    group.shard_end = shard_end;
+    size_t count = 0;
+    for (size_t t = 0; t < tasks; ++t) {
+      count += cursor[t * (parts + 1) + part + 1] - cursor[t * (parts + 1) + part];
+    }
+    if (count == 0) return;
+    ScratchIndex index(*scratch, 3 + 4 * part, count);
+    uint32_t* first = group.first = scratch->Get<uint32_t>(4 + 4 * part, count);
+    int64_t* key = group.key = scratch->Get<int64_t>(5 + 4 * part, count);
+    float* sums = group.sums = scratch->Get<float>(6 + 4 * part, count * dim);
+    size_t distinct = 0;
+    for (size_t t = 0; t < tasks; ++t) {
+      const size_t* starts = cursor.data() + t * (parts + 1);
+      for (size_t k = starts[part], k_end = starts[part + 1]; k < k_end; ++k) {
+        const size_t i = order[k];
+        const int64_t id = ids[i];
+        const float* g = grads + i * dim;
+        // The table hashes with the store's hash (recomputed only when the table grows).
+        uint32_t* slot = index.Slot(key, id, hash[i]);
+        if (*slot == LocalIndex::kNone) {
+          *slot = static_cast<uint32_t>(distinct);
+          first[distinct] = static_cast<uint32_t>(i);
+          key[distinct] = id;
+          float* sum = sums + distinct * dim;
+          for (size_t j = 0; j < dim; ++j) sum[j] = g[j];
+          ++distinct;
+          index.Added(key, distinct, LowStoreHash);
+        } else {
+          float* sum = sums + static_cast<size_t>(*slot) * dim;
+          for (size_t j = 0; j < dim; ++j) sum[j] += g[j];
+        }
+        if (!internal::AllFinite(g, dim)) {
+          group.first_bad = i;  // positions grow: the first found is this group's smallest
           return;
         }
       }
-    });
-    size_t bad = *std::min_element(first_bad.begin(), first_bad.end());
-    if (bad < n * dim) {
-      size_t row = bad / dim;
-      std::ostringstream message;
-      message << "grads row " << row << " (id " << ids[row] << ") contains " << grads[bad]
-              << "; gradients must be finite";
-      Invalid(message.str());
     }
+    group.distinct = distinct;
+  });
+  size_t bad_row = SIZE_MAX;
+  for (const Group& group : groups) bad_row = std::min(bad_row, group.first_bad);
+  if (bad_row != SIZE_MAX) {
+    size_t j = 0;
+    while (j + 1 < dim && Finite(grads[bad_row * dim + j])) ++j;
+    std::ostringstream message;
+    message << "grads row " << bad_row << " (id " << ids[bad_row] << ") contains "
+            << grads[bad_row * dim + j] << "; gradients must be finite";
+    Invalid(message.str());
   }
-  // Sum the rows of equal ids in input order (reading grads sequentially), so each distinct id
-  // gets exactly one optimizer step; the first occurrence is copied, not added to zero, to keep
-  // the sign of zeros.
-  std::vector<int64_t> unique, inverse(n);
-  Deduplicate(ids, n, &unique, inverse.data());
-  std::vector<float> sums(unique.size() * dim);
-  for (size_t i = 0, next_new = 0; i < n; ++i) {
-    const float* g = grads + i * dim;
-    float* sum = sums.data() + static_cast<size_t>(inverse[i]) * dim;
-    if (static_cast<size_t>(inverse[i]) == next_new) {
-      for (size_t j = 0; j < dim; ++j) sum[j] = g[j];
-      ++next_new;
-    } else {
-      for (size_t j = 0; j < dim; ++j) sum[j] += g[j];
-    }
-  }
-  const size_t distinct = unique.size();
-  Impl::Partition p = s.Bucketize(unique.data(), distinct);
   std::atomic<uint64_t> updated{0};
-  ParallelFor(s.ThreadsFor(distinct), s.shards.size(), [&](size_t shard_index) {
-    size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
-    if (begin == end) return;
-    Shard& shard = *s.shards[shard_index];
-    uint64_t shard_updated = 0;
-    constexpr size_t kAhead = 16;
-    std::unique_lock<std::shared_mutex> lock(shard.mu);
-    for (size_t k = begin; k < end; ++k) {
-      // Same pipeline as ReadRows: slot 2 * kAhead ahead, row kAhead ahead.
-      if (k + 2 * kAhead < end) shard.Prefetch(p.hash[p.order[k + 2 * kAhead]]);
-      if (k + kAhead < end) shard.PrefetchCandidate(p.hash[p.order[k + kAhead]], s.row_bytes);
-      uint32_t u = p.order[k];
-      uint32_t row = shard.Find(unique[u], p.hash[u]);
+  ParallelFor(threads, parts, [&](size_t part) {
+    Group& group = groups[part];
+    const size_t distinct = group.distinct;
+    if (distinct == 0) return;
+    const uint32_t* first = group.first;
+    const int64_t* key = group.key;
+    const float* sums = group.sums;
+    std::vector<std::unique_lock<std::shared_mutex>> locks;
+    locks.reserve(group.shard_end - group.shard_begin);
+    for (size_t sh = group.shard_begin; sh < group.shard_end; ++sh) locks.emplace_back(s.shards[sh]->mu);
+    uint64_t part_updated = 0;
+    // Same pipeline as ReadRows: slot 2 * kAhead ahead, then the row it points to kAhead ahead
+    // (the candidate is kept: a discarded result would let the compiler drop the whole probe).
+    constexpr size_t kAhead = 8, kRing = 16;
+    uint32_t candidate[kRing];
+    const size_t prefetch_bytes = s.row_bytes;
+    for (size_t k = 0; k < distinct + 2 * kAhead; ++k) {
+      if (k < distinct) s.shards[shard_of[first[k]]]->Prefetch(hash[first[k]]);
+      if (k >= kAhead && k - kAhead < distinct) {
+        const uint32_t i = first[k - kAhead];
+        candidate[(k - kAhead) % kRing] =
+            s.shards[shard_of[i]]->PrefetchCandidate(hash[i], prefetch_bytes);
+      }
+      if (k < 2 * kAhead) continue;
+      const size_t d = k - 2 * kAhead;
+      const uint32_t i = first[d];
+      Shard& shard = *s.shards[shard_of[i]];
+      uint32_t row = candidate[d % kRing];
+      if (row != Shard::kEmpty && shard.Header(row)->id != key[d]) row = shard.Find(key[d], hash[i]);
       if (row == Shard::kEmpty) continue;  // never admitted (or expired): reads as zeros
       RowHeader* header = shard.Header(row);
       header->update_count += 1;
@@ -630,10 +836,10 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
       header->last_time = now;
       header->flags |= internal::kRowDirty;
       float* values = shard.Floats(row);
-      s.Update(values, values + dim, sums.data() + static_cast<size_t>(u) * dim, header->update_count);
-      ++shard_updated;
+      s.Update(values, values + dim, sums + d * dim, header->update_count);
+      ++part_updated;
     }
-    updated.fetch_add(shard_updated, std::memory_order_relaxed);
+    updated.fetch_add(part_updated, std::memory_order_relaxed);
   });
   s.updates.fetch_add(updated.load(), std::memory_order_relaxed);
   int64_t seen = s.global_step.load();

@@ -36,10 +36,12 @@ constexpr uint32_t kKnownRowFlags = kRowDirty;
 class Shard {
  public:
   static constexpr uint32_t kEmpty = 0xffffffffu;
-  static constexpr size_t kMaxRows = 0xfffffff0u;
+  // Rows per shard are limited by the 32-bit slots: at most 3/4 of 2**32 slots are used.
+  static constexpr size_t kMaxRows = (size_t{3} << 30) - 1;
 
-  // Rows live in chunks of one huge page (2 MiB, or one row if rows are bigger); only the first
-  // chunk moves, while it grows to full size.
+  // Rows live in chunks of one huge page (2 MiB, or one row if rows are bigger). Only the last
+  // chunk is ever partly used: it starts small and grows (moving its rows) to full size, so a
+  // shard wastes at most an eighth of a chunk on rows not yet inserted.
   explicit Shard(size_t row_bytes)
       : row_bytes_(row_bytes),
         chunk_rows_(static_cast<uint32_t>(std::max<size_t>(2, LargeBlock::kHugePage / row_bytes))),
@@ -72,21 +74,23 @@ class Shard {
 #endif
   }
 
-  // The row of the first slot whose hash matches (kEmpty if none), with the first `bytes`
-  // (<= 512) of it prefetched. Usually the row of the id; Find confirms.
+  // The row of the first slot whose hash tag matches (kEmpty if none), with the first `bytes`
+  // (<= 1024) of it prefetched. Usually the row of the id; Find confirms.
   uint32_t PrefetchCandidate(uint32_t hash, size_t bytes) const {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      const Slot& slot = slots_[i];
-      if (slot.row == kEmpty) return kEmpty;
-      if (slot.hash == hash) {
+      const uint32_t slot = slots_[i];
+      if (slot == kFree) return kEmpty;
+      if (TagMatches(slot, hash)) {
+        const uint32_t row = RowOf(slot);
 #if defined(__GNUC__) || defined(__clang__)
-        const uint8_t* row = Row(slot.row);
-        for (size_t b = 0; b < std::min<size_t>(bytes, 512); b += 64) __builtin_prefetch(row + b);
-        __builtin_prefetch(row + std::min<size_t>(bytes, 512) - 1);
+        const uint8_t* bytes_at = Row(row);
+        const size_t n = std::min<size_t>(bytes, 1024);
+        for (size_t b = 0; b < n; b += 64) __builtin_prefetch(bytes_at + b);
+        __builtin_prefetch(bytes_at + n - 1);
 #else
         (void)bytes;
 #endif
-        return slot.row;
+        return row;
       }
     }
   }
@@ -94,27 +98,23 @@ class Shard {
   // Row of `id` or kEmpty. `hash` is the low 32 bits of HashId(id).
   uint32_t Find(int64_t id, uint32_t hash) const {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      const Slot& slot = slots_[i];
-      if (slot.row == kEmpty) return kEmpty;
-      if (slot.hash == hash && Header(slot.row)->id == id) return slot.row;
+      const uint32_t slot = slots_[i];
+      if (slot == kFree) return kEmpty;
+      if (TagMatches(slot, hash) && Header(RowOf(slot))->id == id) return RowOf(slot);
     }
   }
 
   // Appends a zeroed row for `id` (which must be absent) and returns its index.
   uint32_t Insert(int64_t id, uint32_t hash) {
-    if ((size_ + 1) * 4 > capacity_ * 3) Rehash(capacity_ * 2);
     if (size_ >= kMaxRows) throw std::length_error("shard is full");
+    if ((size_ + 1) * 4 > capacity_ * 3) Rehash(capacity_ * 2);
     uint32_t row = static_cast<uint32_t>(size_);
-    if (row < chunk_rows_) {
-      if (row >= first_chunk_rows_) GrowFirstChunk();
-    } else if (row / chunk_rows_ >= chunks_.size()) {
-      chunks_.emplace_back(std::max<size_t>(LargeBlock::kHugePage, chunk_rows_ * row_bytes_));
-    }
+    if (size_ >= row_capacity_) GrowRows();
     std::memset(Row(row), 0, row_bytes_);
     Header(row)->id = id;
     size_t i = hash & mask_;
-    while (slots_[i].row != kEmpty) i = (i + 1) & mask_;
-    slots_[i] = Slot{hash, row};
+    while (slots_[i] != kFree) i = (i + 1) & mask_;
+    slots_[i] = Encode(hash, row);
     ++size_;
     return row;
   }
@@ -126,11 +126,14 @@ class Shard {
     if (row != last) {
       int64_t moved_id = Header(last)->id;
       uint32_t moved_hash = static_cast<uint32_t>(HashOf(moved_id));
-      slots_[SlotOf(moved_id, moved_hash)].row = row;
+      slots_[SlotOf(moved_id, moved_hash)] = Encode(moved_hash, row);
       std::memcpy(Row(row), Row(last), row_bytes_);
     }
     --size_;
-    if (chunks_.size() > size_ / chunk_rows_ + 2) chunks_.pop_back();  // keep one spare chunk
+    if (chunks_.size() > size_ / chunk_rows_ + 2) {  // keep one spare chunk
+      chunks_.pop_back();
+      row_capacity_ = chunks_.size() * chunk_rows_;  // only the last chunk was partial
+    }
   }
 
   uint64_t Bytes() const {
@@ -154,73 +157,88 @@ class Shard {
   static uint64_t HashOf(int64_t id) { return HashId(id); }
 
  private:
-  struct Slot {
-    uint32_t hash;
-    uint32_t row;
-  };
+  // A slot is 4 bytes: 0 when free, else row + 1 in the bits of the slot index (the low
+  // log2(capacity) bits) and the rest of the id's 32-bit hash above them as a tag, so most slots
+  // of other ids are passed over without reading their row. Rows never exceed 3/4 of the
+  // capacity, so row + 1 fits below the tag.
+  static constexpr uint32_t kFree = 0;
+  uint32_t Encode(uint32_t hash, uint32_t row) const {
+    return (hash & ~static_cast<uint32_t>(mask_)) | (row + 1);
+  }
+  bool TagMatches(uint32_t slot, uint32_t hash) const {
+    return ((slot ^ hash) & ~static_cast<uint32_t>(mask_)) == 0;
+  }
+  uint32_t RowOf(uint32_t slot) const { return (slot & static_cast<uint32_t>(mask_)) - 1; }
 
   size_t SlotOf(int64_t id, uint32_t hash) const {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      if (slots_[i].row != kEmpty && slots_[i].hash == hash && Header(slots_[i].row)->id == id) {
-        return i;
-      }
+      const uint32_t slot = slots_[i];
+      if (slot != kFree && TagMatches(slot, hash) && Header(RowOf(slot))->id == id) return i;
     }
   }
 
-  // The first chunk starts small and doubles (moving its rows) up to a full chunk, so a store
-  // with few rows per shard does not pin a huge page per shard.
-  void GrowFirstChunk() {
-    size_t rows = std::min<size_t>(chunk_rows_, std::max<size_t>(64, first_chunk_rows_ * 2));
-    size_t bytes = rows == chunk_rows_ ? std::max(LargeBlock::kHugePage, rows * row_bytes_)
-                                       : rows * row_bytes_;
-    LargeBlock block(bytes);
-    if (!chunks_.empty()) std::memcpy(block.data(), chunks_[0].data(), size_ * row_bytes_);
-    if (chunks_.empty()) {
-      chunks_.push_back(std::move(block));
-    } else {
-      chunks_[0] = std::move(block);
+  size_t ChunkBytes(size_t rows) const {
+    return rows == chunk_rows_ ? std::max(LargeBlock::kHugePage, rows * row_bytes_) : rows * row_bytes_;
+  }
+
+  // Makes room for one more row: a new chunk if the last one is full, else the last chunk
+  // grows (doubling from 64 rows up to an eighth of a chunk, then by eighths), moving its rows.
+  void GrowRows() {
+    const size_t step = std::max<size_t>(1, chunk_rows_ / 8);
+    size_t last_rows = chunks_.empty() ? chunk_rows_ : row_capacity_ - (chunks_.size() - 1) * chunk_rows_;
+    if (last_rows == chunk_rows_) {
+      size_t rows = std::min<size_t>(chunk_rows_, chunks_.empty() ? 64 : step);
+      chunks_.emplace_back(ChunkBytes(rows));
+      row_capacity_ += rows;
+      return;
     }
-    first_chunk_rows_ = rows;
+    size_t rows = std::min<size_t>(chunk_rows_, last_rows < step ? std::max<size_t>(64, last_rows * 2)
+                                                                  : last_rows + step);
+    LargeBlock block(ChunkBytes(rows));
+    const size_t used = size_ - (chunks_.size() - 1) * chunk_rows_;
+    std::memcpy(block.data(), chunks_.back().data(), used * row_bytes_);
+    chunks_.back() = std::move(block);
+    row_capacity_ += rows - last_rows;
   }
 
   // Backward-shift deletion: later entries of the probe run move up so no tombstone is needed.
   void EraseSlot(size_t hole) {
-    for (size_t j = (hole + 1) & mask_; slots_[j].row != kEmpty; j = (j + 1) & mask_) {
-      size_t home = slots_[j].hash & mask_;
+    for (size_t j = (hole + 1) & mask_; slots_[j] != kFree; j = (j + 1) & mask_) {
+      size_t home = HashOf(Header(RowOf(slots_[j]))->id) & mask_;
       if (((j - home) & mask_) >= ((j - hole) & mask_)) {
         slots_[hole] = slots_[j];
         hole = j;
       }
     }
-    slots_[hole].row = kEmpty;
+    slots_[hole] = kFree;
   }
 
+  // Rebuilds the slots for `capacity` (a power of two) from the rows, in row order.
   void Rehash(size_t capacity) {
-    LargeBlock block(capacity * sizeof(Slot));
-    Slot* slots = reinterpret_cast<Slot*>(block.data());
-    for (size_t i = 0; i < capacity; ++i) slots[i] = Slot{0, kEmpty};
-    size_t new_mask = capacity - 1;
-    for (size_t j = 0; j <= mask_ && slots_ != nullptr; ++j) {
-      const Slot& slot = slots_[j];
-      if (slot.row == kEmpty) continue;
-      size_t i = slot.hash & new_mask;
-      while (slots[i].row != kEmpty) i = (i + 1) & new_mask;
-      slots[i] = slot;
-    }
+    if (capacity > (size_t{1} << 32)) throw std::length_error("shard is full");
+    LargeBlock block(capacity * sizeof(uint32_t));
+    uint32_t* slots = reinterpret_cast<uint32_t*>(block.data());
+    std::memset(slots, 0, capacity * sizeof(uint32_t));
     slots_block_ = std::move(block);
     slots_ = slots;
-    mask_ = new_mask;
+    mask_ = capacity - 1;
     capacity_ = capacity;
+    for (size_t r = 0; r < size_; ++r) {
+      uint32_t hash = static_cast<uint32_t>(HashOf(Header(static_cast<uint32_t>(r))->id));
+      size_t i = hash & mask_;
+      while (slots_[i] != kFree) i = (i + 1) & mask_;
+      slots_[i] = Encode(hash, static_cast<uint32_t>(r));
+    }
   }
 
   size_t row_bytes_;
   uint32_t chunk_rows_;
   uint64_t chunk_magic_;  // ceil(2**64 / chunk_rows_)
-  size_t first_chunk_rows_ = 0;  // capacity of chunks_[0] while it is smaller than chunk_rows_
+  size_t row_capacity_ = 0;  // rows the chunks can hold
   size_t size_ = 0;
   size_t mask_ = 0;
   size_t capacity_ = 0;
-  Slot* slots_ = nullptr;  // capacity_ slots inside slots_block_
+  uint32_t* slots_ = nullptr;  // capacity_ slots inside slots_block_
   LargeBlock slots_block_;
   std::vector<LargeBlock> chunks_;
 };

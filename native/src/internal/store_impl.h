@@ -42,6 +42,10 @@ struct EmbeddingStore::Impl {
 
   // Lookup of ids without repeats (repeats work, but each is probed again).
   void LookupDistinct(const int64_t* ids, size_t n, bool train, double now, float* out);
+  // Runs unseen ids through the entry filter under their shards' exclusive locks; admitted ids
+  // (and ids another thread added meanwhile) get their row copied to missed_rows[i].
+  void AdmitMissing(const std::vector<int64_t>& missed_ids, const std::vector<float*>& missed_rows,
+                    double now);
   // Copies the rows of ids[begin, end) to out (zeros if absent, position recorded in misses).
   // Caller holds every shard at least shared.
   void ReadRows(const int64_t* ids, size_t begin, size_t end, float* out,
