@@ -22,10 +22,19 @@ from compression.io import (
 )
 from compression.messages import decode_json_samples
 from compression.stats import TreeStats
-from compression.trees import LayerNodes, build_trees, flat_layers, flatten
+from compression.trees import (
+    ROOT_NODE,
+    LayerNodes,
+    build_trees,
+    concat_roots,
+    flat_layers,
+    flatten,
+    split_roots,
+)
 from compression.validate import RawDataError, conform_columns, split_bad_rows, validate_raw
 
 __all__ = [
+    "ROOT_NODE",
     "LayerBatch",
     "LayerNodes",
     "TreeBatch",
@@ -43,9 +52,11 @@ __all__ = [
     "write_trees",
     "RawDataError",
     "build_trees",
+    "concat_roots",
     "conform_columns",
     "flat_layers",
     "flatten",
     "split_bad_rows",
+    "split_roots",
     "validate_raw",
 ]

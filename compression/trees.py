@@ -5,10 +5,17 @@ features, so nodes whose features change between samples stay distinct and nothi
 Leaves are the samples themselves, in input order within their parent.
 
 How it works, without per-row Python: each upper layer's node identity becomes a dense integer
-code per row (hash dictionary-encoding of each column, then of the combined codes); codes are
-renumbered so that nodes are ordered by parent and then by first appearance; one stable argsort
-of the deepest upper layer's codes puts the leaves in tree order, and per-layer ``bincount``s of
-the parent codes give the Arrow list offsets. Roots come out in order of first appearance.
+code per row (each key column and then the combined codes numbered by first appearance: through
+a table indexed by value when values are in a small range, one sort of (value, row) pairs packed
+in int64, or Arrow's hash encoding); a non-key feature joins the identity only where it really
+varies within a key (checked by one memcmp per row against the group's first row); codes are
+renumbered so that nodes are ordered by parent and then by first appearance; one sort of packed
+(code, row) pairs of the deepest upper layer puts the leaves in tree order, and per-layer
+``bincount``s of the parent codes give the Arrow list offsets. Roots come out in order of first
+appearance.
+
+``split_roots`` gives the root layer's features once per root node (the shuffled form of the
+Beam job); ``build_trees(rows, schema, roots=...)`` builds the same trees from it.
 """
 
 from __future__ import annotations
@@ -21,14 +28,20 @@ from compression.validate import validate_raw
 from schemas import Feature, Layer, Schema
 
 _INT32_MAX = np.iinfo(np.int32).max
+ROOT_NODE = "__root_node"
 
 
-def build_trees(table: pa.Table, schema: Schema, validate: bool = True) -> pa.Table:
+def build_trees(table: pa.Table, schema: Schema, validate: bool = True,
+                roots: pa.Table | None = None) -> pa.Table:
     """Group flat samples (any row order) into the tree table of ``schema.tree_arrow_schema()``.
 
     ``validate=False`` skips :func:`validate_raw` for tables already in canonical form.
+    With ``roots`` (the root nodes of :func:`split_roots` or :func:`concat_roots`), ``table`` is
+    the matching rows table: the root layer's features come once per node from ``roots``
+    (already validated) and each row names its node in ``ROOT_NODE``. The trees are the same
+    as those of the expanded rows.
     """
-    if validate:
+    if roots is None and validate:
         table = validate_raw(table, schema)
     n = table.num_rows
     if n > _INT32_MAX:
@@ -43,20 +56,26 @@ def build_trees(table: pa.Table, schema: Schema, validate: bool = True) -> pa.Ta
                                     schema=schema.tree_arrow_schema())
 
     # codes[l][row]: the row's node at layer l, numbered in tree order (by parent, then first
-    # appearance); reps[l][node]: one input row of that node.
+    # appearance); reps[l][node]: one input row of that node (for the root layer with
+    # ``roots``: one row of ``roots``).
     codes: list[np.ndarray] = []
     reps: list[np.ndarray] = []
     parent = None
-    for layer in schema.layers[:-1]:
-        first_seen = _node_codes(table, layer, parent)
-        code, rep = _order_by_parent(first_seen, parent)
+    for level, layer in enumerate(schema.layers[:-1]):
+        if level == 0 and roots is not None:
+            code, rep = _root_codes_from_nodes(roots, table, layer)
+        else:
+            first_seen = _node_codes(table, layer, parent)
+            code, rep = _order_by_parent(first_seen, parent)
         codes.append(code)
         reps.append(rep)
         parent = code
 
-    leaf_order = np.argsort(codes[-1], kind="stable")
+    leaf_order = _stable_order(codes[-1], len(reps[-1]))
     leaf_columns = [f.name for f in schema.leaf.features] + list(schema.labels)
-    nodes = _struct(table.select(leaf_columns).take(leaf_order), schema.layer_fields(levels - 1))
+    nodes = pa.StructArray.from_arrays([_take(table.column(name), leaf_order)
+                                        for name in leaf_columns],
+                                       fields=schema.layer_fields(levels - 1))
     child_parent = codes[-1][leaf_order]
     for level in range(levels - 2, -1, -1):
         count = len(reps[level])
@@ -64,13 +83,68 @@ def build_trees(table: pa.Table, schema: Schema, validate: bool = True) -> pa.Ta
         np.cumsum(np.bincount(child_parent, minlength=count), out=offsets[1:])
         fields = schema.layer_fields(level)
         children = pa.ListArray.from_arrays(pa.array(offsets), nodes, type=fields[-1].type)
-        own = table.select([f.name for f in schema.layers[level].features]).take(reps[level])
-        arrays = [col.combine_chunks() for col in own.columns] + [children]
+        source = roots if (level == 0 and roots is not None) else table
+        arrays = [_take(source.column(f.name), reps[level])
+                  for f in schema.layers[level].features] + [children]
         if level == 0:
             return pa.Table.from_arrays(arrays, schema=schema.tree_arrow_schema())
         nodes = pa.StructArray.from_arrays(arrays, fields=fields)
         child_parent = codes[level - 1][reps[level]]
     raise AssertionError("unreachable")
+
+
+def split_roots(table: pa.Table, schema: Schema) -> tuple[pa.Table, pa.Table]:
+    """Flat samples in canonical form -> (root nodes, rows), for ``build_trees(rows, schema,
+    roots=root_nodes)``.
+
+    ``root nodes`` holds the root layer's features once per distinct root node of ``table`` (in
+    order of first appearance); ``rows`` holds every other column of every row plus
+    ``ROOT_NODE`` (int32), the row's index into the root nodes. Pairs from several tables merge
+    with :func:`concat_roots`. The root layer's features (a user's behaviour lists) are most of
+    a sample's bytes and repeat in every sample of the user: a shuffle of the split form moves
+    them once per user and chunk.
+    """
+    code, rep = root_node_codes(table, schema)
+    return split_roots_from_codes(table, schema, code, rep)
+
+
+def root_node_codes(table: pa.Table, schema: Schema) -> tuple[np.ndarray, np.ndarray]:
+    """(root node of every row, numbered by first appearance; first row of every root node)."""
+    if len(schema.layers) < 2:
+        raise ValueError("split_roots needs a schema of at least two layers")
+    if not table.num_rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    code = _node_codes(table, schema.root, None)
+    return code, _first_rows(code)
+
+
+def split_roots_from_codes(table: pa.Table, schema: Schema, code: np.ndarray,
+                           rep: np.ndarray, row_order: np.ndarray | None = None
+                           ) -> tuple[pa.Table, pa.Table]:
+    """:func:`split_roots` from :func:`root_node_codes`, nodes in the order of ``rep``
+    (``code`` numbers them in that order) and rows in ``row_order`` (default: as they are)."""
+    names = [f.name for f in schema.root.features]
+    roots = pa.Table.from_arrays([_take(table.column(name), rep) for name in names],
+                                 schema=pa.schema([table.schema.field(name) for name in names]))
+    rows = table.select([name for name in table.column_names if name not in names])
+    if row_order is not None:
+        rows, code = take_rows(rows, row_order), code[row_order]
+    return roots, rows.append_column(ROOT_NODE, pa.array(code.astype(np.int32)))
+
+
+def concat_roots(parts: list[tuple[pa.Table, pa.Table]]) -> tuple[pa.Table, pa.Table]:
+    """One (root nodes, rows) pair from several :func:`split_roots` pairs, rows in order."""
+    if not parts:
+        raise ValueError("concat_roots needs at least one (root nodes, rows) pair")
+    index, base = [], 0
+    for roots, rows in parts:
+        index.append(rows.column(ROOT_NODE).to_numpy().astype(np.int64) + base)
+        base += roots.num_rows
+    if base > _INT32_MAX:
+        raise ValueError(f"{base} root nodes is more than one tree table can hold")
+    rows = pa.concat_tables([rows.drop_columns([ROOT_NODE]) for _, rows in parts])
+    return (pa.concat_tables([roots for roots, _ in parts]),
+            rows.append_column(ROOT_NODE, pa.array(np.concatenate(index).astype(np.int32))))
 
 
 def flatten(trees: pa.Table, schema: Schema) -> pa.Table:
@@ -161,9 +235,51 @@ def _cast(array, target: pa.DataType):
     return array if array.type == target else array.cast(target)
 
 
-def _struct(table: pa.Table, fields: list[pa.Field]) -> pa.StructArray:
-    arrays = [col.combine_chunks() for col in table.columns]
-    return pa.StructArray.from_arrays(arrays, fields=fields)
+def _stable_order(codes: np.ndarray, count: int) -> np.ndarray:
+    """``np.argsort(codes, kind="stable")`` for codes in [0, count): one plain sort of
+    (code, row) pairs packed in int64, several times faster than a stable argsort."""
+    n = len(codes)
+    if n >= 1 << 32 or count >= 1 << 31:
+        return np.argsort(codes, kind="stable")
+    key = codes.astype(np.int64) << np.int64(32)
+    key |= np.arange(n, dtype=np.int64)
+    key.sort()
+    return key & np.int64(0xFFFFFFFF)
+
+
+def take_rows(table: pa.Table, indices: np.ndarray) -> pa.Table:
+    """``table.take(indices)`` (numpy indices), each column one array, faster for primitive
+    and low-cardinality string columns."""
+    return pa.Table.from_arrays([_take(column, indices) for column in table.columns],
+                                schema=table.schema)
+
+
+def _take(column, indices: np.ndarray) -> pa.Array:
+    """``column.take(indices)`` as one array, with faster paths for primitive and string data."""
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks == 1:
+            column = column.chunk(0)
+        elif len(indices) * 4 < len(column) and not _is_primitive(column.type):
+            # few rows of a big column: no copy of the whole column
+            return column.take(pa.array(indices)).combine_chunks()
+        else:
+            column = column.combine_chunks()
+    kind = column.type
+    if _is_primitive(kind) and not column.null_count:
+        return pa.array(column.to_numpy(zero_copy_only=False)[indices], type=kind)
+    if (len(indices) >= 1 << 16 and not column.null_count
+            and (pa.types.is_string(kind) or pa.types.is_binary(kind))):
+        # Random gathers from a big string buffer miss the cache on every row; through a
+        # small dictionary they don't.
+        encoded = pc.dictionary_encode(column)
+        if len(encoded.dictionary) * 8 <= len(column):
+            codes = encoded.indices.to_numpy(zero_copy_only=False)[indices]
+            return encoded.dictionary.take(pa.array(codes))
+    return column.take(pa.array(indices))
+
+
+def _is_primitive(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
 
 
 def _node_codes(table: pa.Table, layer: Layer, parent: np.ndarray | None) -> np.ndarray:
@@ -182,8 +298,7 @@ def _node_codes(table: pa.Table, layer: Layer, parent: np.ndarray | None) -> np.
     for feature in layer.features:
         if feature.name in grouped:
             continue
-        column = table.column(feature.name)
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        column = _one_array(table.column(feature.name))
         if _constant_within(column, feature, rep_row):
             continue
         grouped.append(feature.name)
@@ -208,27 +323,22 @@ def _constant_within(column: pa.Array, feature: Feature, rep_row: np.ndarray) ->
             return pc.all(pc.equal(column, column.take(pa.array(rep_row)))).as_py()
         values = column.to_numpy(zero_copy_only=False)
         return bool(np.array_equal(values, values[rep_row]))
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    lengths = np.diff(offsets)
-    if not np.array_equal(lengths, lengths[rep_row]):
-        return False
-    items = column.flatten()
-    if feature.kind == "ids" and feature.dtype == "string":
-        values = _encode(items)[0]
-    else:
-        values = items.to_numpy(zero_copy_only=False)
-        if feature.kind == "dense":
-            values = values.view(np.int32)  # bitwise: -0.0 and 0.0 are different values
-    # Lengths match, so row i's items sit at [offsets[i], offsets[i+1]) and its group's first
-    # row's items at the same positions shifted by (offsets[rep] - offsets[i]).
-    shift = np.repeat(offsets[rep_row] - offsets[:-1], lengths)
-    shift += np.arange(len(values))
-    return bool(np.array_equal(values, values[shift]))
+    # Each row's list as one binary value (its items' bytes, zero-copy; bitwise, so -0.0 and
+    # 0.0 differ and lengths are compared too): one memcmp per row, no per-item index arrays.
+    as_binary = _list_as_binary(column, feature)
+    return pc.all(pc.equal(as_binary, as_binary.take(pa.array(rep_row)))).as_py()
+
+
+def _one_array(column) -> pa.Array:
+    """A column as one array (without a copy when it has a single chunk)."""
+    if isinstance(column, pa.ChunkedArray):
+        return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    return column
 
 
 def _column_codes(column: pa.ChunkedArray, feature: Feature) -> tuple[np.ndarray, int]:
     """Dense int codes of a column's values (equal values, equal codes) and how many there are."""
-    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    column = _one_array(column)
     if feature.kind == "id":
         return _encode(column)
     return _encode(_list_as_binary(column, feature))
@@ -244,15 +354,70 @@ def _list_as_binary(column: pa.Array, feature: Feature) -> pa.Array:
     if data is None:
         data = pa.py_buffer(b"")
     data = data.slice(items.offset * width, len(items) * width)
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    offsets = (offsets - offsets[0]) * width
-    return pa.Array.from_buffers(pa.large_binary(), len(column),
-                                 [None, pa.py_buffer(offsets), data])
+    offsets = column.offsets.to_numpy()
+    if len(items) * width <= _INT32_MAX:
+        offsets = (offsets - offsets[0]) * np.int32(width)
+        kind = pa.binary()
+    else:
+        offsets = (offsets.astype(np.int64) - offsets[0]) * width
+        kind = pa.large_binary()
+    return pa.Array.from_buffers(kind, len(column), [None, pa.py_buffer(offsets), data])
 
 
 def _encode(array: pa.Array) -> tuple[np.ndarray, int]:
+    """Codes 0..k-1 of the values, in order of first appearance, and k."""
+    if pa.types.is_integer(array.type) and not array.null_count:
+        return _encode_ints(array.to_numpy(zero_copy_only=False))
     encoded = pc.dictionary_encode(array)
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64), len(encoded.dictionary)
+
+
+def _encode_ints(values: np.ndarray) -> tuple[np.ndarray, int]:
+    """:func:`_encode` of integers. Values in a small range (codes, small ids) go through a
+    table indexed by value, ~10x faster than hashing; others through Arrow's hash encoding."""
+    n = len(values)
+    if n == 0:
+        return np.zeros(0, np.int64), 0
+    low, high = int(values.min()), int(values.max())
+    span = high - low + 1
+    slot = values - low if low else values
+    if span > max(4 * n, 1 << 16):
+        row_bits = max(1, (n - 1).bit_length())
+        if (span - 1).bit_length() + row_bits <= 63:
+            return _encode_by_sort(slot.astype(np.int64, copy=False), row_bits)
+        encoded = pc.dictionary_encode(pa.array(values))
+        return (encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+                len(encoded.dictionary))
+    first = np.full(span, n, np.int64)
+    np.minimum.at(first, slot, np.arange(n, dtype=np.int64))
+    present = np.flatnonzero(first < n)
+    by_appearance = present[np.argsort(first[present])]  # first rows are distinct
+    rank = np.empty(span, np.int64)
+    rank[by_appearance] = np.arange(len(by_appearance), dtype=np.int64)
+    return rank[slot], len(by_appearance)
+
+
+def _encode_by_sort(slot: np.ndarray, row_bits: int) -> tuple[np.ndarray, int]:
+    """:func:`_encode_ints` of values 0 <= slot < 2**(63 - row_bits) (e.g. a (parent, child)
+    code pair): one sort of (value, row) packed in int64, for values too spread out for a
+    table and too many distinct for a fast hash table."""
+    n = len(slot)
+    packed = slot << np.int64(row_bits)
+    packed |= np.arange(n, dtype=np.int64)
+    packed.sort()
+    rows = packed & np.int64((1 << row_bits) - 1)
+    packed >>= np.int64(row_bits)
+    starts = np.empty(n, bool)
+    starts[0] = True
+    np.not_equal(packed[1:], packed[:-1], out=starts[1:])
+    group = np.cumsum(starts) - 1  # group of each sorted position, by value
+    first_rows = rows[starts]      # rows are sorted within a value: its first appearance
+    count = len(first_rows)
+    rank = np.empty(count, np.int64)
+    rank[_stable_order(first_rows, n)] = np.arange(count, dtype=np.int64)
+    codes = np.empty(n, np.int64)
+    codes[rows] = rank[group]
+    return codes, count
 
 
 def _dense_codes(parent: np.ndarray | None, columns: list[tuple[np.ndarray, int]]) -> np.ndarray:
@@ -262,12 +427,26 @@ def _dense_codes(parent: np.ndarray | None, columns: list[tuple[np.ndarray, int]
         columns = columns[1:]
     else:
         key, span = parent, int(parent.max()) + 1
+    if not columns:
+        return key  # already codes in order of first appearance
     for codes, count in columns:
         if span * count >= 1 << 62:  # would overflow int64: renumber the prefix first
-            key, span = _encode(pa.array(key))
+            key, span = _encode_ints(key)
         key = key * count + codes
         span *= count
-    return _encode(pa.array(key))[0]
+    return _encode_ints(key)[0]
+
+
+def _root_codes_from_nodes(roots: pa.Table, rows: pa.Table, layer: Layer):
+    """Root codes per row and one row of ``roots`` per root node, when the root layer's
+    features come once per node (``split_roots``) instead of once per row."""
+    node_of_row = rows.column(ROOT_NODE).to_numpy()
+    node_code = _node_codes(roots, layer, None)  # equal nodes of several parts: one code
+    rep_node = _first_rows(node_code)
+    # Renumber by first appearance in the rows, as the per-row path numbers them.
+    code, count = _encode_ints(node_code[node_of_row])
+    first_row = _first_rows(code)
+    return code, rep_node[node_code[node_of_row[first_row]]]
 
 
 def _order_by_parent(first_seen: np.ndarray, parent: np.ndarray | None):
@@ -278,7 +457,7 @@ def _order_by_parent(first_seen: np.ndarray, parent: np.ndarray | None):
     first_row = _first_rows(first_seen)
     if parent is None:
         return first_seen, first_row
-    order = np.argsort(parent[first_row], kind="stable")
+    order = _stable_order(parent[first_row], int(parent.max()) + 1)
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     return rank[first_seen], first_row[order]

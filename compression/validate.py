@@ -53,17 +53,19 @@ def split_bad_rows(table: pa.Table, schema: Schema, source: str | None = None,
     Problems with whole columns (missing, extra, wrong type) still raise :class:`RawDataError`.
     """
     table = conform_columns(table, schema, source)
-    reasons = np.full(table.num_rows, None, dtype=object)
+    bad = np.zeros(table.num_rows, bool)
+    reasons = {}  # row -> its first problem
     for problem in _row_problems(table, schema):
-        fresh = problem.mask & (reasons == None)  # noqa: E711 (elementwise on object array)
-        for i in np.flatnonzero(fresh):
-            reasons[i] = problem.reason.format(row=int(i) + first_row)
-    bad = reasons != None  # noqa: E711
+        fresh = problem.mask & ~bad
+        if fresh.any():
+            for i in np.flatnonzero(fresh):
+                reasons[int(i)] = problem.reason.format(row=int(i) + first_row)
+            bad |= fresh
     bad_rows = np.flatnonzero(bad)
     rejected = pa.table({
         "source": pa.array([source or ""] * len(bad_rows), pa.string()),
         "row": pa.array(bad_rows + first_row, pa.int64()),
-        "reason": pa.array(list(reasons[bad_rows]), pa.string()),
+        "reason": pa.array([reasons[int(i)] for i in bad_rows], pa.string()),
     })
     good = table.filter(pa.array(~bad)) if len(bad_rows) else table
     return good, rejected

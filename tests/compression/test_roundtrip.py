@@ -125,3 +125,48 @@ def test_compression_counts_ids_once_per_node():
     assert summary["ids_flat"] == round(flat_ids)
     assert summary["ids_in_trees"] < summary["ids_flat"]
     assert summary["id_compression_ratio"] > 1
+
+
+@PROPERTY
+@given(st.data())
+def test_build_trees_from_split_roots_of_chunks_equals_build_trees(data):
+    # The Beam job's form: the root layer's features once per node of each chunk, chunks
+    # merged in any order; the trees must be exactly those of the rows themselves.
+    schema = data.draw(random_schemas())
+    table = data.draw(raw_tables(schema))
+    if len(schema.layers) < 2:
+        return
+    table = compression.validate_raw(table, schema)
+    size = data.draw(st.integers(1, max(1, table.num_rows)))
+    chunks = [table.slice(start, size) for start in range(0, max(table.num_rows, 1), size)]
+    chunks = data.draw(st.permutations(chunks))
+    parts = [compression.split_roots(chunk, schema) for chunk in chunks]
+    for (roots, rows), chunk in zip(parts, chunks):
+        assert rows.num_rows == chunk.num_rows
+        assert roots.num_rows <= rows.num_rows
+        index = rows.column(compression.ROOT_NODE).to_pylist()
+        assert set(index) == set(range(roots.num_rows))  # every node used, none missing
+        assert not set(roots.column_names) & set(rows.column_names)
+    roots, rows = compression.concat_roots(parts)
+    assert compression.build_trees(rows, schema, roots=roots).equals(
+        compression.build_trees(pa.concat_tables(chunks), schema))
+
+
+def test_split_roots_keeps_a_user_whose_features_change_as_two_nodes():
+    table = taobao_table(400, seed=3)
+    schema = schemas.load("schemas/examples/taobao_like.yaml")
+    user = table.column("user_id")[0].as_py()
+    rows = [i for i, u in enumerate(table.column("user_id").to_pylist()) if u == user]
+    assert len(rows) > 1
+    age = table.column("age_level").to_numpy().copy()
+    age[rows[-1]] += 1
+    items = table.column("clicked_items").to_pylist()
+    items[rows[0]] = items[rows[0]] + [12345]
+    table = table.set_column(table.column_names.index("age_level"), "age_level", pa.array(age))
+    table = table.set_column(table.column_names.index("clicked_items"), "clicked_items",
+                             pa.array(items, pa.list_(pa.int64())))
+    roots, flat = compression.split_roots(table, schema)
+    assert roots.filter(pa.compute.equal(roots.column("user_id"), user)).num_rows == 3
+    trees = compression.build_trees(flat, schema, roots=roots)
+    assert trees.equals(compression.build_trees(table, schema))
+    assert row_multiset(compression.flatten(trees, schema)) == row_multiset(table)

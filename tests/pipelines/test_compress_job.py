@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,7 +22,8 @@ import schemas
 from compression import RawDataError
 from compression.compress import compress_files
 from pipelines import compress as job
-from pipelines._shards import shard_of, split_by_shard
+from pipelines._coders import ShardPart, ShardPartCoder
+from pipelines._shards import shard_of, split_by_shard, split_roots_by_shard
 from sample_data import random_schemas, raw_tables, row_multiset, taobao_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -292,3 +294,50 @@ def test_command_line_run_prints_progress_and_summary(tmp_path):
     assert f"read {tmp_path / 'raw.parquet'}: 300 rows, 0 bad" in out.stderr
     assert "samples               300" in out.stdout
     assert "into 2 shards" in out.stdout
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_split_roots_by_shard_keeps_every_row_and_each_root_key_in_one_shard(data):
+    schema = data.draw(random_schemas())
+    if len(schema.layers) < 2:
+        return
+    table = compression.validate_raw(data.draw(raw_tables(schema)), schema)
+    shards = data.draw(st.integers(1, 5))
+    parts = split_roots_by_shard(table, schema, shards)
+    assert sum(rows.num_rows for _, (_, rows) in parts) == table.num_rows
+    owner = {}
+    for shard, (roots, rows) in parts:
+        assert 0 <= shard < shards and rows.num_rows > 0
+        assert set(rows.column(compression.ROOT_NODE).to_pylist()) == set(range(roots.num_rows))
+        for key in roots.select(list(schema.root.key)).to_pylist():
+            assert owner.setdefault(repr(key), shard) == shard
+    if parts:
+        roots, rows = compression.concat_roots([part for _, part in parts])
+        trees = compression.build_trees(rows, schema, roots=roots)
+        assert row_multiset(compression.flatten(trees, schema)) == row_multiset(table)
+
+
+def test_shard_parts_round_trip_through_their_coder():
+    table = compression.validate_raw(taobao_table(120), TAOBAO)
+    coder = beam.coders.registry.get_coder(ShardPart)
+    assert isinstance(coder, ShardPartCoder)
+    roots, rows = compression.split_roots(table, TAOBAO)
+    for part in (ShardPart(roots, rows), ShardPart(None, rows)):
+        back = coder.decode(coder.encode(part)).tables
+        assert back[1].equals(rows)
+        assert (back[0] is None) if part.tables[0] is None else back[0].equals(roots)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threads_do_not_change_the_output(tmp_path, threads):
+    tables = [taobao_table(500, seed=s) for s in range(2)]
+    for i, t in enumerate(tables):
+        pq.write_table(t, tmp_path / f"raw-{i}.parquet")
+    summary = _run(TAOBAO_PATH, str(tmp_path / "raw-*.parquet"), tmp_path / "out", "--shards", 5,
+                   "--chunk-rows", 150, "--threads", threads)
+    trees = compression.read_trees(str(tmp_path / "out" / "part-*.parquet"))
+    raw = pa.concat_tables(tables)
+    assert row_multiset(compression.flatten(trees, TAOBAO)) == row_multiset(raw)
+    assert _root_nodes(trees, TAOBAO) == _root_nodes(compression.build_trees(raw, TAOBAO), TAOBAO)
+    assert summary["samples"] == 1000 and summary["shards"] == 5
