@@ -93,14 +93,13 @@ class OnlineStats:
     units: int = 0
     checkpoints: int = 0
     exports: int = 0
-    delays: "DelayHistogram" = field(default_factory=lambda: DelayHistogram())
+    delays: DelayHistogram = field(default_factory=DelayHistogram)
     started: float = field(default_factory=time.monotonic)
     first_unit: float | None = None  # when the first unit was trained (after start-up/join)
     first_unit_samples: int = 0
     # the reader thread's busy seconds (the trainer's own are in Trainer.timings)
     reader_seconds: dict = field(default_factory=lambda: {"poll_decode": 0.0,
                                                          "compress_batch": 0.0})
-
 
 
 class OnlineTrainer:

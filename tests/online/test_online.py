@@ -339,3 +339,16 @@ def test_expiry_by_a_config_function_and_run_metrics_in_tensorboard(kafka_broker
             tags.update(v.tag for v in event.summary.value)
     assert {"samples_per_sec", "lag_messages", "dead_letters", "store/rows", "store/admitted",
             "store/rejected", "store/expired", "delay/p50_s", "delay/p99_s"} <= tags
+
+
+def test_delay_histogram_percentiles_within_a_bucket():
+    from trainer.online import DelayHistogram
+
+    histogram = DelayHistogram()
+    assert histogram.percentiles() == {"p50": None, "p99": None}
+    histogram.add(np.arange(1000) * 10.0)          # 0 ms .. 9.99 s, 10 ms apart
+    histogram.add(np.array([-5.0, 3_600_000.0]))   # clock skew and a stuck sample: clamped
+    got = histogram.percentiles()
+    exact = np.percentile(np.r_[np.arange(1000) * 10.0, -5.0, 3_600_000.0], [50, 99]) / 1000
+    assert abs(got["p50"] - exact[0]) <= 0.011 and abs(got["p99"] - exact[1]) <= 0.011
+    assert histogram.counts.sum() == 1002 and histogram.counts[-1] == 1
