@@ -82,8 +82,25 @@ def part_name(shard: int, shards: int) -> str:
     return f"part-{shard:05d}-of-{shards:05d}.parquet"
 
 
+class _PooledFn(beam.DoFn):
+    """A DoFn with a pool of ``threads - 1`` worker threads (None for one thread) next to the
+    bundle thread, built in ``setup`` (DoFns are pickled) and shut down in ``teardown``."""
+
+    def __init__(self, threads: int):
+        self._threads = max(1, threads)
+
+    def setup(self):
+        self._pool = (concurrent.futures.ThreadPoolExecutor(self._threads - 1)
+                      if self._threads > 1 else None)
+
+    def teardown(self):
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 @beam.typehints.with_output_types(Tuple[int, ShardPart])
-class _ReadShardsFn(beam.DoFn):
+class _ReadShardsFn(_PooledFn):
     """One raw file -> (shard, part of the good rows), and rejected rows to the dead-letter
     output. Parts carry the root layer's features once per root node of the chunk
     (``compression.split_roots``), not once per sample: a user's features and behaviour lists,
@@ -97,26 +114,20 @@ class _ReadShardsFn(beam.DoFn):
 
     def __init__(self, schema_yaml: str, shards: int, format: str | None, chunk_rows: int,
                  threads: int = 1):
+        super().__init__(threads)
         self._schema_yaml = schema_yaml
         self._shards = shards
         self._format = format
         self._chunk_rows = chunk_rows
-        self._threads = max(1, threads)
         self._rows = beam.metrics.Metrics.counter(_METRICS, "rows_read")
         self._bad = beam.metrics.Metrics.counter(_METRICS, "bad_rows")
         self._files = beam.metrics.Metrics.counter(_METRICS, "files_read")
 
     def setup(self):
-        self._schema = _load_schema(self._schema_yaml)
-        # Chunks are validated and split on a pool while the next one is decoded (Parquet
+        # Chunks are validated and split on the pool while the next one is decoded (Parquet
         # decoding, Arrow and numpy release the GIL).
-        self._pool = (concurrent.futures.ThreadPoolExecutor(self._threads - 1)
-                      if self._threads > 1 else None)
-
-    def teardown(self):
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        super().setup()
+        self._schema = _load_schema(self._schema_yaml)
 
     def process(self, path: str):
         rows = bad = 0
@@ -173,7 +184,7 @@ class _ReadShardsFn(beam.DoFn):
         yield from parts
 
 
-class _BuildShardFn(beam.DoFn):
+class _BuildShardFn(_PooledFn):
     """All rows of one shard -> its tree table, written as ``part-SSSSS-of-NNNNN.parquet``.
 
     Up to ``threads`` shards of a bundle are built and written at once, on a thread pool:
@@ -184,23 +195,17 @@ class _BuildShardFn(beam.DoFn):
     """
 
     def __init__(self, schema_yaml: str, output: str, shards: int, threads: int = 1):
+        super().__init__(threads)
         self._schema_yaml = schema_yaml
         self._output = output
         self._shards = shards
-        self._threads = max(1, threads)
         self._samples = beam.metrics.Metrics.counter(_METRICS, "samples_written")
         self._trees = beam.metrics.Metrics.counter(_METRICS, "trees_written")
         self._done = beam.metrics.Metrics.counter(_METRICS, "shards_written")
 
     def setup(self):
+        super().setup()
         self._schema = _load_schema(self._schema_yaml)
-        self._pool = (concurrent.futures.ThreadPoolExecutor(self._threads - 1)
-                      if self._threads > 1 else None)
-
-    def teardown(self):
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
     def start_bundle(self):
         self._pending = collections.deque()
