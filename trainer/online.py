@@ -94,6 +94,10 @@ class OnlineStats:
     checkpoints: int = 0
     exports: int = 0
     delays: DelayHistogram = field(default_factory=DelayHistogram)
+    # the same for samples that arrived after the first unit was trained: the steady state,
+    # without the backlog that piles up while the trainer starts and joins the group
+    steady_delays: DelayHistogram = field(default_factory=DelayHistogram)
+    first_unit_wall_ms: float | None = None
     started: float = field(default_factory=time.monotonic)
     first_unit: float | None = None  # when the first unit was trained (after start-up/join)
     first_unit_samples: int = 0
@@ -256,6 +260,7 @@ class OnlineTrainer:
             self._pending_timestamps.append(unit.timestamps_ms)
         if self.stats.first_unit is None:
             self.stats.first_unit = time.monotonic()
+            self.stats.first_unit_wall_ms = time.time() * 1000
             self.stats.first_unit_samples = unit.samples
         self.stats.samples += unit.samples
         self.stats.messages += unit.messages
@@ -304,9 +309,11 @@ class OnlineTrainer:
         export_increment(self.trainer, self.export_dir)
         now_ms = time.time() * 1000
         if self._pending_timestamps:
-            delays = now_ms - np.concatenate(self._pending_timestamps)
+            stamps = np.concatenate(self._pending_timestamps)
             self._pending_timestamps = []
+            delays = now_ms - stamps
             self.stats.delays.add(delays)
+            self.stats.steady_delays.add(delays[stamps >= self.stats.first_unit_wall_ms])
             self.last_delay = {"p50": float(np.percentile(delays, 50)) / 1000,
                                "p99": float(np.percentile(delays, 99)) / 1000}
             if self._writer is not None:
@@ -358,7 +365,8 @@ class OnlineTrainer:
                 "checkpoints": self.stats.checkpoints, "exports": self.stats.exports,
                 "store_rows": store.get("rows", 0), "admitted": store.get("admitted", 0),
                 "rejected": store.get("rejected", 0), "expired": store.get("expired", 0),
-                "delay_s": self.stats.delays.percentiles(), "lag": self.last_lag,
+                "delay_s": self.stats.delays.percentiles(),
+                "steady_delay_s": self.stats.steady_delays.percentiles(), "lag": self.last_lag,
                 "busy_seconds": {**{k: round(v, 3) for k, v in self.stats.reader_seconds.items()},
                                  **{k: round(self.trainer.timings[k], 3)
                                     for k in ("lookup", "step", "update")}},
