@@ -10,6 +10,7 @@ Pure pyarrow/numpy: importable anywhere (Beam workers, the trainer, notebooks).
 
 from compression.batches import LayerBatch, TreeBatch, iter_batches
 from compression.io import (
+    TreeMessageDecoder,
     decode_trees,
     encode_trees,
     expand_paths,
@@ -40,6 +41,7 @@ __all__ = [
     "TreeBatch",
     "TreeStats",
     "decode_json_samples",
+    "TreeMessageDecoder",
     "decode_trees",
     "encode_trees",
     "expand_paths",

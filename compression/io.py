@@ -186,5 +186,56 @@ def decode_trees(message: bytes) -> pa.Table:
     """The tree table of one :func:`encode_trees` message."""
     try:
         return pa.ipc.open_stream(pa.py_buffer(message)).read_all()
-    except pa.ArrowInvalid as e:
+    except (pa.ArrowInvalid, OSError) as e:  # a truncated body is an OSError
         raise ValueError(f"not an Arrow IPC tree message ({len(message)} bytes): {e}") from None
+
+
+class TreeMessageDecoder:
+    """Decodes :func:`encode_trees` messages of one known tree schema.
+
+    Every message repeats its schema; parsing it and comparing it with ``Schema.equals`` cost
+    three times the rest of the decoding (measured on taobao_like messages of ~57 samples).
+    This decoder compares the schema message's bytes with those of the expected schema and
+    reads the record batches against the expected schema directly; a message whose schema
+    bytes differ (another writer, other field metadata) takes the full path. Malformed
+    messages raise ``ValueError``; the batches are fully validated (offsets within bounds), so
+    nothing downstream reads out of bounds.
+    """
+
+    def __init__(self, schema: pa.Schema, name: str | None = None):
+        self.schema = schema
+        self.name = name  # the sample schema's name, for errors
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema):
+            pass
+        first = next(iter(pa.ipc.MessageReader.open_stream(sink.getvalue())))
+        self._schema_metadata = first.metadata
+
+    def __call__(self, message: bytes) -> pa.Table:
+        try:
+            buffer = pa.py_buffer(message)
+            reader = pa.BufferReader(buffer)
+            first = pa.ipc.read_message(reader)
+            batches = []
+            if first.type == "schema" and first.metadata.equals(self._schema_metadata):
+                # record batches up to the 8-byte end-of-stream marker
+                while batches is not None and reader.tell() < buffer.size - 8:
+                    msg = pa.ipc.read_message(reader)
+                    if msg.type == "record batch":
+                        batches.append(pa.ipc.read_record_batch(msg, self.schema))
+                    else:
+                        batches = None
+            else:
+                batches = None
+            if batches is None:
+                table = decode_trees(message)
+                if not table.schema.equals(self.schema):
+                    what = f" {self.name!r}" if self.name else " expected"
+                    raise ValueError(f"tree schema does not match schema{what}: {table.schema}")
+            else:
+                table = pa.Table.from_batches(batches, self.schema)
+            table.validate(full=True)
+            return table
+        except (pa.ArrowException, OSError, EOFError) as e:  # truncated: OSError
+            raise ValueError(f"not an Arrow IPC tree message ({len(message)} bytes): "
+                             f"{e}") from None

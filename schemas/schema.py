@@ -86,10 +86,14 @@ class Schema:
     layers: tuple[Layer, ...]
     labels: tuple[str, ...]
     _by_name: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+    # Arrow schemas built once: the tree schema's metadata holds the YAML text, and emitting it
+    # cost as much as building the trees of a 5000-sample micro-batch (online learning).
+    _arrow: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         index = {f.name: (li, f) for li, layer in enumerate(self.layers) for f in layer.features}
         object.__setattr__(self, "_by_name", index)
+        object.__setattr__(self, "_arrow", {})
 
     @property
     def root(self) -> Layer:
@@ -118,6 +122,11 @@ class Schema:
 
     def raw_arrow_schema(self) -> pa.Schema:
         """Arrow schema of flat samples: one column per feature (root layer first), then labels."""
+        if "raw" not in self._arrow:
+            self._arrow["raw"] = self._raw_arrow_schema()
+        return self._arrow["raw"]
+
+    def _raw_arrow_schema(self) -> pa.Schema:
         fields = [pa.field(f.name, f.raw_arrow_type()) for f in self.features]
         fields += [pa.field(label, pa.float32()) for label in self.labels]
         return pa.schema(fields, metadata={b"prefixrec.schema": self.name.encode()})
@@ -139,6 +148,11 @@ class Schema:
 
             user_id age_level ... ad: list<struct<ad_id ... creative: list<struct<... click>>>>
         """
+        if "tree" not in self._arrow:
+            self._arrow["tree"] = self._tree_arrow_schema()
+        return self._arrow["tree"]
+
+    def _tree_arrow_schema(self) -> pa.Schema:
         return pa.schema(self.layer_fields(0), metadata={
             b"prefixrec.schema": self.name.encode(),
             SCHEMA_YAML_KEY: self.to_yaml().encode(),

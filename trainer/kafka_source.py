@@ -64,6 +64,8 @@ class KafkaSampleSource:
         self.assigned: set[int] = set()
         self.rebalances = 0
         self._tree_schema = schema.tree_arrow_schema()
+        self._tree_decoder = compression.TreeMessageDecoder(self._tree_schema,
+                                                        schema.name)
         settings = {"bootstrap.servers": bootstrap_servers, "group.id": group,
                     "enable.auto.commit": False, "enable.auto.offset.store": False,
                     "auto.offset.reset": "earliest", **GROUP_DEFAULTS}
@@ -168,11 +170,7 @@ class KafkaSampleSource:
             np.array([m.timestamp()[1] for m in kept], np.int64), per_message)
 
     def _decode_tree(self, value: bytes) -> pa.Table:
-        trees = compression.decode_trees(value)
-        if not trees.schema.equals(self._tree_schema):
-            raise ValueError(f"tree schema does not match schema {self.schema.name!r}: "
-                             f"{trees.schema}")
-        return trees
+        return self._tree_decoder(value)
 
     def _sift(self, items, check, polled: Polled) -> list:
         """``(check(value), msg)`` of the ``(value, msg)`` items ``check`` accepts; the others'

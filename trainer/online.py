@@ -174,8 +174,9 @@ class OnlineTrainer:
                 if polled.num_samples:
                     trees = (compression.build_trees(polled.samples, self.schema, validate=False)
                              if polled.samples is not None else polled.trees)
-                    batches = list(compression.iter_batches(trees, self.schema, batch_size,
-                                                            self.trainer.config.split_trees))
+                    # prepared here, off the training thread (numpy feed work and tensors)
+                    batches = [self.trainer.prepare(b) for b in compression.iter_batches(
+                        trees, self.schema, batch_size, self.trainer.config.split_trees)]
                 self.stats.reader_seconds["poll_decode"] += t1 - t0
                 self.stats.reader_seconds["compress_batch"] += time.perf_counter() - t1
                 self._put(Unit(batches, polled.num_samples, positions, polled.ranges,

@@ -35,7 +35,7 @@ from schemas import Schema
 from trainer import models as models_lib
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import batch_source, count_samples
-from trainer.feed import Feed, FeedBuilder, Layout
+from trainer.feed import Feed, FeedBuilder, Layout, Prepared
 from trainer.metrics import StreamingAUC, auc, logloss
 from trainer.network import Network
 
@@ -174,11 +174,19 @@ class Trainer:
         self.expired += removed
         return removed
 
-    def train_batch(self, batch: TreeBatch) -> float:
-        """One training step on one batch, on the caller's thread (for callers that batch
-        themselves, e.g. online learning); returns the loss."""
+    def prepare(self, batch: TreeBatch) -> Prepared:
+        """The part of a step that needs neither the stores nor the dense weights (numpy feed
+        work, tensors made from it), so a reader thread can do it ahead of the step."""
+        prepared = self.builder.prepare(batch)
+        prepared.feed = tf.nest.map_structure(tf.convert_to_tensor, prepared.feed)
+        return prepared
+
+    def train_batch(self, batch: TreeBatch | Prepared) -> float:
+        """One training step on one batch (or one ``prepare``-d ahead), on the caller's thread
+        (for callers that batch themselves, e.g. online learning); returns the loss."""
         t0 = time.perf_counter()
-        feed = self.builder.lookup(self.builder.prepare(batch), self.stores, train=True)
+        prepared = batch if isinstance(batch, Prepared) else self.builder.prepare(batch)
+        feed = self.builder.lookup(prepared, self.stores, train=True)
         self.timings["lookup"] += time.perf_counter() - t0
         loss, _ = self._train_on(feed)
         return loss

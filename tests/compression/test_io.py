@@ -78,8 +78,31 @@ def test_ipc_message_round_trip():
     message = compression.encode_trees(trees)
     assert isinstance(message, bytes)
     assert compression.decode_trees(message).equals(trees)
-    with pytest.raises(ValueError, match="not an Arrow IPC tree message"):
-        compression.decode_trees(b"garbage")
+    for bad in (b"garbage", message[:len(message) // 2], message[:-9]):  # -9: a cut body
+        with pytest.raises(ValueError, match="not an Arrow IPC tree message"):
+            compression.decode_trees(bad)
+
+
+def test_tree_message_decoder_equals_decode_trees_and_refuses_what_it_should():
+    schema = schemas.load("schemas/examples/taobao_like.yaml")
+    trees = compression.build_trees(taobao_table(300), schema)
+    decode = compression.TreeMessageDecoder(schema.tree_arrow_schema(), schema.name)
+    one = compression.encode_trees(trees.slice(0, 1))
+    assert decode(one).equals(compression.decode_trees(one))
+    # several record batches in one message (a chunked table)
+    chunked = pa.concat_tables([trees.slice(0, 2), trees.slice(2, 3), trees.slice(5)])
+    assert chunked.column(0).num_chunks == 3
+    assert decode(compression.encode_trees(chunked)).equals(trees)
+    # the same schema written with other metadata: the full path, same table
+    plain = trees.replace_schema_metadata(None)
+    assert decode(compression.encode_trees(plain)).equals(trees)
+    # another schema, garbage, a truncated message
+    with pytest.raises(ValueError, match="tree schema does not match schema 'taobao_like'"):
+        decode(compression.encode_trees(compression.build_trees(
+            pa.Table.from_pylist(ROWS), SCHEMA)))
+    for bad in (b"", b"garbage", one[:len(one) // 2], one[:-9]):
+        with pytest.raises(ValueError, match="not an Arrow IPC tree message"):
+            decode(bad)
 
 
 def _run(*args):
