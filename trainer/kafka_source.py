@@ -99,47 +99,64 @@ class KafkaSampleSource:
     def poll(self, max_messages: int, timeout: float) -> Polled:
         """Consume up to ``max_messages`` (waiting at most ``timeout`` s), decode them in bulk,
         send malformed ones to the dead-letter topic, and advance :attr:`positions`."""
-        messages = []
-        for msg in self.consumer.consume(num_messages=max_messages, timeout=timeout):
+        # One pass over the messages (this loop runs for every sample at 100k/s, holding the
+        # GIL the training thread also needs); the offset bookkeeping is done in numpy.
+        consumed = self.consumer.consume(num_messages=max_messages, timeout=timeout)
+        # after consume: its rebalance callbacks replace self.assigned
+        assigned, limit = self.assigned, self.max_message_bytes
+        messages, values, partitions, offsets = [], [], [], []
+        polled = Polled()
+        for msg in consumed:
             error = msg.error()
-            if error is None:
-                if msg.partition() in self.assigned:  # drop leftovers of a revoked partition
-                    messages.append(msg)
-            elif error.code() != KafkaError._PARTITION_EOF:
-                if error.fatal():
-                    raise KafkaException(error)
-                log.warning("consume %s: %s", self.topic, error)  # retriable: librdkafka retries
-        polled = Polled(messages=len(messages))
-        if not messages:
-            return polled
-        good, timestamps = [], []
-        for msg in messages:
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    if error.fatal():
+                        raise KafkaException(error)
+                    log.warning("consume %s: %s", self.topic, error)  # librdkafka retries
+                continue
+            partition = msg.partition()
+            if partition not in assigned:  # a leftover of a revoked partition
+                continue
+            partitions.append(partition)
+            offsets.append(msg.offset())
             value = msg.value()
-            if value is not None and len(value) > self.max_message_bytes:
+            if value is not None and len(value) > limit:
                 self._dead(msg, f"oversized: {len(value)} bytes, the limit is "
-                                f"{self.max_message_bytes} (max_message_bytes)")
+                                f"{limit} (max_message_bytes)")
                 polled.dead += 1
-            else:
-                good.append(msg)
+                continue
+            messages.append(msg)
+            values.append(value)
+        polled.messages = len(partitions)
+        if not partitions:
+            return polled
         if self.format == "json":
-            table, dead = compression.decode_json_samples([m.value() for m in good],
-                                                          self.schema, with_index=True)
-            for index, reason in dead:
-                self._dead(good[index], reason)
-            polled.dead += len(dead)
-            kept = table.column("__message").to_numpy()
-            polled.samples = table.drop_columns(["__message"])
-            polled.num_samples = polled.samples.num_rows
-            stamps = np.array([m.timestamp()[1] for m in good], np.int64)
-            polled.timestamps_ms = stamps[kept] if len(kept) else np.zeros(0, np.int64)
+            self._decode_json_messages(messages, values, polled)
         else:
-            self._decode_tree_messages(good, polled)
-        for msg in messages:
-            p, o = msg.partition(), msg.offset()
-            first, end = polled.ranges.get(p, (o, o + 1))
-            polled.ranges[p] = (min(first, o), max(end, o + 1))
-            self.positions[p] = max(self.positions.get(p, 0), o + 1)
+            self._decode_tree_messages(messages, polled)
+        partitions = np.asarray(partitions, np.int64)
+        offsets = np.asarray(offsets, np.int64)
+        for p in np.unique(partitions).tolist():
+            of_p = offsets[partitions == p]
+            first, end = int(of_p.min()), int(of_p.max()) + 1
+            polled.ranges[p] = (first, end)
+            self.positions[p] = max(self.positions.get(p, 0), end)
         return polled
+
+    def _decode_json_messages(self, messages, values, polled: Polled):
+        table, dead = compression.decode_json_samples(values, self.schema, with_index=True)
+        for index, reason in dead:
+            self._dead(messages[index], reason)
+        polled.dead += len(dead)
+        kept = table.column("__message").to_numpy()
+        polled.samples = table.drop_columns(["__message"])
+        polled.num_samples = polled.samples.num_rows
+        if len(kept) == len(messages):
+            polled.timestamps_ms = np.fromiter((m.timestamp()[1] for m in messages), np.int64,
+                                               len(messages))
+        else:
+            polled.timestamps_ms = np.fromiter((messages[i].timestamp()[1] for i in kept),
+                                               np.int64, len(kept))
 
     def _decode_tree_messages(self, messages, polled: Polled):
         """Decode tree messages into one table for the whole poll (batching one table is much
