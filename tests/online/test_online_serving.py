@@ -2,6 +2,7 @@
 Predictor's rows equal to the trainer's, with entry filters and expiry at work."""
 
 import json
+import os
 
 import numpy as np
 
@@ -57,16 +58,21 @@ def test_follower_rows_equal_the_trainers_after_every_export(kafka_broker, tmp_p
             for key in mine:
                 assert np.array_equal(mine[key], theirs[key]), (table, key)
         compared.append(len(online.trainer.stores["item"]))
+        if online.reader_thread_id is not None and "reader_nice" not in follower:
+            # the reader thread runs at a lower priority than the training (main) thread
+            follower["reader_nice"] = (os.getpriority(os.PRIO_PROCESS, online.reader_thread_id)
+                                       - os.getpriority(os.PRIO_PROCESS, 0))
 
     online = OnlineTrainer(SCHEMA, trainer, source, CheckpointManager(str(tmp_path / "run")),
                            checkpoint_every=1000, export_dir=export_dir, export_every=0.0,
-                           idle_exit=4, poll_timeout=0.05, on_export=check)
+                           idle_exit=4, poll_timeout=0.05, on_export=check, reader_nice=5)
     try:
         summary = online.run()
     finally:
         source.close()
     assert summary["samples"] == 1200
     assert len(compared) >= 3  # several exports, each followed exactly
+    assert follower["reader_nice"] == 5
     item_rows = set(_rows(trainer.stores["item"])["ids"].tolist())
     assert not item_rows & {1000 + i for i in range(1200)}  # seen once: never admitted
     assert not item_rows & set(range(20))                 # idle: expired, tombstoned
