@@ -1,9 +1,12 @@
-"""The native embedding store: a C++ dynamic hash-map embedding table behind a typed facade."""
+"""The native embedding store: a C++ dynamic hash-map embedding table behind a typed facade.
+
+Also the native JSON sample decoder (native.json_samples) used by online learning."""
 from native.config import (FTRL, SGD, Adagrad, Adam, CounterFilter, CountingBloomFilter,
                            EntryFilter, Initializer, Normal, Optimizer, ProbabilityFilter,
                            StoreConfig, Uniform, Zeros)
 from native.errors import (CorruptFileError, DeltaOrderError, IncompatibleStoreError,
                            InvalidDtypeError, InvalidInputError, StoreError, StoreIOError)
+from native.json_samples import DecodedChunk, DecodedSamples, JsonColumn, JsonSampleDecoder
 from native.store import EmbeddingStore, StoreStats
 
 __all__ = [
@@ -13,4 +16,5 @@ __all__ = [
     "ProbabilityFilter", "CountingBloomFilter", "CounterFilter", "EntryFilter",
     "StoreError", "InvalidInputError", "InvalidDtypeError", "CorruptFileError",
     "IncompatibleStoreError", "DeltaOrderError", "StoreIOError",
+    "JsonSampleDecoder", "JsonColumn", "DecodedChunk", "DecodedSamples",
 ]

@@ -22,6 +22,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 import compression
 from schemas import Schema
+from trainer.json_decode import decode_json_samples
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class KafkaSampleSource:
         return polled
 
     def _decode_json_messages(self, messages, values, polled: Polled):
-        table, dead = compression.decode_json_samples(values, self.schema, with_index=True)
+        table, dead = decode_json_samples(values, self.schema, with_index=True)
         for index, reason in dead:
             self._dead(messages[index], reason)
         polled.dead += len(dead)

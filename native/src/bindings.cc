@@ -125,6 +125,9 @@ std::unique_ptr<EmbeddingStore> MakeStore(int dim, uint32_t optimizer, std::vect
   return std::make_unique<EmbeddingStore>(o);
 }
 
+// JSON sample decoding (native.json_samples): defined in the last section of this file.
+void BindJsonSamples(py::module_& m);
+
 }  // namespace
 
 PYBIND11_MODULE(_store, m) {
@@ -293,4 +296,118 @@ PYBIND11_MODULE(_store, m) {
              return s.ApplyDelta(path);
            },
            py::arg("path"));
+
+  BindJsonSamples(m);
 }
+
+// ---------------------------------------------------------------------------------------------
+// JSON sample decoding: native._store.JsonSampleDecoder (facade: native/json_samples.py).
+// The messages are taken from a tuple copy of the sequence (so another thread changing the
+// caller's list cannot free a bytes object while the GIL is released); the whole decode runs
+// without the GIL; the column buffers are handed to numpy without a copy.
+// ---------------------------------------------------------------------------------------------
+#include "prefixrec/json_samples.h"
+
+namespace {
+
+namespace pj = prefixrec::json;
+
+template <typename T>
+py::array_t<T> Release(pj::PodBuffer<T>& buffer) {
+  const auto n = static_cast<py::ssize_t>(buffer.size());
+  T* data = buffer.release();
+  py::capsule owner(data, [](void* p) { std::free(p); });
+  return py::array_t<T>({n}, data, owner);
+}
+
+py::tuple ColumnArrays(const pj::ColumnSpec& spec, pj::ColumnData& d) {
+  const bool strings = spec.type == pj::ValueType::kString;
+  switch (spec.kind) {
+    case pj::ColumnKind::kId:
+      if (strings) return py::make_tuple(Release(d.str_offsets), Release(d.str_data));
+      return py::make_tuple(Release(d.ints));
+    case pj::ColumnKind::kIds:
+      if (strings) {
+        return py::make_tuple(Release(d.offsets), Release(d.str_offsets), Release(d.str_data));
+      }
+      return py::make_tuple(Release(d.offsets), Release(d.ints));
+    case pj::ColumnKind::kDense:
+      return py::make_tuple(Release(d.offsets), Release(d.floats));
+    case pj::ColumnKind::kLabel:
+      return py::make_tuple(Release(d.floats));
+  }
+  return py::tuple();
+}
+
+std::unique_ptr<pj::JsonSampleDecoder> MakeJsonDecoder(const py::list& columns,
+                                                      size_t max_message_bytes) {
+  std::vector<pj::ColumnSpec> specs;
+  for (const py::handle item : columns) {
+    auto t = item.cast<std::tuple<std::string, int, int, int, bool>>();
+    pj::ColumnSpec spec;
+    spec.name = std::get<0>(t);
+    const int kind = std::get<1>(t), type = std::get<2>(t);
+    if (kind < 0 || kind > 3 || type < 0 || type > 2) Invalid("column " + spec.name + ": bad kind/type code");
+    spec.kind = static_cast<pj::ColumnKind>(kind);
+    spec.type = static_cast<pj::ValueType>(type);
+    spec.dim = std::get<3>(t);
+    spec.is_key = std::get<4>(t);
+    specs.push_back(std::move(spec));
+  }
+  return std::make_unique<pj::JsonSampleDecoder>(std::move(specs), max_message_bytes);
+}
+
+// copy_messages (tests only): parse copies of the messages in zero-padded buffers, as the
+// decoder does for messages that are not NUL-terminated, instead of the bytes in place.
+py::tuple DecodeJson(const pj::JsonSampleDecoder& decoder, const py::handle& values,
+                     int num_threads, bool copy_messages) {
+  PyObject* seq = PySequence_Tuple(values.ptr());
+  if (seq == nullptr) throw py::error_already_set();
+  py::tuple items = py::reinterpret_steal<py::tuple>(seq);
+  const size_t n = items.size();
+  std::vector<pj::MessageRef> refs(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* o = PyTuple_GET_ITEM(seq, static_cast<py::ssize_t>(i));
+    if (o == Py_None) continue;
+    if (!PyBytes_Check(o)) {
+      Invalid("values[" + std::to_string(i) + "] must be bytes or None, got " +
+              std::string(Py_TYPE(o)->tp_name));
+    }
+    // CPython keeps a NUL after the bytes of every bytes object (terminated = true).
+    refs[i] = pj::MessageRef{PyBytes_AS_STRING(o), static_cast<size_t>(PyBytes_GET_SIZE(o)), true,
+                             !copy_messages};
+  }
+  pj::DecodeOutput out;
+  {
+    py::gil_scoped_release release;
+    out = decoder.Decode(refs.data(), n, num_threads);
+  }
+  const auto& specs = decoder.columns();
+  py::list chunks;
+  for (auto& chunk : out.chunks) {
+    py::list columns;
+    for (size_t c = 0; c < specs.size(); ++c) columns.append(ColumnArrays(specs[c], chunk.columns[c]));
+    chunks.append(py::make_tuple(Release(chunk.messages), columns));
+  }
+  py::array_t<int64_t> rejected(static_cast<py::ssize_t>(out.rejected.size()));
+  int64_t* index = rejected.mutable_data();
+  py::list reasons;
+  for (size_t k = 0; k < out.rejected.size(); ++k) {
+    index[k] = out.rejected[k].message;
+    const std::string& r = out.rejected[k].reason;
+    PyObject* text = PyUnicode_DecodeUTF8(r.data(), static_cast<py::ssize_t>(r.size()), "replace");
+    if (text == nullptr) throw py::error_already_set();
+    reasons.append(py::reinterpret_steal<py::str>(text));
+  }
+  return py::make_tuple(chunks, rejected, reasons);
+}
+
+void BindJsonSamples(py::module_& m) {
+  py::class_<pj::JsonSampleDecoder>(m, "JsonSampleDecoder")
+      .def(py::init(&MakeJsonDecoder), py::arg("columns"), py::arg("max_message_bytes"))
+      .def_property_readonly("max_message_bytes", &pj::JsonSampleDecoder::max_message_bytes)
+      .def("decode", &DecodeJson, py::arg("values"), py::arg("num_threads"),
+           py::arg("copy_messages") = false);
+}
+
+}  // namespace

@@ -1,0 +1,119 @@
+"""Benchmark of JSON sample decoding for online learning: native decoder vs the pyarrow path.
+
+    python -m benchmarks.json_decode --samples 200000        # RESULTS.md size
+    python -m benchmarks.json_decode --samples 2000 --repeats 1 --batch 500   # CI size
+
+Generates taobao_like samples (pipelines.generate), turns them into the JSON messages that
+pipelines.replay sends to Kafka, and decodes the same messages, in the same run, in batches of
+``--batch`` messages (what one Kafka poll hands the decoder) with:
+
+- ``compression.decode_json_samples`` (pyarrow.json + split_bad_rows; pyarrow uses its own
+  thread pool);
+- ``trainer.json_decode.decode_json_samples`` with 1 thread and with 2 threads.
+
+Both give the same table (checked on the first repeat). Reports samples/s and input MB/s (best
+of ``--repeats``), samples per CPU second (the per-core cost, whatever the threads), the
+native/pyarrow ratios, the machine's load, and a final JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import compression
+import schemas
+from pipelines.generate import generate_tables
+from pipelines.replay import json_lines
+from trainer.json_decode import decode_json_samples as native_decode
+
+SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "schemas", "examples", "taobao_like.yaml")
+
+
+def messages(schema, samples: int, seed: int) -> list[bytes]:
+    out: list[bytes] = []
+    for table in generate_tables(schema, samples, seed=seed):
+        out += [v.as_py().encode() for v in json_lines(table, schema)]
+    return out
+
+
+def _time(fn, batches, repeats: int) -> tuple[float, float]:
+    """Best wall-clock seconds and best CPU seconds (all threads of the process) of a pass."""
+    best, best_cpu = float("inf"), float("inf")
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for batch in batches:
+            fn(batch)
+        best = min(best, time.perf_counter() - start)
+        best_cpu = min(best_cpu, time.process_time() - start_cpu)
+    return best, best_cpu
+
+
+def run(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--batch", type=int, default=20_000,
+                        help="messages per decode call (one Kafka poll)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    schema = schemas.load(SCHEMA)
+    values = messages(schema, args.samples, args.seed)
+    batches = [values[i:i + args.batch] for i in range(0, len(values), args.batch)]
+    total_bytes = sum(map(len, values))
+
+    for batch in batches[:1]:  # same rows, same dead letters
+        expected = compression.decode_json_samples(batch, schema, with_index=True)
+        for threads in (1, 2):
+            got = native_decode(batch, schema, with_index=True, threads=threads)
+            if not (got[0].equals(expected[0]) and got[1] == expected[1]):
+                raise AssertionError(f"native decoder ({threads} threads) differs from pyarrow")
+
+    load_before = os.getloadavg()[0]
+    timed = {
+        "pyarrow": _time(lambda b: compression.decode_json_samples(b, schema, with_index=True),
+                         batches, args.repeats),
+        "native_1_thread": _time(lambda b: native_decode(b, schema, with_index=True, threads=1),
+                                 batches, args.repeats),
+        "native_2_threads": _time(lambda b: native_decode(b, schema, with_index=True, threads=2),
+                                  batches, args.repeats),
+    }
+    seconds = {k: wall for k, (wall, _) in timed.items()}
+    cpu = {k: c for k, (_, c) in timed.items()}
+    result = {
+        "samples": len(values),
+        "batch": args.batch,
+        "mean_message_bytes": round(total_bytes / max(1, len(values)), 1),
+        "samples_per_s": {k: round(len(values) / s) for k, s in seconds.items()},
+        "mb_per_s": {k: round(total_bytes / s / 1e6, 1) for k, s in seconds.items()},
+        # per core: samples per CPU second, whatever the number of threads
+        "samples_per_cpu_s": {k: round(len(values) / max(c, 1e-9)) for k, c in cpu.items()},
+        "native_1_thread_over_pyarrow": round(seconds["pyarrow"] / seconds["native_1_thread"], 2),
+        "native_2_threads_over_pyarrow": round(seconds["pyarrow"] / seconds["native_2_threads"], 2),
+        "cpus": os.cpu_count(),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    return result
+
+
+def main(argv=None) -> int:
+    result = run(argv)
+    print(f"{result['samples']} messages of {result['mean_message_bytes']} bytes, batches of "
+          f"{result['batch']}, load {result['load_average_1min']}", file=sys.stderr)
+    for name, rate in result["samples_per_s"].items():
+        print(f"  {name:18s} {rate:>10,d} samples/s  {result['mb_per_s'][name]:7.1f} MB/s",
+              file=sys.stderr)
+    for name, rate in result["samples_per_cpu_s"].items():
+        print(f"  {name:18s} {rate:>10,d} samples per CPU second", file=sys.stderr)
+    print(f"  native/pyarrow: {result['native_1_thread_over_pyarrow']}x (1 thread), "
+          f"{result['native_2_threads_over_pyarrow']}x (2 threads)", file=sys.stderr)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

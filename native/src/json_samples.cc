@@ -1,0 +1,1195 @@
+// Hand-written decoder of flat JSON sample messages (see prefixrec/json_samples.h).
+//
+// Every scanning loop stops at a NUL sentinel after the last byte of a message (NUL is never
+// valid outside a string, and raw inside a string it is a control character); every read is
+// either sequential and conditional on the bytes before it being non-NUL, or bounded by the
+// message length (field names, 8-digit integer loads). So one NUL after the message is all the
+// parser needs: Python bytes have it; other messages are copied into a zero-padded buffer.
+// Values are appended straight into the column buffers as fields arrive; a rejected message is
+// rolled back by truncating each column to the end of the last accepted row (derived from the
+// offsets, so nothing is recorded per field).
+//
+// Verdicts follow compression.decode_json_samples: a message is "not JSON" (syntax), "not an
+// object", has unknown fields, or a value of the wrong type (these come first, in that order,
+// as with pyarrow + its json.loads diagnosis); otherwise its row is checked in schema order as
+// compression.split_bad_rows does (null / missing value, null inside a list, dense length,
+// non-finite dense value, null label, label out of [0, 1]) and the first problem is its reason.
+#include "prefixrec/json_samples.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <locale.h>
+#include <stdlib.h>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <unordered_set>
+
+#include "prefixrec/store_error.h"
+
+namespace prefixrec {
+namespace json {
+namespace {
+
+constexpr size_t kPadding = 64;                    // zero bytes after each message copy
+constexpr size_t kChunkBytes = size_t{1} << 30;    // input bytes per chunk: int32 offsets fit
+constexpr size_t kMaxTokenInReason = 40;
+constexpr size_t kAutoThreadsBytes = size_t{1} << 18;
+
+inline bool IsDigit(uint8_t c) { return static_cast<uint8_t>(c - '0') < 10; }
+inline bool IsWs(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+inline const uint8_t* SkipWs(const uint8_t* p) {
+  while (IsWs(*p)) ++p;
+  return p;
+}
+// a[0..n) == b[0..n), both readable for n bytes; inline (names are short, memcmp is a call).
+inline bool SameBytes(const uint8_t* a, const char* b, size_t n) {
+  size_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    uint64_t x, y;
+    std::memcpy(&x, a + k, 8);
+    std::memcpy(&y, b + k, 8);
+    if (x != y) return false;
+  }
+  if (n - k >= 4) {
+    uint32_t x, y;
+    std::memcpy(&x, a + k, 4);
+    std::memcpy(&y, b + k, 4);
+    if (x != y) return false;
+    k += 4;
+  }
+  for (; k < n; ++k) {
+    if (a[k] != static_cast<uint8_t>(b[k])) return false;
+  }
+  return true;
+}
+// The number of leading decimal digits of p[0..8) (which must be readable), at most 8, and
+// their value (SWAR: one 8-byte load, three multiplies). Little-endian only.
+inline int EightDigits(const uint8_t* p, uint64_t* value) {
+  uint64_t chunk;
+  std::memcpy(&chunk, p, 8);
+  // Byte b is a digit iff b - '0' <= 9: then neither (b - '0') nor (b - '0' + 0x76) has its top
+  // bit set. Borrows and carries only start at a non-digit byte, so the lowest flagged byte is
+  // the first non-digit.
+  const uint64_t x = chunk - 0x3030303030303030ULL;
+  const uint64_t nondigit = (x | (x + 0x7676767676767676ULL)) & 0x8080808080808080ULL;
+  const int n = nondigit != 0 ? __builtin_ctzll(nondigit) >> 3 : 8;
+  if (n == 0) {
+    *value = 0;
+    return 0;
+  }
+  // Keep the n digits, as the last n of 8 (leading zeros), then combine pairs, quads, octets.
+  uint64_t d = (chunk << (8 * (8 - n))) & 0x0F0F0F0F0F0F0F0FULL;
+  d = (d * 2561) >> 8;
+  d = ((d & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
+  d = ((d & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
+  *value = d;
+  return n;
+}
+
+constexpr uint64_t kPow10[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000};
+
+inline int HexValue(uint8_t c) {
+  if (IsDigit(c)) return c - '0';
+  c |= 0x20;
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  return -1;
+}
+
+// Length of the valid UTF-8 sequence starting at p (a byte >= 0x80), or 0 if invalid
+// (overlong forms, surrogates and code points above U+10FFFF are invalid, as in RFC 3629).
+inline size_t Utf8Length(const uint8_t* p) {
+  const uint8_t c = p[0];
+  auto cont = [](uint8_t b) { return (b & 0xC0) == 0x80; };
+  if (c >= 0xC2 && c <= 0xDF) return cont(p[1]) ? 2 : 0;
+  if (c >= 0xE0 && c <= 0xEF) {
+    const uint8_t lo = c == 0xE0 ? 0xA0 : 0x80;
+    const uint8_t hi = c == 0xED ? 0x9F : 0xBF;
+    return (p[1] >= lo && p[1] <= hi && cont(p[2])) ? 3 : 0;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
+    const uint8_t lo = c == 0xF0 ? 0x90 : 0x80;
+    const uint8_t hi = c == 0xF4 ? 0x8F : 0xBF;
+    return (p[1] >= lo && p[1] <= hi && cont(p[2]) && cont(p[3])) ? 4 : 0;
+  }
+  return 0;
+}
+
+inline uint8_t* PutUtf8(uint8_t* w, uint32_t cp) {
+  if (cp < 0x80) {
+    *w++ = static_cast<uint8_t>(cp);
+  } else if (cp < 0x800) {
+    *w++ = static_cast<uint8_t>(0xC0 | (cp >> 6));
+    *w++ = static_cast<uint8_t>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    *w++ = static_cast<uint8_t>(0xE0 | (cp >> 12));
+    *w++ = static_cast<uint8_t>(0x80 | ((cp >> 6) & 0x3F));
+    *w++ = static_cast<uint8_t>(0x80 | (cp & 0x3F));
+  } else {
+    *w++ = static_cast<uint8_t>(0xF0 | (cp >> 18));
+    *w++ = static_cast<uint8_t>(0x80 | ((cp >> 12) & 0x3F));
+    *w++ = static_cast<uint8_t>(0x80 | ((cp >> 6) & 0x3F));
+    *w++ = static_cast<uint8_t>(0x80 | (cp & 0x3F));
+  }
+  return w;
+}
+
+// Python's repr() of a str, for field names in reasons (exact for ASCII; of the non-ASCII
+// characters only U+0080..U+00A0 and U+00AD are escaped, where Python escapes every character
+// that str.isprintable() rejects). `s` is valid UTF-8 (keys are validated before).
+std::string PyRepr(const std::string& s) {
+  const bool has_single = s.find('\'') != std::string::npos;
+  const bool has_double = s.find('"') != std::string::npos;
+  const char quote = (has_single && !has_double) ? '"' : '\'';
+  std::string out(1, quote);
+  char hex[8];
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<uint8_t>(s[i]);
+    if (c < 0x80) {
+      if (c == '\\' || c == static_cast<uint8_t>(quote)) {
+        out += '\\';
+        out += static_cast<char>(c);
+      } else if (c == '\t') {
+        out += "\\t";
+      } else if (c == '\n') {
+        out += "\\n";
+      } else if (c == '\r') {
+        out += "\\r";
+      } else if (c < 0x20 || c == 0x7F) {
+        std::snprintf(hex, sizeof hex, "\\x%02x", c);
+        out += hex;
+      } else {
+        out += static_cast<char>(c);
+      }
+      ++i;
+      continue;
+    }
+    uint8_t tmp[5] = {0, 0, 0, 0, 0};
+    const size_t left = s.size() - i;
+    std::memcpy(tmp, s.data() + i, left < 4 ? left : 4);
+    const size_t n = Utf8Length(tmp);
+    if (n == 0 || n > left) {  // not UTF-8 (cannot happen for a validated key)
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+      ++i;
+      continue;
+    }
+    const uint32_t cp = n == 2 ? ((c & 0x1Fu) << 6) | (tmp[1] & 0x3Fu) : 0;
+    if (n == 2 && (cp <= 0xA0 || cp == 0xAD)) {
+      std::snprintf(hex, sizeof hex, "\\x%02x", cp);
+      out += hex;
+    } else {
+      out.append(s, i, n);
+    }
+    i += n;
+  }
+  out += quote;
+  return out;
+}
+
+std::string Quoted(const std::string& name) { return "'" + name + "'"; }  // schema names
+
+std::string Describe(const ColumnSpec& c) {
+  switch (c.kind) {
+    case ColumnKind::kDense:
+      return "a list of " + std::to_string(c.dim) + " floats (kind dense, dim " +
+             std::to_string(c.dim) + ")";
+    case ColumnKind::kLabel:
+      return "a number in [0, 1] (label)";
+    case ColumnKind::kId:
+      return c.type == ValueType::kInt64 ? "an integer (kind id, dtype int64)"
+                                         : "a string (kind id, dtype string)";
+    case ColumnKind::kIds:
+      return c.type == ValueType::kInt64 ? "a list of integers (kind ids, dtype int64)"
+                                         : "a list of strings (kind ids, dtype string)";
+  }
+  return "?";
+}
+
+// A JSON number as scanned: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, or NaN / Inf /
+// Infinity with an optional minus (pyarrow's RapidJSON accepts those, kParseNanAndInfFlag).
+struct Number {
+  bool negative = false;
+  uint8_t special = 0;  // 0: finite, 1: NaN, 2: infinity
+  const uint8_t* int_digits = nullptr;
+  size_t int_len = 0;
+  const uint8_t* frac_digits = nullptr;
+  size_t frac_len = 0;
+  bool has_exp = false;
+  bool exp_negative = false;
+  int64_t exp = 0;  // absolute value, saturated
+};
+
+// RapidJSON (as used by pyarrow) rejects a number with a positive exponent e when
+// e > 308 - (the fraction digits it counted); this reproduces its counting exactly.
+bool RapidJsonTooBig(const Number& n) {
+  const bool neg = n.negative;
+  int significand = 0;
+  uint64_t i = 0, i64 = 0;
+  bool use64 = false, use_double = false, nonzero = false;
+  const uint8_t* d = n.int_digits;
+  size_t k = 1;
+  if (d[0] != '0') {
+    i = d[0] - '0';
+    nonzero = true;
+    for (; k < n.int_len; ++k) {
+      const unsigned c = d[k] - '0';
+      if (neg ? (i >= 214748364 && (i != 214748364 || c > 8))
+              : (i >= 429496729 && (i != 429496729 || c > 5))) {
+        i64 = i;
+        use64 = true;
+        break;
+      }
+      i = i * 10 + c;
+      ++significand;
+    }
+    if (use64) {
+      for (; k < n.int_len; ++k) {
+        const unsigned c = d[k] - '0';
+        const uint64_t limit = neg ? 0x0CCCCCCCCCCCCCCCULL : 0x1999999999999999ULL;
+        if (i64 >= limit && (i64 != limit || c > (neg ? 8u : 5u))) {
+          use_double = true;
+          break;
+        }
+        i64 = i64 * 10 + c;
+        ++significand;
+      }
+    }
+  }
+  int64_t exp_frac = 0;
+  size_t f = 0;
+  if (n.frac_len > 0) {
+    if (!use_double) {
+      if (!use64) i64 = i;
+      for (; f < n.frac_len; ++f) {
+        if (i64 > 0x1FFFFFFFFFFFFFULL) break;
+        i64 = i64 * 10 + static_cast<unsigned>(n.frac_digits[f] - '0');
+        --exp_frac;
+        if (i64 != 0) ++significand;
+      }
+      nonzero = i64 != 0;
+    }
+    for (; f < n.frac_len; ++f) {
+      if (significand < 17) {
+        if (n.frac_digits[f] != '0') nonzero = true;
+        --exp_frac;
+        if (nonzero) ++significand;
+      }
+    }
+  }
+  return n.exp > 308 - exp_frac;
+}
+
+class Parser {
+ public:
+  Parser(const std::vector<ColumnSpec>& columns, size_t max_message_bytes)
+      : columns_(columns), max_message_bytes_(max_message_bytes), state_(columns.size()) {}
+
+  void Run(const MessageRef* messages, size_t begin, size_t end, DecodeOutput* out) {
+    size_t chunk_bytes = 0;
+    NewChunk(out);
+    for (size_t i = begin; i < end; ++i) {
+      const MessageRef& m = messages[i];
+      if (!m.present) {
+        Reject(out, i, "empty message; expected one JSON object");
+        continue;
+      }
+      if (m.size > max_message_bytes_) {
+        Reject(out, i, "oversized: " + std::to_string(m.size) + " bytes, the limit is " +
+                           std::to_string(max_message_bytes_) + " (max_message_bytes)");
+        continue;
+      }
+      if (IsBlank(m)) {
+        Reject(out, i, "empty message; expected one JSON object");
+        continue;
+      }
+      if (chunk_bytes + m.size > kChunkBytes) {
+        NewChunk(out);
+        chunk_bytes = 0;
+      }
+      chunk_bytes += m.size;
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(m.data);
+      if (!m.terminated || p[m.size] != 0) {
+        pad_.reserve(m.size + kPadding);
+        std::memcpy(pad_.data(), m.data, m.size);
+        std::memset(pad_.data() + m.size, 0, kPadding);
+        p = pad_.data();
+      }
+      if (ParseMessage(p, p + m.size)) {
+        ++rows_;
+        chunk_->messages.push_back(static_cast<int64_t>(i));
+        if (rows_ == kSampleRows) ReserveLike(end - i - 1, RemainingBytes(messages, i + 1, end));
+      } else {
+        Rollback();
+        Reject(out, i, std::move(reason_));
+      }
+    }
+  }
+
+ private:
+  enum Flag : uint8_t { kSeen = 1, kNull = 2, kNullItem = 4, kNonFinite = 8 };
+  struct State {
+    uint8_t flags = 0;
+    uint32_t count = 0;  // dense: items in the list, nulls included
+  };
+  enum class FailKind : uint8_t { kType, kNotInteger, kOutOfRange };
+
+  // After the first kSampleRows rows of a chunk, every buffer is reserved for `more` rows
+  // like them (+1/8), so that growing a buffer rarely copies it.
+  static constexpr size_t kSampleRows = 64;
+  // No buffer holds more elements than the input has bytes, so that bounds every reservation.
+  template <typename T>
+  static void ReserveFor(PodBuffer<T>* b, size_t more, size_t bytes) {
+    const size_t per_row = (b->size() + kSampleRows - 1) / kSampleRows;
+    size_t extra = per_row * more + per_row * more / 8;
+    if (extra > bytes) extra = bytes;
+    b->reserve(b->size() + extra);
+  }
+  void ReserveLike(size_t more, size_t bytes) {
+    if (bytes > kChunkBytes) bytes = kChunkBytes;
+    for (ColumnData& d : chunk_->columns) {
+      ReserveFor(&d.ints, more, bytes);
+      ReserveFor(&d.floats, more, bytes);
+      ReserveFor(&d.offsets, more, bytes);
+      ReserveFor(&d.str_offsets, more, bytes);
+      ReserveFor(&d.str_data, more, bytes);
+    }
+    ReserveFor(&chunk_->messages, more, bytes);
+  }
+  static size_t RemainingBytes(const MessageRef* messages, size_t begin, size_t end) {
+    size_t bytes = 0;
+    for (size_t i = begin; i < end; ++i) bytes += messages[i].size;
+    return bytes;
+  }
+
+  static bool IsBlank(const MessageRef& m) {
+    // bytes.strip() of the Python path: ASCII whitespace, \v and \f included.
+    for (size_t i = 0; i < m.size; ++i) {
+      const char c = m.data[i];
+      if (!(c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f')) return false;
+    }
+    return true;
+  }
+
+  void NewChunk(DecodeOutput* out) {
+    out->chunks.emplace_back();
+    chunk_ = &out->chunks.back();
+    chunk_->columns.resize(columns_.size());
+    rows_ = 0;
+    for (size_t c = 0; c < columns_.size(); ++c) {
+      ColumnData& d = chunk_->columns[c];
+      const ColumnSpec& s = columns_[c];
+      if (s.kind == ColumnKind::kIds || s.kind == ColumnKind::kDense) d.offsets.push_back(0);
+      if (s.type == ValueType::kString) d.str_offsets.push_back(0);
+    }
+  }
+
+  static void Reject(DecodeOutput* out, size_t index, std::string reason) {
+    out->rejected.push_back(Rejection{static_cast<int64_t>(index), std::move(reason)});
+  }
+
+  // Truncates every column back to the end of the last accepted row.
+  void Rollback() {
+    const size_t n = rows_;
+    for (size_t c = 0; c < columns_.size(); ++c) {
+      ColumnData& d = chunk_->columns[c];
+      const ColumnSpec& s = columns_[c];
+      switch (s.kind) {
+        case ColumnKind::kId:
+          if (s.type == ValueType::kInt64) {
+            d.ints.truncate(n);
+          } else {
+            d.str_offsets.truncate(n + 1);
+            d.str_data.truncate(static_cast<size_t>(d.str_offsets[n]));
+          }
+          break;
+        case ColumnKind::kIds: {
+          d.offsets.truncate(n + 1);
+          const auto items = static_cast<size_t>(d.offsets[n]);
+          if (s.type == ValueType::kInt64) {
+            d.ints.truncate(items);
+          } else {
+            d.str_offsets.truncate(items + 1);
+            d.str_data.truncate(static_cast<size_t>(d.str_offsets[items]));
+          }
+          break;
+        }
+        case ColumnKind::kDense:
+          d.offsets.truncate(n + 1);
+          d.floats.truncate(static_cast<size_t>(d.offsets[n]));
+          break;
+        case ColumnKind::kLabel:
+          d.floats.truncate(n);
+          break;
+      }
+    }
+  }
+
+  // --- errors -------------------------------------------------------------------------------
+
+  const uint8_t* Syntax(const uint8_t* at, const char* what) {
+    if (syntax_what_ == nullptr) {
+      syntax_what_ = what;
+      syntax_at_ = at;
+    }
+    return nullptr;
+  }
+
+  bool SyntaxReason() {
+    const bool at_end = syntax_at_ >= end_;
+    std::string where = at_end ? "the message ends too early"
+                               : std::string(syntax_what_) + " at byte " +
+                                     std::to_string(syntax_at_ - begin_);
+    reason_ = "not a valid sample: not JSON (" + where + ")";
+    return false;
+  }
+
+  // --- scanning -----------------------------------------------------------------------------
+
+  // p just after the opening quote. Writes the decoded UTF-8 bytes into out (appending) and
+  // returns the position after the closing quote, or nullptr (syntax error).
+  const uint8_t* ScanString(const uint8_t* p, PodBuffer<uint8_t>* out) {
+    // Decoded bytes never outnumber the encoded ones.
+    out->reserve(out->size() + static_cast<size_t>(end_ - p) + 4);
+    uint8_t* w = out->data() + out->size();
+    for (;;) {
+      const uint8_t c = *p;
+      if (c >= 0x20 && c != '"' && c != '\\' && c < 0x80) {
+        *w++ = c;
+        ++p;
+        continue;
+      }
+      if (c == '"') {
+        out->set_size(static_cast<size_t>(w - out->data()));
+        return p + 1;
+      }
+      if (c == '\\') {
+        const uint8_t e = p[1];
+        switch (e) {
+          case '"': *w++ = '"'; p += 2; continue;
+          case '\\': *w++ = '\\'; p += 2; continue;
+          case '/': *w++ = '/'; p += 2; continue;
+          case 'b': *w++ = '\b'; p += 2; continue;
+          case 'f': *w++ = '\f'; p += 2; continue;
+          case 'n': *w++ = '\n'; p += 2; continue;
+          case 'r': *w++ = '\r'; p += 2; continue;
+          case 't': *w++ = '\t'; p += 2; continue;
+          case 'u': {
+            int cp = Hex4(p + 2);
+            if (cp < 0) return Syntax(p, "invalid \\u escape in a string");
+            p += 6;
+            if (cp >= 0xDC00 && cp <= 0xDFFF) {
+              return Syntax(p - 6, "invalid surrogate pair in a string");
+            }
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+              const int lo = (p[0] == '\\' && p[1] == 'u') ? Hex4(p + 2) : -1;
+              if (lo < 0xDC00 || lo > 0xDFFF) {
+                return Syntax(p - 6, "invalid surrogate pair in a string");
+              }
+              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+              p += 6;
+            }
+            w = PutUtf8(w, static_cast<uint32_t>(cp));
+            continue;
+          }
+          default:
+            return Syntax(p, "invalid escape in a string");
+        }
+      }
+      if (c < 0x20) {
+        return Syntax(p, p >= end_ ? "unterminated string" : "control character in a string");
+      }
+      const size_t n = Utf8Length(p);
+      if (n == 0) return Syntax(p, "invalid UTF-8 in a string");
+      std::memcpy(w, p, n);
+      w += n;
+      p += n;
+    }
+  }
+
+  static int Hex4(const uint8_t* p) {
+    int v = 0;
+    for (int k = 0; k < 4; ++k) {  // stops at the first non-hex byte (the sentinel included)
+      const int h = HexValue(p[k]);
+      if (h < 0) return -1;
+      v = (v << 4) | h;
+    }
+    return v;
+  }
+
+  const uint8_t* ScanNumber(const uint8_t* p, Number* n) {
+    const uint8_t* start = p;
+    n->negative = *p == '-';
+    p += n->negative;
+    if (*p == 'N') {
+      if (p[1] == 'a' && p[2] == 'N') {
+        n->special = 1;
+        return p + 3;
+      }
+      return Syntax(start, "invalid value");
+    }
+    if (*p == 'I') {
+      if (p[1] == 'n' && p[2] == 'f') {
+        p += 3;
+        if (*p == 'i') {
+          if (!(p[1] == 'n' && p[2] == 'i' && p[3] == 't' && p[4] == 'y')) {
+            return Syntax(start, "invalid value");
+          }
+          p += 5;
+        }
+        n->special = 2;
+        return p;
+      }
+      return Syntax(start, "invalid value");
+    }
+    n->int_digits = p;
+    if (*p == '0') {
+      ++p;
+    } else if (*p >= '1' && *p <= '9') {
+      while (IsDigit(*p)) ++p;
+    } else {
+      return Syntax(start, "expected a value");
+    }
+    n->int_len = static_cast<size_t>(p - n->int_digits);
+    if (*p == '.') {
+      ++p;
+      if (!IsDigit(*p)) return Syntax(p, "expected a digit after the decimal point");
+      n->frac_digits = p;
+      while (IsDigit(*p)) ++p;
+      n->frac_len = static_cast<size_t>(p - n->frac_digits);
+    }
+    if (*p == 'e' || *p == 'E') {
+      ++p;
+      n->has_exp = true;
+      if (*p == '+' || *p == '-') {
+        n->exp_negative = *p == '-';
+        ++p;
+      }
+      if (!IsDigit(*p)) return Syntax(p, "expected a digit in the exponent");
+      int64_t e = 0;
+      while (IsDigit(*p)) {
+        if (e < (int64_t{1} << 40)) e = e * 10 + (*p - '0');
+        ++p;
+      }
+      n->exp = e;
+      if (!n->exp_negative && e > 308 && RapidJsonTooBig(*n)) {
+        return Syntax(start, "number too big to be stored in a double");
+      }
+    }
+    return p;
+  }
+
+  // A number converted to float32 with correct rounding from its decimal text (as pyarrow's
+  // converter does; not through double, which would round twice).
+  static float ToFloat(const uint8_t* start, const uint8_t* stop, const Number& n) {
+    if (n.special == 1) return std::numeric_limits<float>::quiet_NaN();
+    if (n.special == 2) {
+      return n.negative ? -std::numeric_limits<float>::infinity()
+                        : std::numeric_limits<float>::infinity();
+    }
+    if (n.frac_len == 0 && !n.has_exp && n.int_len <= 7) {  // exact in float32
+      int32_t v = 0;
+      for (size_t k = 0; k < n.int_len; ++k) v = v * 10 + (n.int_digits[k] - '0');
+      const float f = static_cast<float>(v);
+      return n.negative ? -f : f;
+    }
+#if defined(__cpp_lib_to_chars) && !defined(PREFIXREC_JSON_STRTOF)
+    // libstdc++ >= 12: fast_float, correctly rounded straight to float.
+    float f = 0.0f;
+    const auto r = std::from_chars(reinterpret_cast<const char*>(start),
+                                   reinterpret_cast<const char*>(stop), f);
+    if (r.ec == std::errc() && r.ptr == reinterpret_cast<const char*>(stop)) return f;
+#else
+    // Older standard libraries: glibc's strtof rounds correctly too (and gives +-inf / the
+    // rounded subnormal or zero out of range); "C" locale for the decimal point.
+    static const locale_t c_locale = newlocale(LC_ALL_MASK, "C", static_cast<locale_t>(nullptr));
+    const std::string text(reinterpret_cast<const char*>(start), static_cast<size_t>(stop - start));
+    return strtof_l(text.c_str(), nullptr, c_locale);
+#endif
+    // Out of float range: the value is >= 1 (overflow to infinity) iff its leading significant
+    // digit sits at a decimal position >= 0.
+    int64_t lead = 0;  // the value lies in [10^(lead-1), 10^lead)
+    if (n.int_digits[0] != '0') {
+      lead = static_cast<int64_t>(n.int_len);
+    } else {
+      size_t zeros = 0;
+      while (zeros < n.frac_len && n.frac_digits[zeros] == '0') ++zeros;
+      if (zeros == n.frac_len) return n.negative ? -0.0f : 0.0f;
+      lead = -static_cast<int64_t>(zeros);
+    }
+    lead += n.exp_negative ? -n.exp : n.exp;
+    const float magnitude = lead >= 1 ? std::numeric_limits<float>::infinity() : 0.0f;
+    return n.negative ? -magnitude : magnitude;
+  }
+
+  // Skips one JSON value of any type starting at p (whitespace already skipped) and returns
+  // the position after it, or nullptr on a syntax error. Iterative: nesting costs one byte of
+  // stack_ per level, never native stack.
+  const uint8_t* SkipValue(const uint8_t* p) {
+    stack_.clear();
+    for (;;) {
+      // A value at p.
+      p = SkipWs(p);
+      switch (*p) {
+        case '{':
+          p = SkipWs(p + 1);
+          if (*p == '}') {
+            ++p;
+            break;
+          }
+          stack_.push_back('}');
+          p = SkipKey(p);
+          if (p == nullptr) return nullptr;
+          continue;
+        case '[':
+          p = SkipWs(p + 1);
+          if (*p == ']') {
+            ++p;
+            break;
+          }
+          stack_.push_back(']');
+          continue;
+        case '"':
+          scratch_.clear();
+          p = ScanString(p + 1, &scratch_);
+          if (p == nullptr) return nullptr;
+          break;
+        case 't':
+          if (!(p[1] == 'r' && p[2] == 'u' && p[3] == 'e')) return Syntax(p, "invalid value");
+          p += 4;
+          break;
+        case 'f':
+          if (!(p[1] == 'a' && p[2] == 'l' && p[3] == 's' && p[4] == 'e')) {
+            return Syntax(p, "invalid value");
+          }
+          p += 5;
+          break;
+        case 'n':
+          if (!(p[1] == 'u' && p[2] == 'l' && p[3] == 'l')) return Syntax(p, "invalid value");
+          p += 4;
+          break;
+        default: {
+          Number n;
+          p = ScanNumber(p, &n);
+          if (p == nullptr) return nullptr;
+        }
+      }
+      // After a value: close finished containers, or move to the next element.
+      for (;;) {
+        if (stack_.size() == 0) return p;
+        p = SkipWs(p);
+        const uint8_t close = stack_.back();
+        if (*p == close) {
+          ++p;
+          stack_.truncate(stack_.size() - 1);
+          continue;
+        }
+        if (*p != ',') {
+          return Syntax(p, close == '}' ? "expected ',' or '}' in an object"
+                                        : "expected ',' or ']' in a list");
+        }
+        p = SkipWs(p + 1);
+        if (close == '}') {
+          p = SkipKey(p);
+          if (p == nullptr) return nullptr;
+        }
+        break;
+      }
+    }
+  }
+
+  // A key and its colon; returns the position of the value.
+  const uint8_t* SkipKey(const uint8_t* p) {
+    if (*p != '"') return Syntax(p, "expected a field name in double quotes");
+    scratch_.clear();
+    p = ScanString(p + 1, &scratch_);
+    if (p == nullptr) return nullptr;
+    p = SkipWs(p);
+    if (*p != ':') return Syntax(p, "expected ':' after a field name");
+    return SkipWs(p + 1);
+  }
+
+  // --- typed values -------------------------------------------------------------------------
+  // Each returns the position after the value, or nullptr with fail_/fail_at_ set when the
+  // value is not of the column's type; the caller then re-scans it with SkipValue to tell a
+  // syntax error from a type error. They accept only valid JSON.
+
+  const uint8_t* Fail(const uint8_t* at, FailKind kind) {
+    fail_ = kind;
+    fail_at_ = at;
+    return nullptr;
+  }
+
+  static bool IsNull(const uint8_t* p) {
+    return p[0] == 'n' && p[1] == 'u' && p[2] == 'l' && p[3] == 'l';
+  }
+
+  const uint8_t* ParseInt(const uint8_t* p, int64_t* out) {
+    const uint8_t* start = p;
+    const bool neg = *p == '-';
+    p += neg;
+    uint64_t v;
+    if (*p == '0') {
+      v = 0;
+      ++p;
+    } else if (*p >= '1' && *p <= '9') {
+      int digits = 0;
+      v = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+      if (end_ - p >= 8) {
+        digits = EightDigits(p, &v);
+        p += digits;
+        if (digits == 8 && end_ - p >= 8) {
+          uint64_t more;
+          const int n = EightDigits(p, &more);
+          v = v * kPow10[n] + more;
+          p += n;
+          digits += n;
+        }
+      }
+#endif
+      while (IsDigit(*p)) {
+        if (digits == 19) return Fail(start, FailKind::kOutOfRange);
+        v = v * 10 + static_cast<uint64_t>(*p++ - '0');
+        ++digits;
+      }
+    } else {
+      return Fail(start, FailKind::kType);
+    }
+    if (*p == '.' || *p == 'e' || *p == 'E') return Fail(start, FailKind::kNotInteger);
+    if (neg) {
+      if (v > (uint64_t{1} << 63)) return Fail(start, FailKind::kOutOfRange);
+      *out = static_cast<int64_t>(0 - v);
+    } else {
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Fail(start, FailKind::kOutOfRange);
+      }
+      *out = static_cast<int64_t>(v);
+    }
+    return p;
+  }
+
+  const uint8_t* ParseFloat(const uint8_t* p, float* out) {
+    const uint8_t c = *p;
+    if (!(IsDigit(c) || c == '-' || c == 'N' || c == 'I')) return Fail(p, FailKind::kType);
+    Number n;
+    const uint8_t* q = ScanNumber(p, &n);
+    if (q == nullptr) return Fail(p, FailKind::kType);  // a syntax error: SkipValue reports it
+    *out = ToFloat(p, q, n);
+    return q;
+  }
+
+  const uint8_t* ParseStringValue(const uint8_t* p, ColumnData* d) {
+    if (*p != '"') return Fail(p, FailKind::kType);
+    p = ScanString(p + 1, &d->str_data);
+    if (p == nullptr) return nullptr;  // syntax error, recorded
+    d->str_offsets.push_back(static_cast<int32_t>(d->str_data.size()));
+    return p;
+  }
+
+  const uint8_t* ParseColumn(size_t c, const uint8_t* p) {
+    const ColumnSpec& s = columns_[c];
+    ColumnData& d = chunk_->columns[c];
+    State& st = state_[c];
+    if (*p == 'n') {
+      if (!IsNull(p)) return Fail(p, FailKind::kType);
+      st.flags |= kNull;
+      return p + 4;
+    }
+    switch (s.kind) {
+      case ColumnKind::kId:
+        if (s.type == ValueType::kInt64) {
+          int64_t v;
+          p = ParseInt(p, &v);
+          if (p != nullptr) d.ints.push_back(v);
+          return p;
+        }
+        return ParseStringValue(p, &d);
+      case ColumnKind::kLabel: {
+        float v;
+        p = ParseFloat(p, &v);
+        if (p != nullptr) d.floats.push_back(v);
+        return p;
+      }
+      case ColumnKind::kIds:
+      case ColumnKind::kDense:
+        break;
+    }
+    if (*p != '[') return Fail(p, FailKind::kType);
+    p = SkipWs(p + 1);
+    uint32_t count = 0;
+    if (*p != ']') {
+      for (;;) {
+        ++count;
+        if (*p == 'n') {
+          if (!IsNull(p)) return Fail(p, FailKind::kType);
+          st.flags |= kNullItem;
+          p += 4;
+        } else if (s.kind == ColumnKind::kDense) {
+          float v;
+          p = ParseFloat(p, &v);
+          if (p == nullptr) return nullptr;
+          if (!std::isfinite(v)) st.flags |= kNonFinite;
+          d.floats.push_back(v);
+        } else if (s.type == ValueType::kInt64) {
+          int64_t v;
+          p = ParseInt(p, &v);
+          if (p == nullptr) return nullptr;
+          d.ints.push_back(v);
+        } else {
+          p = ParseStringValue(p, &d);
+          if (p == nullptr) return nullptr;
+        }
+        p = SkipWs(p);
+        if (*p == ',') {
+          p = SkipWs(p + 1);
+          continue;
+        }
+        if (*p == ']') break;
+        return Fail(p, FailKind::kType);  // SkipValue finds the syntax error
+      }
+    }
+    st.count = count;
+    if (s.kind == ColumnKind::kDense) {
+      d.offsets.push_back(static_cast<int32_t>(d.floats.size()));
+    } else if (s.type == ValueType::kInt64) {
+      d.offsets.push_back(static_cast<int32_t>(d.ints.size()));
+    } else {
+      d.offsets.push_back(static_cast<int32_t>(d.str_offsets.size() - 1));
+    }
+    return p + 1;
+  }
+
+  std::string Found(const uint8_t* value) const {
+    const uint8_t* at = fail_at_ != nullptr ? fail_at_ : value;
+    std::string what;
+    switch (*at) {
+      case '"': what = "a string"; break;
+      case '[': what = "a list"; break;
+      case '{': what = "an object"; break;
+      case 't': case 'f': what = "a boolean"; break;
+      case 'n': what = "null"; break;
+      default: {
+        const uint8_t* q = at;
+        while (q < end_ && (IsDigit(*q) || *q == '-' || *q == '+' || *q == '.' || *q == 'e' ||
+                            ((*q | 0x20) >= 'a' && (*q | 0x20) <= 'z'))) {
+          ++q;
+        }
+        const size_t len = static_cast<size_t>(q - at);
+        what.assign(reinterpret_cast<const char*>(at), len < kMaxTokenInReason ? len : kMaxTokenInReason);
+        if (len > kMaxTokenInReason) what += "...";
+        if (fail_ == FailKind::kOutOfRange) what += ", out of the int64 range";
+        if (fail_ == FailKind::kNotInteger) what += ", not an integer";
+      }
+    }
+    if (at != value) what = "a list holding " + what;
+    return what;
+  }
+
+  // --- a message ----------------------------------------------------------------------------
+
+  bool ParseMessage(const uint8_t* begin, const uint8_t* end) {
+    begin_ = begin;
+    end_ = end;
+    syntax_what_ = nullptr;
+    syntax_at_ = nullptr;
+    type_error_.clear();
+    if (!unknown_.empty()) {
+      unknown_.clear();
+      unknown_set_.clear();
+    }
+    for (State& st : state_) st = State();
+    const size_t ncols = columns_.size();
+
+    const uint8_t* p = begin;
+    if (end - p >= 3 && p[0] == 0xEF && p[1] == 0xBB && p[2] == 0xBF) p += 3;  // a UTF-8 BOM
+    p = SkipWs(p);
+    if (*p != '{') return NotAnObject(p);
+    p = SkipWs(p + 1);
+    size_t next = 0;  // the column expected next: fields usually come in schema order
+    if (*p == '}') {
+      ++p;
+    } else {
+      for (;;) {
+        if (*p != '"') {
+          Syntax(p, "expected a field name in double quotes");
+          return SyntaxReason();
+        }
+        ++p;
+        size_t col = ncols;
+        if (next < ncols) {
+          const std::string& name = columns_[next].name;
+          const size_t len = name.size();
+          if (static_cast<size_t>(end - p) > len && SameBytes(p, name.data(), len) &&
+              p[len] == '"') {
+            col = next;
+            p += len + 1;
+          }
+        }
+        if (col == ncols) {
+          key_.clear();
+          p = ScanString(p, &key_);
+          if (p == nullptr) return SyntaxReason();
+          col = Lookup(key_);
+        }
+        p = SkipWs(p);
+        if (*p != ':') {
+          Syntax(p, "expected ':' after a field name");
+          return SyntaxReason();
+        }
+        p = SkipWs(p + 1);
+        const uint8_t* value = p;
+        if (col == ncols) {
+          std::string name(reinterpret_cast<const char*>(key_.data()), key_.size());
+          if (unknown_set_.insert(name).second) unknown_.push_back(std::move(name));
+          p = SkipValue(p);
+        } else if (state_[col].flags & kSeen) {
+          if (type_error_.empty()) type_error_ = "field " + Quoted(columns_[col].name) + " is given twice";
+          p = SkipValue(p);
+          next = col + 1;
+        } else {
+          state_[col].flags |= kSeen;
+          fail_at_ = nullptr;
+          const uint8_t* q = ParseColumn(col, p);
+          if (q == nullptr && syntax_what_ == nullptr) {
+            q = SkipValue(value);
+            if (q != nullptr && type_error_.empty()) {
+              type_error_ = "field " + Quoted(columns_[col].name) + ": expected " +
+                            Describe(columns_[col]) + ", got " + Found(value);
+            }
+          }
+          p = q;
+          next = col + 1;
+        }
+        if (p == nullptr) return SyntaxReason();
+        p = SkipWs(p);
+        if (*p == ',') {
+          p = SkipWs(p + 1);
+          continue;
+        }
+        if (*p == '}') {
+          ++p;
+          break;
+        }
+        Syntax(p, "expected ',' or '}' after a field value");
+        return SyntaxReason();
+      }
+    }
+    p = SkipWs(p);
+    if (p != end) {
+      Syntax(p, "unexpected data after the JSON object");
+      return SyntaxReason();
+    }
+    if (!unknown_.empty()) {
+      reason_ = "not a valid sample: unexpected field(s) ";
+      for (size_t k = 0; k < unknown_.size(); ++k) {
+        if (k) reason_ += ", ";
+        reason_ += PyRepr(unknown_[k]);
+      }
+      reason_ += "; the schema has no such column";
+      return false;
+    }
+    if (!type_error_.empty()) {
+      reason_ = "not a valid sample: " + type_error_;
+      return false;
+    }
+    return CheckRow();
+  }
+
+  size_t Lookup(const PodBuffer<uint8_t>& key) const {
+    for (size_t c = 0; c < columns_.size(); ++c) {
+      const std::string& name = columns_[c].name;
+      if (name.size() == key.size() && std::memcmp(name.data(), key.data(), key.size()) == 0) {
+        return c;
+      }
+    }
+    return columns_.size();
+  }
+
+  // The top-level value is not an object: a syntax error, or "expected a JSON object, got T"
+  // with T the Python type json.loads gives (list, str, int, float, bool; null for null).
+  bool NotAnObject(const uint8_t* p) {
+    const uint8_t first = *p;
+    Number n;
+    bool integer = false;
+    if (first == '-' || IsDigit(first) || first == 'N' || first == 'I') {
+      const uint8_t* q = ScanNumber(p, &n);
+      integer = q != nullptr && n.special == 0 && n.frac_len == 0 && !n.has_exp;
+    }
+    const uint8_t* q = p < end_ ? SkipValue(p) : Syntax(p, "expected a value");
+    if (q == nullptr) return SyntaxReason();
+    q = SkipWs(q);
+    if (q != end_) {
+      Syntax(q, "unexpected data after the JSON value");
+      return SyntaxReason();
+    }
+    const char* type = "float";
+    switch (first) {
+      case '[': type = "list"; break;
+      case '"': type = "str"; break;
+      case 't': case 'f': type = "bool"; break;
+      case 'n': type = "null"; break;
+      default: type = integer ? "int" : "float";
+    }
+    reason_ = std::string("not a valid sample: expected a JSON object, got ") + type;
+    return false;
+  }
+
+  // The checks of compression.split_bad_rows, in its order; the first problem is the reason.
+  bool CheckRow() {
+    for (size_t c = 0; c < columns_.size(); ++c) {
+      const ColumnSpec& s = columns_[c];
+      const State& st = state_[c];
+      const bool null = !(st.flags & kSeen) || (st.flags & kNull);
+      if (s.kind == ColumnKind::kLabel) {
+        if (null) {
+          reason_ = "label " + Quoted(s.name) + ": null label; every sample needs its labels";
+          return false;
+        }
+        const double v = chunk_->columns[c].floats.back();
+        if (!(v >= 0.0 && v <= 1.0)) {
+          reason_ = "label " + Quoted(s.name) + ": value out of range, labels must be in [0, 1]";
+          return false;
+        }
+        continue;
+      }
+      if (null) {
+        reason_ = s.is_key ? "key column " + Quoted(s.name) + ": null value; every row needs a key"
+                           : "column " + Quoted(s.name) +
+                                 ": null value; fill missing values (e.g. id 0, an empty list) "
+                                 "before compressing";
+        return false;
+      }
+      if (st.flags & kNullItem) {
+        reason_ = "column " + Quoted(s.name) +
+                  ": null inside the list; lists may be empty but cannot hold nulls";
+        return false;
+      }
+      if (s.kind == ColumnKind::kDense) {
+        if (st.count != static_cast<uint32_t>(s.dim)) {
+          reason_ = "column " + Quoted(s.name) +
+                    ": dense value has the wrong number of floats, expected dim " +
+                    std::to_string(s.dim);
+          return false;
+        }
+        if (st.flags & kNonFinite) {
+          reason_ = "column " + Quoted(s.name) + ": NaN or infinite value in a dense feature";
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  const std::vector<ColumnSpec>& columns_;
+  const size_t max_message_bytes_;
+  std::vector<State> state_;
+  DecodedChunk* chunk_ = nullptr;
+  size_t rows_ = 0;
+
+  PodBuffer<uint8_t> pad_;
+  PodBuffer<uint8_t> scratch_;
+  PodBuffer<uint8_t> key_;
+  PodBuffer<uint8_t> stack_;
+  const uint8_t* begin_ = nullptr;
+  const uint8_t* end_ = nullptr;
+
+  const char* syntax_what_ = nullptr;
+  const uint8_t* syntax_at_ = nullptr;
+  FailKind fail_ = FailKind::kType;
+  const uint8_t* fail_at_ = nullptr;
+  std::string type_error_;
+  std::vector<std::string> unknown_;
+  std::unordered_set<std::string> unknown_set_;
+  std::string reason_;
+};
+
+[[noreturn]] void Invalid(const std::string& message) {
+  throw StoreError(ErrorCode::kInvalidArgument, message);
+}
+
+}  // namespace
+
+JsonSampleDecoder::JsonSampleDecoder(std::vector<ColumnSpec> columns, size_t max_message_bytes)
+    : columns_(std::move(columns)), max_message_bytes_(max_message_bytes) {
+  if (columns_.empty()) Invalid("a JSON sample decoder needs at least one column");
+  if (max_message_bytes_ == 0 || max_message_bytes_ > kMaxMessageBytesLimit) {
+    Invalid("max_message_bytes must be in [1, 2**30], got " + std::to_string(max_message_bytes_));
+  }
+  std::unordered_set<std::string> names;
+  for (const ColumnSpec& c : columns_) {
+    if (c.name.empty()) Invalid("a column has an empty name");
+    for (const char ch : c.name) {
+      // Names are matched byte for byte against raw keys, so they hold no escapable byte.
+      if (ch < 0x20 || ch > 0x7E || ch == '"' || ch == '\\') {
+        Invalid("column name '" + c.name + "': only printable ASCII without quotes or backslashes");
+      }
+    }
+    if (!names.insert(c.name).second) Invalid("column name '" + c.name + "' is used twice");
+    const auto kind = static_cast<uint8_t>(c.kind);
+    const auto type = static_cast<uint8_t>(c.type);
+    if (kind > 3 || type > 2) Invalid("column '" + c.name + "': unknown kind or type");
+    const bool floats = c.kind == ColumnKind::kDense || c.kind == ColumnKind::kLabel;
+    if (floats != (c.type == ValueType::kFloat32)) {
+      Invalid("column '" + c.name + "': dense and label columns are float32, ids int64 or string");
+    }
+    if (c.kind == ColumnKind::kDense ? c.dim < 1 : c.dim != 0) {
+      Invalid("column '" + c.name + "': dim must be positive for dense columns and 0 otherwise");
+    }
+  }
+}
+
+DecodeOutput JsonSampleDecoder::Decode(const MessageRef* messages, size_t count,
+                                       int num_threads) const {
+  size_t total = 0;
+  for (size_t i = 0; i < count; ++i) total += messages[i].size + 1;
+  size_t threads = static_cast<size_t>(num_threads);
+  if (num_threads <= 0) {  // auto: a second thread pays off from a few hundred KiB on
+    threads = (total >= kAutoThreadsBytes && std::thread::hardware_concurrency() > 1) ? 2 : 1;
+  }
+  if (threads > count) threads = count < 1 ? 1 : count;
+  if (threads == 1) {
+    DecodeOutput out;
+    Parser(columns_, max_message_bytes_).Run(messages, 0, count, &out);
+    return out;
+  }
+  // Contiguous ranges of about the same number of bytes.
+  std::vector<size_t> bounds{0};
+  size_t acc = 0;
+  for (size_t i = 0; i < count && bounds.size() < threads; ++i) {
+    acc += messages[i].size + 1;
+    if (acc * threads >= total * bounds.size()) bounds.push_back(i + 1);
+  }
+  while (bounds.size() <= threads) bounds.push_back(count);
+  bounds.back() = count;
+  std::vector<DecodeOutput> parts(threads);
+  std::vector<std::exception_ptr> errors(threads);
+  auto work = [&](size_t t) {
+    try {
+      Parser(columns_, max_message_bytes_).Run(messages, bounds[t], bounds[t + 1], &parts[t]);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  DecodeOutput out = std::move(parts[0]);
+  for (size_t t = 1; t < threads; ++t) {
+    for (auto& chunk : parts[t].chunks) out.chunks.push_back(std::move(chunk));
+    for (auto& r : parts[t].rejected) out.rejected.push_back(std::move(r));
+  }
+  return out;
+}
+
+}  // namespace json
+}  // namespace prefixrec

@@ -1,0 +1,113 @@
+"""Raw samples sent as JSON messages, decoded natively into Arrow rows (online learning).
+
+:func:`decode_json_samples` is a drop-in replacement for
+``compression.decode_json_samples`` (same arguments, same return contract) that parses every
+message in C++ (``native.json_samples``) without holding the GIL, several times faster; the
+Arrow columns are built on the decoder's buffers without a copy.
+
+Same verdicts as the pyarrow path (pyarrow's JSON reader with the schema + the row checks of
+``compression.split_bad_rows``): integers must be JSON integers in int64 range (``1.0``, ``1e3``
+or ``"1"`` are rejected for an int64 id), strings must be strings, dense values and labels are
+numbers (``NaN``, ``Inf``, ``Infinity``, optionally negative, are read as pyarrow reads them and
+then rejected by the row checks), floats are rounded once from their decimal text to float32,
+unknown and repeated fields are rejected (field names are compared after unescaping, so
+``"user\\u005fid"`` is ``user_id``), missing or null values get split_bad_rows' reasons, in its
+order; a number whose exponent pyarrow's RapidJSON finds too big for a double (``1e400``) is
+rejected, one that only overflows float32 (``1e39``) becomes infinity and fails the row checks;
+a leading UTF-8 BOM is skipped. The same reason texts for row problems, unknown fields (quoted
+as Python's repr, except that only U+0080-U+00A0 and U+00AD are escaped among non-ASCII
+characters), empty messages and non-objects; syntax and type errors get their own texts (the
+pyarrow path repeats pyarrow's or ``json.loads``' message), still starting with
+``not a valid sample:``. The verdict order is the same: not JSON, then not an object, then
+unknown fields, then a value of the wrong type, then the row checks.
+
+Deliberate differences (the pyarrow path is wrong there):
+
+- a string with invalid UTF-8 is rejected (pyarrow accepts it and builds an invalid string
+  array whose ``to_pylist()`` raises);
+- a raw CR or LF inside a string is rejected, as JSON requires (the pyarrow path replaces it
+  with a space first, so it accepts the message with a changed value);
+- the message ``null`` (with or without surrounding whitespace) is rejected as not an object
+  (``pyarrow.json.read_json`` crashes the process on it: a segmentation fault, so today one
+  such Kafka message kills the online trainer);
+- a message over ``max_message_bytes`` is rejected with the reason ``kafka_source`` gives.
+
+The Table may have several chunks (one per decoding thread); passing anything but bytes or
+None in ``values`` raises ``native.InvalidInputError`` (the pyarrow path raises TypeError).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pyarrow as pa
+
+from compression.messages import MESSAGE_INDEX
+from native.json_samples import (DEFAULT_MAX_MESSAGE_BYTES, DecodedChunk, JsonColumn,
+                                 JsonSampleDecoder)
+from schemas import Schema
+
+
+def json_columns(schema: Schema) -> list[JsonColumn]:
+    """The decoder's columns for the raw samples of ``schema`` (raw_arrow_schema() order)."""
+    keys = {k for layer in schema.layers for k in layer.key}
+    columns = [JsonColumn(f.name, f.kind, dtype=f.dtype if f.kind != "dense" else "float32",
+                          dim=f.dim or 0, key=f.name in keys) for f in schema.features]
+    return columns + [JsonColumn(label, "label") for label in schema.labels]
+
+
+@functools.lru_cache(maxsize=16)
+def decoder_for(schema: Schema, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+                ) -> JsonSampleDecoder:
+    return JsonSampleDecoder(json_columns(schema), max_message_bytes)
+
+
+def decode_json_samples(values: list[bytes | None], schema: Schema, with_index: bool = False,
+                        *, threads: int | None = 1,
+                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    """Decode JSON sample messages: ``(good rows, [(message, reason)])``.
+
+    Good rows come in ``schema.raw_arrow_schema()``, in message order. With ``with_index`` the
+    table gets an int64 column ``__message`` (the index of each row's message in ``values``) and
+    rejected messages are given by index: ``[(index, reason)]``, sorted.
+
+    ``threads``: decoding threads. 1 by default: in the online trainer the other core runs the
+    TensorFlow step, and on a busy machine a second thread gains little (benchmarks/RESULTS.md);
+    None lets the decoder pick (2 for batches of 256 KiB or more on a multi-core machine).
+    The whole decode runs without the GIL either way.
+    """
+    decoder = decoder_for(schema, max_message_bytes)
+    raw_schema = schema.raw_arrow_schema()
+    indexed = raw_schema.append(pa.field(MESSAGE_INDEX, pa.int64()))
+    out = decoder.decode(values, threads=threads)
+    batches = [_record_batch(chunk, raw_schema, indexed) for chunk in out.chunks if chunk.num_rows]
+    table = pa.Table.from_batches(batches, schema=indexed)
+    dead = list(zip(out.rejected_index.tolist(), out.rejected_reason))
+    if with_index:
+        return table, dead
+    return table.drop_columns([MESSAGE_INDEX]), [(values[i], reason) for i, reason in dead]
+
+
+def _record_batch(chunk: DecodedChunk, raw_schema: pa.Schema, indexed: pa.Schema
+                  ) -> pa.RecordBatch:
+    rows = chunk.num_rows
+    arrays = [_array(field.type, rows, buffers)
+              for field, buffers in zip(raw_schema, chunk.columns)]
+    arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(chunk.message)]))
+    return pa.RecordBatch.from_arrays(arrays, schema=indexed)
+
+
+def _array(type_: pa.DataType, rows: int, buffers: tuple[np.ndarray, ...]) -> pa.Array:
+    buf = [pa.py_buffer(b) for b in buffers]
+    if pa.types.is_list(type_):
+        item = type_.value_type
+        items = int(buffers[0][-1])
+        if pa.types.is_string(item):
+            child = pa.Array.from_buffers(item, items, [None, buf[1], buf[2]])
+        else:
+            child = pa.Array.from_buffers(item, items, [None, buf[1]])
+        return pa.Array.from_buffers(type_, rows, [None, buf[0]], children=[child])
+    if pa.types.is_string(type_):
+        return pa.Array.from_buffers(type_, rows, [None, buf[0], buf[1]])
+    return pa.Array.from_buffers(type_, rows, [None, buf[0]])
