@@ -50,8 +50,19 @@ def test_online_benchmark_tiny(kafka_broker):
                                     "--export-every", "0.5", "--trees", "--bootstrap-servers",
                                     kafka_broker.bootstrap])
     assert result["samples"] == 16000 and result["samples_per_sec"] > 0
+    assert result["train_alone_samples_per_sec"] > 0
     assert result["trees"]["samples"] == 16000 and result["trees"]["samples_per_sec"] > 0
     delay = result["delay_phase"]
     assert delay["samples"] == 4000 and delay["exports"] >= 2
     assert 0 < delay["delay_p50_s"] <= delay["delay_p99_s"]
     assert "steady_delay_p99_s" in delay  # None when every sample arrived during start-up
+
+
+def test_json_decode_benchmark_tiny():
+    import benchmarks.json_decode
+
+    result = benchmarks.json_decode.run(["--samples", "1500", "--batch", "500", "--repeats", "1"])
+    assert result["samples"] == 1500
+    assert set(result["samples_per_s"]) == {"pyarrow", "native_1_thread", "native_2_threads"}
+    assert all(rate > 0 for rate in result["samples_per_s"].values())
+    assert result["native_1_thread_over_pyarrow"] > 0

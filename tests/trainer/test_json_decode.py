@@ -225,16 +225,6 @@ def test_mutated_messages_get_the_pyarrow_verdict(edits):
     _same(values, MIXED)
 
 
-def test_benchmark_tiny():
-    import benchmarks.json_decode
-
-    result = benchmarks.json_decode.run(["--samples", "1500", "--batch", "500", "--repeats", "1"])
-    assert result["samples"] == 1500
-    assert set(result["samples_per_s"]) == {"pyarrow", "native_1_thread", "native_2_threads"}
-    assert all(rate > 0 for rate in result["samples_per_s"].values())
-    assert result["native_1_thread_over_pyarrow"] > 0
-
-
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats()
     | st.text(max_size=6),
