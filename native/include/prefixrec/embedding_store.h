@@ -16,13 +16,20 @@
 //
 // Layout: ids are hashed (splitmix64 finaliser); the high 32 bits choose one of `num_shards`
 // shards, the low 32 bits the home slot inside the shard. A shard is an open-addressing table
-// (linear probing, backward-shift deletion, no tombstone slots, load <= 3/4) of 8-byte slots
-// (32 hash bits + row index) pointing into a row arena of fixed-size chunks; rows are kept
-// dense (a removal moves the last row into the hole), so expiry, export and snapshots walk
-// contiguous memory. Chunks are one 2 MiB huge page each (the first grows to that size),
-// because random probes over gigabytes of rows are otherwise dominated by TLB misses. Batch
-// calls first deduplicate the ids (a private 4-byte-slot table that stays in L2), then probe
-// the shared table once per distinct id with slots and rows prefetched ~32 ids ahead.
+// (linear probing, backward-shift deletion, no tombstone slots, 74-85% full; any size, not a
+// power of two) of 4-byte slots (row index + a hash tag) pointing into a row arena of
+// fixed-size chunks; rows are kept dense (a removal moves the last row into the hole), so
+// expiry, export and snapshots walk contiguous memory. A row is a 20-byte header (id, update
+// count with the delta's dirty bit, low 32 bits of the last step, last time in whole seconds)
+// then the values and optimizer state: 84 bytes at dim 8 with Adagrad. Chunks are one 2 MiB
+// huge page each (the last grows to that size), because random probes over gigabytes of rows
+// are otherwise dominated by TLB misses. Batch calls first deduplicate the ids (a private
+// 4-byte-slot table that stays in L2), then probe the shared table once per distinct id with
+// slots and rows prefetched ahead.
+//
+// Row metadata limits: update counts saturate at 2**31 - 1; last steps are exact while a row is
+// less than 2**31 steps behind (or ahead of) the global step; last times are kept to the second
+// (rounded to nearest) within 1970-2106, so idle-seconds expiry is exact to +-0.5 s.
 //
 // Thread safety: every public method may be called from any number of threads at once. Each
 // shard has a reader/writer lock. Reads take every shard's lock shared (in shard order) and
@@ -160,7 +167,8 @@ class EmbeddingStore {
   void ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step, double now);
 
   // Removes rows idle for more than max_idle_steps (global_step - last_step; < 0 = not used) or
-  // more than max_idle_seconds (now - last_time; < 0 = not used). Returns rows removed. O(rows).
+  // more than max_idle_seconds (now - last_time, last_time being whole seconds; < 0 = not
+  // used). Returns rows removed. O(rows).
   size_t Expire(int64_t max_idle_steps, double max_idle_seconds, double now);
 
   // Removes the rows of the given ids (counted as expired). Returns rows removed. O(n).

@@ -10,10 +10,39 @@
 
 namespace prefixrec::internal {
 
+// dst[0 .. dim) = src[0 .. dim): a fixed-size copy for common small dims.
+inline void CopyRow(float* dst, const float* src, size_t dim) {
+  switch (dim) {
+    case 4: std::memcpy(dst, src, 4 * sizeof(float)); return;
+    case 8: std::memcpy(dst, src, 8 * sizeof(float)); return;
+    case 16: std::memcpy(dst, src, 16 * sizeof(float)); return;
+    case 18: std::memcpy(dst, src, 18 * sizeof(float)); return;
+    case 32: std::memcpy(dst, src, 32 * sizeof(float)); return;
+    default: break;
+  }
+  for (size_t j = 0; j < dim; ++j) dst[j] = src[j];  // inlined; memcpy is a call here
+}
+
+template <size_t kDim>
+inline void GatherRowsOf(float* dst, const float* rows, const uint32_t* inverse, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(dst + i * kDim, rows + static_cast<size_t>(inverse[i]) * kDim, kDim * sizeof(float));
+  }
+}
+
 // dst[i * dim .. (i + 1) * dim) = rows[inverse[i] * dim ..] for i < count. Plain stores: streaming
-// (non-temporal) stores were tried for big outputs and measured slower on the target VM.
+// (non-temporal) stores were tried for big outputs and measured slower on the target VM. Common
+// small dims get a copy of fixed size (a few vector moves, no loop).
 inline void GatherRows(float* dst, const float* rows, const uint32_t* inverse, size_t count,
                        size_t dim) {
+  switch (dim) {
+    case 4: return GatherRowsOf<4>(dst, rows, inverse, count);
+    case 8: return GatherRowsOf<8>(dst, rows, inverse, count);
+    case 16: return GatherRowsOf<16>(dst, rows, inverse, count);
+    case 18: return GatherRowsOf<18>(dst, rows, inverse, count);
+    case 32: return GatherRowsOf<32>(dst, rows, inverse, count);
+    default: break;
+  }
   for (size_t i = 0; i < count; ++i) {
     const float* src = rows + static_cast<size_t>(inverse[i]) * dim;
     float* to = dst + i * dim;
@@ -23,9 +52,10 @@ inline void GatherRows(float* dst, const float* rows, const uint32_t* inverse, s
 
 // One Adagrad step on a row: acc += g * g; w -= lr * g / sqrt(acc). Square root and division
 // are exact in IEEE arithmetic and FMA contraction is off, so every instruction set gives the same
-// bits; on x86-64 an AVX2 copy (8 floats a step) is chosen at load time where the CPU has it.
+// bits; on x86-64 an AVX-512 (16 floats a step) or AVX2 (8) copy is chosen at load time where the
+// CPU has it.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 inline void AdagradRow(float* w, float* acc, const float* g, size_t dim, float lr) {
   for (size_t j = 0; j < dim; ++j) {

@@ -19,29 +19,72 @@
 
 namespace prefixrec::internal {
 
-// The first 32 bytes of every row; `dim` values then the optimizer state follow. The same bytes
-// are what snapshots and deltas store, so a row is copied to and from disk in one piece.
+// The first 20 bytes of every row; `dim` values then the optimizer state follow. The same bytes
+// are what snapshots and deltas store (format version 2), so a row is copied to and from disk in
+// one piece. Rows are 4-byte aligned only (20 + 4 * floats bytes, e.g. 84 at dim 8 with
+// Adagrad): every field is a 32-bit word, and the id is read and written with memcpy.
+//
+//   id            int64, as two little-endian words
+//   count         bits 0-30: update count (saturates at 2**31 - 1); bit 31: dirty (changed
+//                 since the last delta)
+//   step          low 32 bits of the last step. The full step is rebuilt against the store's
+//                 global step: exact while |global step - last step| < 2**31 (StepOf).
+//   time          last wall time in whole seconds since 1970, rounded to the nearest second
+//                 and clamped to 0 .. 2**32 - 1 (the years 1970-2106): EncodeTime/DecodeTime.
 struct RowHeader {
-  int64_t id;
-  uint32_t update_count;
-  uint32_t flags;  // kRowDirty: changed since the last delta
-  int64_t last_step;
-  double last_time;
-};
-static_assert(sizeof(RowHeader) == 32, "row header is serialised as is");
+  uint32_t id_words[2];
+  uint32_t count;
+  uint32_t step;
+  uint32_t time;
 
-constexpr uint32_t kRowDirty = 1u;
-constexpr uint32_t kKnownRowFlags = kRowDirty;
+  int64_t id() const {
+    int64_t value;
+    std::memcpy(&value, id_words, sizeof value);
+    return value;
+  }
+  void set_id(int64_t value) { std::memcpy(id_words, &value, sizeof value); }
+  uint32_t update_count() const { return count & kCountMask; }
+  bool dirty() const { return (count & kDirtyBit) != 0; }
+  void set_dirty() { count |= kDirtyBit; }
+  void clear_dirty() { count &= kCountMask; }
+  void add_update() {
+    if ((count & kCountMask) != kCountMask) ++count;
+  }
+
+  static constexpr uint32_t kDirtyBit = 0x80000000u;
+  static constexpr uint32_t kCountMask = 0x7fffffffu;
+};
+static_assert(sizeof(RowHeader) == 20 && alignof(RowHeader) == 4, "row header is serialised as is");
+
+// Row time stamps: whole seconds since the Unix epoch, rounded to nearest, clamped to 32 bits.
+inline uint32_t EncodeTime(double seconds) {
+  if (!(seconds > 0.0)) return 0;  // also NaN
+  if (seconds >= 4294967295.0) return 0xffffffffu;
+  return static_cast<uint32_t>(static_cast<uint64_t>(seconds + 0.5));
+}
+inline double DecodeTime(uint32_t time) { return static_cast<double>(time); }
+
+// The full last step of a row whose low 32 bits are `step`, relative to `global_step` (the
+// nearest value with those low bits, so exact while the two are less than 2**31 apart).
+inline int64_t StepOf(uint32_t step, int64_t global_step) {
+  const int32_t behind = static_cast<int32_t>(static_cast<uint32_t>(global_step) - step);
+  return static_cast<int64_t>(static_cast<uint64_t>(global_step) - static_cast<uint64_t>(int64_t{behind}));
+}
+// Steps a row is idle: global_step - StepOf(step, global_step).
+inline int64_t IdleSteps(uint32_t step, int64_t global_step) {
+  return static_cast<int32_t>(static_cast<uint32_t>(global_step) - step);
+}
 
 class Shard {
  public:
   static constexpr uint32_t kEmpty = 0xffffffffu;
-  // Rows per shard are limited by the 32-bit slots: at most 3/4 of 2**32 slots are used.
-  static constexpr size_t kMaxRows = (size_t{3} << 30) - 1;
+  // Rows per shard are limited by the 32-bit slots: the row index needs the low bits of a slot
+  // (at most 31 of them) and the table is at most kMaxLoad full.
+  static constexpr size_t kMaxRows = (size_t{1} << 30) + (size_t{1} << 29);
 
   // Rows live in chunks of one huge page (2 MiB, or one row if rows are bigger). Only the last
-  // chunk is ever partly used: it starts small and grows (moving its rows) to full size, so a
-  // shard wastes at most an eighth of a chunk on rows not yet inserted.
+  // chunk is ever partly used: it starts small and grows (in place where the allocator can) to
+  // full size, so a shard wastes at most a 32nd of a chunk on rows not yet inserted.
   explicit Shard(size_t row_bytes)
       : row_bytes_(row_bytes),
         chunk_rows_(static_cast<uint32_t>(std::max<size_t>(2, LargeBlock::kHugePage / row_bytes))),
@@ -65,10 +108,11 @@ class Shard {
   }
   RowHeader* Header(uint32_t row) const { return reinterpret_cast<RowHeader*>(Row(row)); }
   float* Floats(uint32_t row) const { return reinterpret_cast<float*>(Row(row) + sizeof(RowHeader)); }
+  int64_t IdOf(uint32_t row) const { return Header(row)->id(); }
 
   void Prefetch(uint32_t hash) const {
 #if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(&slots_[hash & mask_]);
+    __builtin_prefetch(&slots_[Home(hash)]);
 #else
     (void)hash;
 #endif
@@ -77,10 +121,11 @@ class Shard {
   // The row of the first slot whose hash tag matches (kEmpty if none), with the first `bytes`
   // (<= 1024) of it prefetched. Usually the row of the id; Find confirms.
   uint32_t PrefetchCandidate(uint32_t hash, size_t bytes) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+    const uint32_t tag = Tag(hash);
+    for (size_t i = Home(hash);; i = Next(i)) {
       const uint32_t slot = slots_[i];
       if (slot == kFree) return kEmpty;
-      if (TagMatches(slot, hash)) {
+      if ((slot & tag_mask_) == tag) {
         const uint32_t row = RowOf(slot);
 #if defined(__GNUC__) || defined(__clang__)
         const uint8_t* bytes_at = Row(row);
@@ -97,34 +142,47 @@ class Shard {
 
   // Row of `id` or kEmpty. `hash` is the low 32 bits of HashId(id).
   uint32_t Find(int64_t id, uint32_t hash) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+    const uint32_t tag = Tag(hash);
+    for (size_t i = Home(hash);; i = Next(i)) {
       const uint32_t slot = slots_[i];
       if (slot == kFree) return kEmpty;
-      if (TagMatches(slot, hash) && Header(RowOf(slot))->id == id) return RowOf(slot);
+      if ((slot & tag_mask_) == tag && IdOf(RowOf(slot)) == id) return RowOf(slot);
     }
   }
 
   // Appends a zeroed row for `id` (which must be absent) and returns its index.
   uint32_t Insert(int64_t id, uint32_t hash) {
     if (size_ >= kMaxRows) throw std::length_error("shard is full");
-    if ((size_ + 1) * 4 > capacity_ * 3) Rehash(capacity_ * 2);
+    if (static_cast<double>(size_ + 1) > kMaxLoad * static_cast<double>(capacity_)) {
+      Rehash(GrownCapacity());
+    }
     uint32_t row = static_cast<uint32_t>(size_);
     if (size_ >= row_capacity_) GrowRows();
     std::memset(Row(row), 0, row_bytes_);
-    Header(row)->id = id;
-    size_t i = hash & mask_;
-    while (slots_[i] != kFree) i = (i + 1) & mask_;
+    Header(row)->set_id(id);
+    size_t i = Home(hash);
+    while (slots_[i] != kFree) i = Next(i);
     slots_[i] = Encode(hash, row);
     ++size_;
     return row;
   }
 
+  // Sizes the table for `rows` rows in all (as if they had been inserted one by one, so the
+  // table ends up as full as after single inserts), saving the rehashes on the way there.
+  void Reserve(size_t rows) {
+    size_t capacity = capacity_;
+    while (static_cast<double>(rows) > kMaxLoad * static_cast<double>(capacity)) {
+      capacity = GrownCapacity(capacity);
+    }
+    if (capacity != capacity_) Rehash(capacity);
+  }
+
   // Removes `row`; the last row moves into its place (so indices of other rows may change).
   void Remove(uint32_t row, uint32_t hash) {
-    EraseSlot(SlotOf(Header(row)->id, hash));
+    EraseSlot(SlotOf(IdOf(row), hash));
     uint32_t last = static_cast<uint32_t>(size_ - 1);
     if (row != last) {
-      int64_t moved_id = Header(last)->id;
+      int64_t moved_id = IdOf(last);
       uint32_t moved_hash = static_cast<uint32_t>(HashOf(moved_id));
       slots_[SlotOf(moved_id, moved_hash)] = Encode(moved_hash, row);
       std::memcpy(Row(row), Row(last), row_bytes_);
@@ -147,6 +205,7 @@ class Shard {
     if (counts.empty()) return bloom.size();
     return bloom.size() + counts.size() * 40 + counts.bucket_count() * sizeof(void*);
   }
+  size_t capacity() const { return capacity_; }
 
   mutable std::shared_mutex mu;
   uint64_t draw_counter = 0;                     // probability filter: draws made so far
@@ -157,23 +216,34 @@ class Shard {
   static uint64_t HashOf(int64_t id) { return HashId(id); }
 
  private:
-  // A slot is 4 bytes: 0 when free, else row + 1 in the bits of the slot index (the low
-  // log2(capacity) bits) and the rest of the id's 32-bit hash above them as a tag, so most slots
-  // of other ids are passed over without reading their row. Rows never exceed 3/4 of the
-  // capacity, so row + 1 fits below the tag.
+  // The table holds between kMaxLoad / kGrowth and kMaxLoad slots per row: 4 bytes / load,
+  // 4.7-5.4 bytes a row (a power-of-two table would swing between 0.375 and 0.75 full, 5.3-10.7
+  // bytes a row). Linear probing at 85% is still cheap here: 16 slots share a cache line and
+  // the tags skip the rows of other ids.
+  static constexpr double kMaxLoad = 0.85;
+  static constexpr double kGrowth = 1.15;
+
+  // A slot is 4 bytes: 0 when free, else row + 1 in its low `row_bits_` bits and, above them, a
+  // tag of low hash bits (the home slot comes from the high bits: (hash * capacity) >> 32), so
+  // most slots of other ids are passed over without reading their row.
   static constexpr uint32_t kFree = 0;
-  uint32_t Encode(uint32_t hash, uint32_t row) const {
-    return (hash & ~static_cast<uint32_t>(mask_)) | (row + 1);
+  size_t Home(uint32_t hash) const {
+    return static_cast<size_t>((static_cast<uint64_t>(hash) * capacity_) >> 32);
   }
-  bool TagMatches(uint32_t slot, uint32_t hash) const {
-    return ((slot ^ hash) & ~static_cast<uint32_t>(mask_)) == 0;
+  size_t Next(size_t i) const { return i + 1 == capacity_ ? 0 : i + 1; }
+  uint32_t Tag(uint32_t hash) const { return (hash << row_bits_) & tag_mask_; }
+  uint32_t Encode(uint32_t hash, uint32_t row) const { return Tag(hash) | (row + 1); }
+  uint32_t RowOf(uint32_t slot) const { return (slot & ~tag_mask_) - 1; }
+  size_t GrownCapacity() const { return GrownCapacity(capacity_); }
+  static size_t GrownCapacity(size_t capacity) {
+    return std::max(capacity + 16, static_cast<size_t>(static_cast<double>(capacity) * kGrowth));
   }
-  uint32_t RowOf(uint32_t slot) const { return (slot & static_cast<uint32_t>(mask_)) - 1; }
 
   size_t SlotOf(int64_t id, uint32_t hash) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+    const uint32_t tag = Tag(hash);
+    for (size_t i = Home(hash);; i = Next(i)) {
       const uint32_t slot = slots_[i];
-      if (slot != kFree && TagMatches(slot, hash) && Header(RowOf(slot))->id == id) return i;
+      if (slot != kFree && (slot & tag_mask_) == tag && IdOf(RowOf(slot)) == id) return i;
     }
   }
 
@@ -182,9 +252,10 @@ class Shard {
   }
 
   // Makes room for one more row: a new chunk if the last one is full, else the last chunk
-  // grows (doubling from 64 rows up to an eighth of a chunk, then by eighths), moving its rows.
+  // grows (doubling from 64 rows up to a 32nd of a chunk, then by 32nds; in place where realloc
+  // can, e.g. by remapping), and a chunk that reaches full size moves once into a huge page.
   void GrowRows() {
-    const size_t step = std::max<size_t>(1, chunk_rows_ / 8);
+    const size_t step = std::max<size_t>(1, chunk_rows_ / 32);
     size_t last_rows = chunks_.empty() ? chunk_rows_ : row_capacity_ - (chunks_.size() - 1) * chunk_rows_;
     if (last_rows == chunk_rows_) {
       size_t rows = std::min<size_t>(chunk_rows_, chunks_.empty() ? 64 : step);
@@ -194,18 +265,23 @@ class Shard {
     }
     size_t rows = std::min<size_t>(chunk_rows_, last_rows < step ? std::max<size_t>(64, last_rows * 2)
                                                                   : last_rows + step);
-    LargeBlock block(ChunkBytes(rows));
     const size_t used = size_ - (chunks_.size() - 1) * chunk_rows_;
-    std::memcpy(block.data(), chunks_.back().data(), used * row_bytes_);
-    chunks_.back() = std::move(block);
+    if (rows == chunk_rows_ || !chunks_.back().Resize(ChunkBytes(rows))) {
+      LargeBlock block(ChunkBytes(rows));
+      std::memcpy(block.data(), chunks_.back().data(), used * row_bytes_);
+      chunks_.back() = std::move(block);
+    }
     row_capacity_ += rows - last_rows;
   }
 
   // Backward-shift deletion: later entries of the probe run move up so no tombstone is needed.
   void EraseSlot(size_t hole) {
-    for (size_t j = (hole + 1) & mask_; slots_[j] != kFree; j = (j + 1) & mask_) {
-      size_t home = HashOf(Header(RowOf(slots_[j]))->id) & mask_;
-      if (((j - home) & mask_) >= ((j - hole) & mask_)) {
+    for (size_t j = Next(hole); slots_[j] != kFree; j = Next(j)) {
+      size_t home = Home(static_cast<uint32_t>(HashOf(IdOf(RowOf(slots_[j])))));
+      // The entry at j may fill the hole if its home is not in (hole, j] (cyclically).
+      size_t from_home = j >= home ? j - home : j + capacity_ - home;
+      size_t from_hole = j >= hole ? j - hole : j + capacity_ - hole;
+      if (from_home >= from_hole) {
         slots_[hole] = slots_[j];
         hole = j;
       }
@@ -213,20 +289,23 @@ class Shard {
     slots_[hole] = kFree;
   }
 
-  // Rebuilds the slots for `capacity` (a power of two) from the rows, in row order.
+  // Rebuilds the slots for `capacity` from the rows, in row order.
   void Rehash(size_t capacity) {
-    if (capacity > (size_t{1} << 32)) throw std::length_error("shard is full");
+    if (capacity >= (size_t{1} << 31)) throw std::length_error("shard is full");
+    int bits = 1;
+    while ((size_t{1} << bits) < capacity + 1) ++bits;  // row + 1 <= capacity fits in `bits`
     LargeBlock block(capacity * sizeof(uint32_t));
     uint32_t* slots = reinterpret_cast<uint32_t*>(block.data());
     std::memset(slots, 0, capacity * sizeof(uint32_t));
     slots_block_ = std::move(block);
     slots_ = slots;
-    mask_ = capacity - 1;
     capacity_ = capacity;
+    row_bits_ = bits;
+    tag_mask_ = ~((uint32_t{1} << bits) - 1);  // bits <= 31
     for (size_t r = 0; r < size_; ++r) {
-      uint32_t hash = static_cast<uint32_t>(HashOf(Header(static_cast<uint32_t>(r))->id));
-      size_t i = hash & mask_;
-      while (slots_[i] != kFree) i = (i + 1) & mask_;
+      uint32_t hash = static_cast<uint32_t>(HashOf(IdOf(static_cast<uint32_t>(r))));
+      size_t i = Home(hash);
+      while (slots_[i] != kFree) i = Next(i);
       slots_[i] = Encode(hash, static_cast<uint32_t>(r));
     }
   }
@@ -236,8 +315,9 @@ class Shard {
   uint64_t chunk_magic_;  // ceil(2**64 / chunk_rows_)
   size_t row_capacity_ = 0;  // rows the chunks can hold
   size_t size_ = 0;
-  size_t mask_ = 0;
   size_t capacity_ = 0;
+  int row_bits_ = 0;
+  uint32_t tag_mask_ = 0;
   uint32_t* slots_ = nullptr;  // capacity_ slots inside slots_block_
   LargeBlock slots_block_;
   std::vector<LargeBlock> chunks_;
