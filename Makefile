@@ -73,7 +73,7 @@ test-asan: $(STAMP)
 	cd $(ASAN_DIR)/site && \
 	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	    PREFIXREC_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider --capture=sys \
+	    PREFIXREC_SANITIZED=1 $(abspath $(PY)) -m pytest -q -p no:cacheprovider --capture=sys \
 	    --rootdir=$(CURDIR) -m "asan or not asan" $(CURDIR)/tests/native
 
 clean:
