@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from native.errors import InvalidInputError
 from native.json_samples import JsonColumn, JsonSampleDecoder
+from mutations import mutate
 
 COLUMNS = [
     JsonColumn("uid", "id", key=True),
@@ -330,23 +331,6 @@ def test_random_bytes_never_crash(values, copy):
     _check_invariants(values, DECODER.decode(values, _copy_messages=copy))
 
 
-def _mutate(data: bytes, edits) -> bytes:
-    data = bytearray(data)
-    for kind, position, byte in edits:
-        if not data:
-            break
-        i = position % len(data)
-        if kind == 0:
-            data[i] = byte
-        elif kind == 1:
-            data.insert(i, byte)
-        elif kind == 2:
-            del data[i]
-        else:
-            data = data[:i]
-    return bytes(data)
-
-
 SPECIAL_BYTES = st.sampled_from(b'{}[],:"\\ -+.eE0129nulltrfaseNIu\x00\n\x7f\x80\xc3\xa9\xed\xf0\xff')
 EDITS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6),
                            st.integers(0, 255) | SPECIAL_BYTES), min_size=1, max_size=4)
@@ -358,7 +342,7 @@ EDITS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6),
        st.sampled_from([1, 2]), st.booleans())
 @FUZZ
 def test_mutated_samples_never_crash_and_decode_exactly_when_accepted(specs, threads, copy):
-    values = [_mutate(sample(uid=u, hist=h, tags=t, pid=p), edits) for u, h, t, p, edits in specs]
+    values = [mutate(sample(uid=u, hist=h, tags=t, pid=p), edits) for u, h, t, p, edits in specs]
     values += [sample(uid=u, hist=h, tags=t, pid=p) for u, h, t, p, _ in specs]
     out = DECODER.decode(values, threads=threads, _copy_messages=copy)
     _check_invariants(values, out)

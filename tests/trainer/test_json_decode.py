@@ -17,6 +17,7 @@ import schemas
 from pipelines.generate import generate_tables
 from pipelines.replay import json_lines
 from trainer.json_decode import decode_json_samples
+from mutations import mutate
 
 TAOBAO = schemas.load("schemas/examples/taobao_like.yaml")
 MIXED = schemas.from_dict({"name": "mixed", "labels": ["click", "conversion"], "layers": [
@@ -183,23 +184,6 @@ def test_deliberate_differences_from_the_pyarrow_path():
     assert expected.num_rows == 2 and expected_dead == []
 
 
-def _mutate(data: bytes, edits) -> bytes:
-    data = bytearray(data)
-    for kind, position, byte in edits:
-        if not data:
-            break
-        i = position % len(data)
-        if kind == 0:
-            data[i] = byte
-        elif kind == 1:
-            data.insert(i, byte)
-        elif kind == 2:
-            del data[i]
-        else:
-            data = data[:i]
-    return bytes(data)
-
-
 def _pyarrow_may_differ(value: bytes) -> bool:
     """The known differences: invalid UTF-8, raw CR/LF (pyarrow path accepts), and a top-level
     null (crashes pyarrow, so it is never given to it)."""
@@ -217,7 +201,7 @@ BYTES = st.integers(0, 255) | st.sampled_from(b'{}[],:"\\ -+.eE0129nulltrfaseNIu
                          min_size=1, max_size=3), min_size=1, max_size=6))
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 def test_mutated_messages_get_the_pyarrow_verdict(edits):
-    values = [_mutate(_sample(user_id=i), e) for i, e in enumerate(edits)]
+    values = [mutate(_sample(user_id=i), e) for i, e in enumerate(edits)]
     values = [v for v in values
               if v.strip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf").strip(b" \t\r\n") != b"null"
               and not _pyarrow_may_differ(v)]
