@@ -293,9 +293,7 @@ class Trainer:
                     batch = next(batches, None)
                     if batch is None:
                         break
-                    prepared = self.builder.prepare(batch)
-                    # numpy -> tensors here, off the training thread
-                    prepared.feed = tf.nest.map_structure(tf.convert_to_tensor, prepared.feed)
+                    prepared = self.prepare(batch)  # numpy -> tensors off the training thread
                     timings["read"] += time.perf_counter() - t0
                     if not put(prepared_q, prepared):
                         return
