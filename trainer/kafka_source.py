@@ -21,6 +21,7 @@ import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 import compression
+from native.json_samples import DEFAULT_MAX_MESSAGE_BYTES  # one limit for both formats
 from schemas import Schema
 from trainer.json_decode import decode_json_samples
 
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 
 # Consumers joining a group: short sessions so a restarted trainer rejoins quickly.
 GROUP_DEFAULTS = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
 
 @dataclass
@@ -64,9 +64,8 @@ class KafkaSampleSource:
         self.positions: dict[int, int] = dict(self.start_offsets)
         self.assigned: set[int] = set()
         self.rebalances = 0
-        self._tree_schema = schema.tree_arrow_schema()
-        self._tree_decoder = compression.TreeMessageDecoder(self._tree_schema,
-                                                        schema.name)
+        self._decode_tree = compression.TreeMessageDecoder(schema.tree_arrow_schema(),
+                                                           schema.name)
         settings = {"bootstrap.servers": bootstrap_servers, "group.id": group,
                     "enable.auto.commit": False, "enable.auto.offset.store": False,
                     "auto.offset.reset": "earliest", **GROUP_DEFAULTS}
@@ -152,12 +151,8 @@ class KafkaSampleSource:
         kept = table.column("__message").to_numpy()
         polled.samples = table.drop_columns(["__message"])
         polled.num_samples = polled.samples.num_rows
-        if len(kept) == len(messages):
-            polled.timestamps_ms = np.fromiter((m.timestamp()[1] for m in messages), np.int64,
-                                               len(messages))
-        else:
-            polled.timestamps_ms = np.fromiter((messages[i].timestamp()[1] for i in kept),
-                                               np.int64, len(kept))
+        polled.timestamps_ms = np.fromiter((m.timestamp()[1] for m in messages), np.int64,
+                                           len(messages))[kept]
 
     def _decode_tree_messages(self, messages, polled: Polled):
         """Decode tree messages into one table for the whole poll (batching one table is much
@@ -186,9 +181,6 @@ class KafkaSampleSource:
         polled.num_samples = int(per_message.sum())
         polled.timestamps_ms = np.repeat(
             np.array([m.timestamp()[1] for m in kept], np.int64), per_message)
-
-    def _decode_tree(self, value: bytes) -> pa.Table:
-        return self._tree_decoder(value)
 
     def _sift(self, items, check, polled: Polled) -> list:
         """``(check(value), msg)`` of the ``(value, msg)`` items ``check`` accepts; the others'
