@@ -213,29 +213,29 @@ class TreeMessageDecoder:
 
     def __call__(self, message: bytes) -> pa.Table:
         try:
-            buffer = pa.py_buffer(message)
-            reader = pa.BufferReader(buffer)
-            first = pa.ipc.read_message(reader)
-            batches = []
-            if first.type == "schema" and first.metadata.equals(self._schema_metadata):
-                # record batches up to the 8-byte end-of-stream marker
-                while batches is not None and reader.tell() < buffer.size - 8:
-                    msg = pa.ipc.read_message(reader)
-                    if msg.type == "record batch":
-                        batches.append(pa.ipc.read_record_batch(msg, self.schema))
-                    else:
-                        batches = None
-            else:
-                batches = None
-            if batches is None:
+            table = self._read_known_schema(pa.py_buffer(message))
+            if table is None:
                 table = decode_trees(message)
                 if not table.schema.equals(self.schema):
                     what = f" {self.name!r}" if self.name else " expected"
                     raise ValueError(f"tree schema does not match schema{what}: {table.schema}")
-            else:
-                table = pa.Table.from_batches(batches, self.schema)
             table.validate(full=True)
             return table
         except (pa.ArrowException, OSError, EOFError) as e:  # truncated: OSError
             raise ValueError(f"not an Arrow IPC tree message ({len(message)} bytes): "
                              f"{e}") from None
+
+    def _read_known_schema(self, buffer: pa.Buffer) -> pa.Table | None:
+        """The table if the message starts with the expected schema's bytes and holds only
+        record batches; None for the full path."""
+        reader = pa.BufferReader(buffer)
+        first = pa.ipc.read_message(reader)
+        if first.type != "schema" or not first.metadata.equals(self._schema_metadata):
+            return None
+        batches = []
+        while reader.tell() < buffer.size - 8:  # up to the 8-byte end-of-stream marker
+            msg = pa.ipc.read_message(reader)
+            if msg.type != "record batch":
+                return None
+            batches.append(pa.ipc.read_record_batch(msg, self.schema))
+        return pa.Table.from_batches(batches, self.schema)
