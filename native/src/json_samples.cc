@@ -393,6 +393,12 @@ class Parser {
     out->rejected.push_back(Rejection{static_cast<int64_t>(index), std::move(reason)});
   }
 
+  // Keeps the first `count` strings of a string column (offsets and bytes).
+  static void TruncateStrings(ColumnData& d, size_t count) {
+    d.str_offsets.truncate(count + 1);
+    d.str_data.truncate(static_cast<size_t>(d.str_offsets[count]));
+  }
+
   // Truncates every column back to the end of the last accepted row.
   void Rollback() {
     const size_t n = rows_;
@@ -404,8 +410,7 @@ class Parser {
           if (s.type == ValueType::kInt64) {
             d.ints.truncate(n);
           } else {
-            d.str_offsets.truncate(n + 1);
-            d.str_data.truncate(static_cast<size_t>(d.str_offsets[n]));
+            TruncateStrings(d, n);
           }
           break;
         case ColumnKind::kIds: {
@@ -414,8 +419,7 @@ class Parser {
           if (s.type == ValueType::kInt64) {
             d.ints.truncate(items);
           } else {
-            d.str_offsets.truncate(items + 1);
-            d.str_data.truncate(static_cast<size_t>(d.str_offsets[items]));
+            TruncateStrings(d, items);
           }
           break;
         }
