@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -85,20 +86,29 @@ def _produce(bootstrap: str, topic: str, messages, rate: float | None = None,
     return sent
 
 
-def _train_alone(schema, messages, batch_size: int = 5000) -> dict:
+def _config(threads: int):
+    from trainer.config import TrainConfig
+
+    config = TrainConfig.load(CONFIG)
+    return dataclasses.replace(config, threads=threads) if threads else config
+
+
+def _train_alone(schema, messages, threads: int, unit_samples: int | None) -> dict:
     """The ceiling the end-to-end rate is measured against: the same samples decoded, compressed
-    and prepared in memory first (polls of one batch of messages, as the online reader makes
-    them), then only lookup + step + update timed, on a fresh trainer."""
+    and prepared in memory first (in units of the size the online reader polls), then only
+    lookup + step + update timed, on a fresh trainer."""
     import compression
     from trainer import models
-    from trainer.config import TrainConfig
+    from trainer.online import DEFAULT_UNIT_BATCHES
     from trainer.trainer import Trainer
 
-    trainer = Trainer(schema, models.MLP(), TrainConfig.load(CONFIG))
+    trainer = Trainer(schema, models.MLP(), _config(threads))
+    batch_size = trainer.config.batch_size
+    unit = unit_samples or DEFAULT_UNIT_BATCHES * batch_size
     values = [value.encode() for _, value in messages]
     prepared = []
-    for start in range(0, len(values), batch_size):
-        table, _ = compression.decode_json_samples(values[start:start + batch_size], schema)
+    for start in range(0, len(values), unit):
+        table, _ = compression.decode_json_samples(values[start:start + unit], schema)
         trees = compression.build_trees(table, schema, validate=False)
         prepared += [trainer.prepare(b) for b in compression.iter_batches(trees, schema,
                                                                           batch_size)]
@@ -110,16 +120,15 @@ def _train_alone(schema, messages, batch_size: int = 5000) -> dict:
     return {"samples": samples, "samples_per_sec": samples / (time.perf_counter() - started)}
 
 
-def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, format="json",
-            **kwargs):
+def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, threads: int,
+            format="json", **kwargs):
     from trainer import models
     from trainer.checkpoints import CheckpointManager
-    from trainer.config import TrainConfig
     from trainer.kafka_source import KafkaSampleSource, group_id
     from trainer.online import OnlineTrainer
     from trainer.trainer import Trainer
 
-    trainer = Trainer(schema, models.MLP(), TrainConfig.load(CONFIG))
+    trainer = Trainer(schema, models.MLP(), _config(threads))
     source = KafkaSampleSource(schema, bootstrap, topic, group_id(), format=format,
                                config={"fetch.max.bytes": 64 << 20})
     online = OnlineTrainer(schema, trainer, source, CheckpointManager(run_dir),
@@ -147,7 +156,7 @@ def _create_topic(bootstrap: str, partitions: int) -> str:
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.online",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=200_000, help="throughput phase")
+    parser.add_argument("--samples", type=int, default=500_000, help="throughput phase")
     parser.add_argument("--rate", type=float, default=20_000, help="delay phase samples/s")
     parser.add_argument("--seconds", type=float, default=30, help="delay phase duration")
     parser.add_argument("--export-every", type=float, default=5.0)
@@ -156,11 +165,18 @@ def run(argv=None) -> dict:
     parser.add_argument("--bootstrap-servers", help="use this broker instead of Tansu")
     parser.add_argument("--reader-nice", type=int, default=None,
                         help="the online reader thread's --reader-nice (default: its default)")
+    parser.add_argument("--unit-samples", type=int, default=None,
+                        help="the online trainer's --unit-samples (default: its default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow intra-op threads of the trainer (the config's "
+                             "threads; default 0: mlp.yaml's value)")
     parser.add_argument("--trees", action="store_true",
                         help="also measure the throughput from a topic of tree messages (the "
                              "streaming job's output, --format trees) on the same samples")
     args = parser.parse_args(argv)
-    nice = {} if args.reader_nice is None else {"reader_nice": args.reader_nice}
+    options = {} if args.reader_nice is None else {"reader_nice": args.reader_nice}
+    options["unit_samples"] = args.unit_samples
+    options["threads"] = args.threads
     schema = schemas.load(SCHEMA)
     work = tempfile.mkdtemp(prefix="bench-online-")
     broker = (contextlib.nullcontext((args.bootstrap_servers, None, None))
@@ -172,15 +188,15 @@ def run(argv=None) -> dict:
             _produce(bootstrap, topic, messages)
             throughput = _online(schema, bootstrap, topic, os.path.join(work, "run1"),
                                  os.path.join(work, "export1"), 1e9,
-                                 max_samples=args.samples, idle_exit=10, **nice)
-            alone = _train_alone(schema, messages)
+                                 max_samples=args.samples, idle_exit=10, **options)
+            alone = _train_alone(schema, messages, args.threads, args.unit_samples)
             from_trees = None
             if args.trees:
                 topic = _create_topic(bootstrap, args.partitions)
                 _produce(bootstrap, topic, _tree_messages(schema, args.samples, args.seed))
                 from_trees = _online(schema, bootstrap, topic, os.path.join(work, "run3"),
                                      os.path.join(work, "export3"), 1e9, format="trees",
-                                     max_samples=args.samples, idle_exit=10, **nice)
+                                     max_samples=args.samples, idle_exit=10, **options)
 
             delay_samples = int(args.rate * args.seconds)
             delayed = _messages(schema, delay_samples, args.seed + 1)
@@ -192,7 +208,7 @@ def run(argv=None) -> dict:
             try:
                 delay = _online(schema, bootstrap, topic, os.path.join(work, "run2"),
                                 os.path.join(work, "export2"), args.export_every,
-                                max_samples=delay_samples, idle_exit=10, **nice)
+                                max_samples=delay_samples, idle_exit=10, **options)
             finally:
                 stop.set()
                 producer.join()

@@ -47,6 +47,10 @@ from trainer.trainer import Trainer, write_scalars
 log = logging.getLogger("trainer.online")
 MODELS = {"mlp": models_lib.MLP, "din": models_lib.DIN, "esmm": models_lib.ESMM}
 DEFAULT_READER_NICE = 10
+# A unit (one poll, compressed and batched together) holds up to this many batches of samples:
+# a bigger poll puts more of a user's samples into one tree, so its batches share more and the
+# step costs less per sample. Below that load a poll returns what arrived within its timeout.
+DEFAULT_UNIT_BATCHES = 10
 
 
 @dataclass
@@ -116,7 +120,7 @@ class OnlineTrainer:
                  max_samples: int | None = None, idle_exit: float | None = None,
                  poll_timeout: float = 0.2, status_path: str | None = None,
                  on_export=None, log_dir: str | None = None, report_every: float = 10.0,
-                 reader_nice: int = DEFAULT_READER_NICE):
+                 reader_nice: int = DEFAULT_READER_NICE, unit_samples: int | None = None):
         self.schema = schema
         self.trainer = trainer
         self.source = source
@@ -133,6 +137,10 @@ class OnlineTrainer:
         self.report_every = report_every  # seconds between console lines and scalars
         self.reader_nice = reader_nice    # niceness added to the reader thread (0: none)
         self.reader_thread_id: int | None = None
+        self.unit_samples = (unit_samples if unit_samples is not None
+                             else DEFAULT_UNIT_BATCHES * trainer.config.batch_size)
+        if self.unit_samples < 1:
+            raise ValueError(f"unit_samples must be at least 1, got {self.unit_samples}")
         self._writer = None
         self._last_status = 0.0
         self._last_report = (time.monotonic(), 0)  # (when, samples then)
@@ -166,15 +174,15 @@ class OnlineTrainer:
             except OSError as e:
                 log.warning("could not lower the reader thread's priority: %s", e)
         batch_size = self.trainer.config.batch_size
-        # A unit holds about one batch of samples whatever the format: a tree message holds
+        # A unit holds about unit_samples samples whatever the format: a tree message holds
         # many, so ask for as many messages as the samples per message so far suggest.
         seen_samples = seen_messages = 0
         try:
             while not self._stop.is_set():
                 if seen_samples:
-                    ask = max(1, round(batch_size * seen_messages / seen_samples))
+                    ask = max(1, round(self.unit_samples * seen_messages / seen_samples))
                 else:
-                    ask = batch_size if self.source.format == "json" else 1
+                    ask = self.unit_samples if self.source.format == "json" else 1
                 t0 = time.perf_counter()
                 with self._lock:
                     polled = self.source.poll(ask, self.poll_timeout)
@@ -374,6 +382,7 @@ class OnlineTrainer:
         steady = (self.stats.samples - self.stats.first_unit_samples) / max(
             now - self.stats.first_unit, 1e-9) if self.stats.first_unit else 0.0
         return {"samples": self.stats.samples, "messages": self.stats.messages,
+                "units": self.stats.units,
                 "dead_letters": self.stats.dead, "steps": self.trainer.step,
                 "seconds": round(seconds, 3),
                 "samples_per_sec": round(self.stats.samples / max(seconds, 1e-9), 1),
@@ -433,6 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="lower the priority of the thread that consumes, decodes and "
                              "batches by N (0-19) so the training step keeps the cores "
                              f"(default {DEFAULT_READER_NICE}; 0 to leave it)")
+    parser.add_argument("--unit-samples", type=int, metavar="N",
+                        help="samples polled, compressed into trees and trained as one unit "
+                             "when the topic has them (more of a user's samples share one "
+                             f"tree; default {DEFAULT_UNIT_BATCHES} batches)")
     parser.add_argument("-X", dest="kafka", action="append", type=_kafka_option, default=[],
                         metavar="KEY=VALUE", help="extra consumer setting (repeatable)")
     return parser
@@ -443,6 +456,8 @@ def run(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not 0 <= args.reader_nice <= 19:
         parser.error(f"--reader-nice: expected 0 to 19, got {args.reader_nice}")
+    if args.unit_samples is not None and args.unit_samples < 1:
+        parser.error(f"--unit-samples: expected at least 1, got {args.unit_samples}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
@@ -469,7 +484,8 @@ def run(argv=None) -> dict:
                            idle_exit=args.idle_exit,
                            status_path=os.path.join(args.run_dir, "status.json"),
                            log_dir=os.path.join(args.run_dir, "online"),
-                           report_every=args.report_every, reader_nice=args.reader_nice)
+                           report_every=args.report_every, reader_nice=args.reader_nice,
+                           unit_samples=args.unit_samples)
     signal.signal(signal.SIGTERM, online.stop)
     signal.signal(signal.SIGINT, online.stop)
     try:

@@ -65,7 +65,8 @@ def test_follower_rows_equal_the_trainers_after_every_export(kafka_broker, tmp_p
 
     online = OnlineTrainer(SCHEMA, trainer, source, CheckpointManager(str(tmp_path / "run")),
                            checkpoint_every=1000, export_dir=export_dir, export_every=0.0,
-                           idle_exit=4, poll_timeout=0.05, on_export=check, reader_nice=5)
+                           idle_exit=4, poll_timeout=0.05, on_export=check, reader_nice=5,
+                           unit_samples=100)  # one batch a unit: the test relies on the order
     try:
         summary = online.run()
     finally:
@@ -79,3 +80,32 @@ def test_follower_rows_equal_the_trainers_after_every_export(kafka_broker, tmp_p
     assert set(range(20, 40)) <= item_rows
     stats = trainer.stores["item"].stats()
     assert stats.rejected > 0 and stats.expired >= 20
+
+
+def test_a_unit_holds_up_to_unit_samples_and_trains_them_as_several_batches(kafka_broker,
+                                                                            tmp_path):
+    topic = kafka_broker.create_topic()
+    kafka_broker.produce(topic, [(str(i % 7).encode(), json.dumps(
+        {"uid": i % 7, "item": i % 50, "click": float(i % 5 == 0)}).encode())
+        for i in range(1000)])
+    config = TrainConfig.from_dict({"batch_size": 100, "seed": 1, "threads": 1,
+                                    "embedding": {"dim": 4}})
+    trainer = Trainer(SCHEMA, models.MLP(hidden=(8,)), config)
+    source = KafkaSampleSource(SCHEMA, kafka_broker.bootstrap, topic, group_id())
+    sizes = []
+    online = OnlineTrainer(SCHEMA, trainer, source, CheckpointManager(str(tmp_path / "run")),
+                           checkpoint_every=1000, idle_exit=3, poll_timeout=0.5,
+                           unit_samples=400)
+    train = online._train
+    online._train = lambda unit: (sizes.append((unit.samples, len(unit.batches))),
+                                  train(unit))
+    try:
+        summary = online.run()
+    finally:
+        source.close()
+    assert summary["samples"] == 1000 and sum(s for s, _ in sizes) == 1000
+    assert summary["units"] == len(sizes)
+    assert max(s for s, _ in sizes) <= 400
+    # a preloaded topic fills units: most of them hold several batches (one tree per user)
+    assert sum(1 for s, b in sizes if b >= 3) >= 1
+    assert trainer.step == sum(b for _, b in sizes)
