@@ -38,26 +38,28 @@ def test_source_decodes_tracks_positions_and_dead_letters(kafka_broker):
     good = [(str(i % 5).encode(), _sample(i % 5, i), None, None, i % 2) for i in range(40)]
     bad = [(b"x", b"{oops", None, None, 0), (b"y", b"z" * 3000, None, None, 1),
            # pyarrow.json.read_json crashed the process on this one (a segfault)
-           (b"n", b" null ", None, None, 1)]
+           (b"n", b" null ", None, None, 1),
+           (b"t", None, None, None, 0)]  # a null value (a compaction tombstone)
     kafka_broker.produce(topic, good + bad)
     source = KafkaSampleSource(SCHEMA, kafka_broker.bootstrap, topic, group_id(),
                                max_message_bytes=2000)
     try:
-        polls = _drain(source, 43)
+        polls = _drain(source, 44)
         samples = sum(p.num_samples for p in polls)
-        assert samples == 40 and sum(p.dead for p in polls) == 3
+        assert samples == 40 and sum(p.dead for p in polls) == 4
         sids = sorted(s for p in polls for s in p.samples.column("sid").to_pylist())
         assert sids == list(range(40))
-        assert source.positions == {0: 21, 1: 22}
+        assert source.positions == {0: 22, 1: 22}
         assert all(len(p.timestamps_ms) == p.num_samples for p in polls)
         assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
     dead = kafka_broker.consume_all(f"{topic}.dlq")
-    reasons = {m.value()[:5]: dict(m.headers())["reason"].decode() for m in dead}
+    reasons = {(m.value() or b"")[:5]: dict(m.headers())["reason"].decode() for m in dead}
     assert reasons[b"{oops"].startswith("not a valid sample: not JSON")
     assert reasons[b"zzzzz"] == "oversized: 3000 bytes, the limit is 2000 (max_message_bytes)"
     assert reasons[b" null"].startswith("not a valid sample: expected a JSON object")
+    assert reasons[b""] == "empty message; expected one JSON object"
     assert {dict(m.headers())["source.partition"] for m in dead} == {b"0", b"1"}
 
 
