@@ -27,6 +27,7 @@ Prints a table and a final JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -58,6 +59,29 @@ def make_batches(schema, samples: int, spu: float, batch_size: int, seed: int):
     batches = list(compression.iter_batches(trees, schema, batch_size))
     nodes = np.mean([[layer.size for layer in b.layers] for b in batches[:-1] or batches], 0)
     return batches, [float(x) for x in nodes]
+
+
+def all_upper_shared(batch):
+    """The batch with every upper layer reduced to its first node, all leaves under it: the
+    same leaves and dense work per leaf, and the least upper-layer work any data could give
+    structured compute (the measured counterpart of ``matmul_bound``'s ceiling)."""
+    def first(array):
+        if isinstance(array, tuple):
+            values, offsets = array
+            return values[offsets[0]:offsets[1]], (offsets[:2] - offsets[0]).astype(offsets.dtype)
+        return array[:1]
+
+    layers = []
+    for level, layer in enumerate(batch.layers):
+        if level == len(batch.layers) - 1:
+            layers.append(dataclasses.replace(layer, parent=np.zeros(layer.size, np.int32)))
+        else:
+            layers.append(dataclasses.replace(
+                layer, size=1, parent=None if level == 0 else np.zeros(1, np.int32),
+                features={name: first(a) for name, a in layer.features.items()}))
+    shared = dataclasses.replace(batch, layers=layers)
+    shared.check()
+    return shared
 
 
 class TrainerRun:
@@ -214,6 +238,9 @@ def run(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="timed passes per model (best)")
     parser.add_argument("--skip-keras", action="store_true")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time structured compute on the same batches with every upper "
+                             "layer cut to one node (the most any sharing can save)")
     args = parser.parse_args(argv)
     hidden = tuple(int(x) for x in args.hidden.split(","))
     schema = schemas.load(SCHEMA)
@@ -235,6 +262,9 @@ def run(argv=None) -> dict:
                 "timed_samples": timed_samples}
         runs = {mode: TrainerRun(schema, batches, mode, warmup, hidden)
                 for mode in ("structured", "flat")}
+        if args.ceiling:
+            runs["ceiling"] = TrainerRun(schema, [all_upper_shared(b) for b in batches],
+                                         "structured", warmup, hidden)
         keras_model = None
         if not args.skip_keras:
             keras_model = KerasBaseline(schema, args.keras_rows, 18, hidden, seed=0)
@@ -253,6 +283,8 @@ def run(argv=None) -> dict:
             run_[mode]["ms_per_step_sequential"] = r.sequential()
             run_[mode]["store_rows"] = r.trainer.store_rows()
         s, f = run_["structured"]["samples_per_sec"], run_["flat"]["samples_per_sec"]
+        if "ceiling" in run_:
+            run_["ceiling_over_flat"] = run_["ceiling"]["samples_per_sec"] / f
         k = run_.get("keras", {}).get("samples_per_sec", float("nan"))
         run_["structured_over_flat"] = s / f
         run_["matmul_bound"] = matmul_bound(schema, nodes, hidden)
@@ -268,6 +300,10 @@ def run(argv=None) -> dict:
               f"{k:9,.0f} {s / f:7.2f}x {f / k:9.2f}x   {parts('structured')} | {parts('flat')}"
               f"   matmul bound {bound['at_these_nodes']:.2f}x "
               f"(ceiling {bound['all_upper_shared']:.2f}x)", flush=True)
+        if "ceiling" in run_:
+            print(f"{'':8} every upper layer shared (one user, one ad per batch): structured "
+                  f"{run_['ceiling']['samples_per_sec']:,.0f}/s = "
+                  f"{run_['ceiling_over_flat']:.2f}x flat; {parts('ceiling')}", flush=True)
     if args.quality_samples:
         results["quality"] = quality(schema, args.quality_samples, args.batch_size, hidden,
                                      args.seed + 1)
