@@ -11,7 +11,13 @@ For each (rows, dim), in the same run and on the same ids:
   output dropped before the next batch (as a trainer does; the headline ratio) and all outputs
   of a pass kept alive (as sessions 1 and 2 measured; every output is then fresh memory). The
   TensorFlow tables hold the native store's initial rows, and one batch's output of each table
-  is checked to equal the native one;
+  is checked to equal the native one. The ratio to DenseHashTable is also measured paired
+  (``--pairs`` rounds, outputs dropped): the native store and the TF table live side by side and
+  each round times one pass of each back to back (which goes first alternates), so both see the
+  same machine load; the median of the per-round ratios is reported with its range (the TF
+  table then exists next to the store: peak memory is both, ~12 GB at 10M x 64). The unpaired
+  ratio (best of 3 native passes over best of 3 TF passes, timed tens of seconds apart) is kept
+  for comparison with earlier results;
 - Adagrad update throughput of ``apply_gradients`` on the same batches (ids/s counted before
   duplicates are summed; target at least 10M ids/s on 2 cores);
 - heap bytes per row (``stats().bytes``) against the floor of key + values + Adagrad state
@@ -87,7 +93,8 @@ def each(fn, batches) -> None:
         fn(b)
 
 
-def bench_native(rows: int, dim: int, batches: list[np.ndarray], directory: str) -> dict:
+def bench_native(rows: int, dim: int, batches: list[np.ndarray], directory: str,
+                 pairs: int = 0) -> dict:
     config = store_config(dim)
     store = native.EmbeddingStore(config)
     fill = 1_000_000
@@ -99,6 +106,7 @@ def bench_native(rows: int, dim: int, batches: list[np.ndarray], directory: str)
     lookup_s = timed(lambda: each(lambda b: store.lookup(b, train=False), batches), repeats=3)
     kept_s = timed(lambda: [store.lookup(b, train=False) for b in batches], repeats=3)
     check = store.lookup(batches[0], train=False)  # rows as initialised (no update yet)
+    paired = paired_dense_lookup(store, rows, dim, batches, check, pairs) if pairs > 0 else None
     train_lookup_s = timed(lambda: [store.lookup(b, train=True) for b in batches], repeats=3)
     unique_s = timed(lambda: [store.lookup_unique(b, train=True) for b in batches], repeats=3)
     rng = np.random.default_rng(2)
@@ -119,6 +127,8 @@ def bench_native(rows: int, dim: int, batches: list[np.ndarray], directory: str)
         "floor_bytes_per_row": floor,
     }
     result["bytes_vs_floor"] = result["bytes_per_row"] / floor
+    if paired is not None:
+        result["paired_dense"] = paired
     snapshot_dir = os.path.join(directory, "snapshot")
     start = time.perf_counter()
     path = store.save(snapshot_dir)
@@ -155,7 +165,8 @@ def bench_native(rows: int, dim: int, batches: list[np.ndarray], directory: str)
     return result, check
 
 
-def bench_tf(kind: str, rows: int, dim: int, batches: list[np.ndarray], check: np.ndarray) -> dict:
+def tf_table(kind: str, rows: int, dim: int):
+    """A TF hash table holding the native store's initial rows; returns (table, insert seconds)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf  # only the baseline needs TensorFlow
 
@@ -177,6 +188,44 @@ def bench_tf(kind: str, rows: int, dim: int, batches: list[np.ndarray], check: n
         table.insert(keys_t, values_t)
         insert_s += time.perf_counter() - start
         del keys_t, values_t
+    return table, insert_s
+
+
+def paired_dense_lookup(store, rows: int, dim: int, batches: list[np.ndarray], check: np.ndarray,
+                        rounds: int) -> dict:
+    """Native vs DenseHashTable lookups timed back to back, `rounds` times (outputs dropped).
+
+    Each round times one pass over the batches on each side (which side goes first alternates)
+    and records TF seconds / native seconds; the median of those ratios is the paired ratio."""
+    import tensorflow as tf
+
+    table, _ = tf_table("dense", rows, dim)
+    tensors = [tf.constant(b) for b in batches]
+    if not np.array_equal(table.lookup(tensors[0]).numpy(), check):
+        raise AssertionError("TF dense table and the native store disagree on batch 0")
+    native_pass = lambda: each(lambda b: store.lookup(b, train=False), batches)  # noqa: E731
+    tf_pass = lambda: each(lambda t: table.lookup(t).numpy(), tensors)  # noqa: E731
+    native_pass(), tf_pass()  # warm-up (not timed)
+    native_s, tf_s = [], []
+    for r in range(rounds):
+        for side in ((native_pass, native_s), (tf_pass, tf_s))[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            side[0]()
+            side[1].append(time.perf_counter() - start)
+    del table, tensors
+    gc.collect()
+    ratios = sorted(t / n for n, t in zip(native_s, tf_s))
+    ids_total = sum(len(b) for b in batches)
+    return {"rounds": rounds, "ratio_median": float(np.median(ratios)), "ratio_min": ratios[0],
+            "ratio_max": ratios[-1],
+            "native_ids_per_s_median": rate(ids_total, float(np.median(native_s))),
+            "tf_ids_per_s_median": rate(ids_total, float(np.median(tf_s)))}
+
+
+def bench_tf(kind: str, rows: int, dim: int, batches: list[np.ndarray], check: np.ndarray) -> dict:
+    import tensorflow as tf  # only the baseline needs TensorFlow
+
+    table, insert_s = tf_table(kind, rows, dim)
     tensors = [tf.constant(b) for b in batches]
     ids_total = sum(len(b) for b in batches)
     lookup_s = timed(lambda: each(lambda t: table.lookup(t).numpy(), tensors), repeats=3)
@@ -198,6 +247,8 @@ def run(argv=None) -> dict:
     parser.add_argument("--batches", type=int, default=20, help="batches per measurement")
     parser.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the ids")
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow baselines")
+    parser.add_argument("--pairs", type=int, default=7,
+                        help="rounds of paired native/DenseHashTable lookup passes (0: none)")
     parser.add_argument("--dir", default=None, help="directory for snapshot/delta files")
     parser.add_argument("--in-process", action="store_true",
                         help="run every size in this process (default: one fresh process per "
@@ -213,7 +264,8 @@ def run(argv=None) -> dict:
         for rows, dim in configs:
             batches = zipf_batches(rows, args.batch, args.batches, seed=rows + dim, exponent=args.zipf)
             unique_share = np.mean([len(np.unique(b)) / len(b) for b in batches])
-            result, check = bench_native(rows, dim, batches, directory)
+            result, check = bench_native(rows, dim, batches, directory,
+                                         pairs=0 if args.no_tf else args.pairs)
             entry = {"rows": rows, "dim": dim, "unique_share": float(unique_share), "native": result}
             gc.collect()
             if not args.no_tf:
@@ -240,7 +292,8 @@ def _run_isolated(args, configs) -> dict:
     results = []
     for rows, dim in configs:
         command = [sys.executable, "-m", "benchmarks.store", "--rows", str(rows), "--dims", str(dim),
-                   "--batch", str(args.batch), "--batches", str(args.batches), "--zipf", str(args.zipf)]
+                   "--batch", str(args.batch), "--batches", str(args.batches), "--zipf", str(args.zipf),
+                   "--pairs", str(args.pairs)]
         command += ["--no-tf"] * args.no_tf + (["--dir", args.dir] if args.dir else [])
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         lines = out.strip().splitlines()
@@ -266,6 +319,11 @@ def print_entry(entry: dict) -> None:
               f"{entry['lookup_kept_vs_dense']:.2f}x")
         print(f"  TF MutableHashTable   {m(entry['tf_mutable']['lookup_ids_per_s'])} ids/s  "
               f"-> native {entry['lookup_vs_mutable']:.1f}x")
+    if "paired_dense" in n:
+        p = n["paired_dense"]
+        print(f"  paired vs Dense       native {p['ratio_median']:.2f}x (median of {p['rounds']} paired "
+              f"passes; range {p['ratio_min']:.2f}-{p['ratio_max']:.2f}x; native "
+              f"{m(p['native_ids_per_s_median'])}, TF {m(p['tf_ids_per_s_median'])} ids/s)")
     print(f"  lookup (train)        {m(n['train_lookup_ids_per_s'])} ids/s; "
           f"lookup_unique {m(n['lookup_unique_ids_per_s'])} ids/s")
     print(f"  Adagrad update        {m(n['adagrad_ids_per_s'])} ids/s")

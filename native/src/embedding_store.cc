@@ -551,8 +551,12 @@ void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now
   // of positions in a private table, reads each distinct id once and expands into its own part
   // of `out`, with no step that waits for the other tasks (a hot id in two ranges is read twice,
   // from cache). Only a training lookup that met unseen ids has a second, exclusive phase.
+  // One task per thread: each task's range dedups more repeats away (two tasks per thread read
+  // ~12% more distinct rows in all), and at 1M x 8 / 18 / 64 this measured 9-13% / 9% / 6%
+  // faster than two per thread (paired runs in one process; still 4% faster at dim 8 with a
+  // memory-bound job on the other core).
   const int threads = s.ThreadsFor(n);
-  const size_t tasks = threads <= 1 ? 1 : static_cast<size_t>(threads) * 2;
+  const size_t tasks = threads <= 1 ? 1 : static_cast<size_t>(threads);
   struct Range {
     int64_t* unique = nullptr;
     size_t distinct = 0;
@@ -697,11 +701,16 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   const size_t dim = static_cast<size_t>(s.dim);
   if (step < 0) Invalid("step must be >= 0, got " + std::to_string(step));
   if (!std::isfinite(now)) Invalid("now must be a finite number of seconds");
-  // Ids are split by shard into `parts` groups of whole shards. Phase 1 hashes the ids. Phase 2:
-  // each group sums the rows of its equal ids in input order (so each distinct id gets exactly
-  // one optimizer step; the first occurrence is copied, not added to zero, to keep the sign of
-  // zeros) and checks on the way that every gradient is finite. Only when all are, phase 3
-  // updates each group's shards under their exclusive locks, taken in shard order.
+  // Ids are split by shard into `parts` groups of whole shards. Phase 1 hashes the ids and
+  // groups the positions by part; the shards are dealt to the parts by their number of
+  // positions (largest first, each to the part with the fewest so far), since a Zipf batch is
+  // far from even over shards (at 1M x 100k the hottest shard has 20% of the positions, and the
+  // halves of 8 shards each held 37% and 63%). Phase 2: each group sums the rows of its equal
+  // ids in input order (so each distinct id gets exactly one optimizer step; the first
+  // occurrence is copied, not added to zero, to keep the sign of zeros) and checks on the way
+  // that every gradient is finite. Only when all are, phase 3 takes every shard's exclusive
+  // lock (in shard order) and updates the distinct ids, split into equal chunks over the
+  // threads.
   const size_t num_shards = s.shards.size();
   const int threads = s.ThreadsFor(n);
   const size_t parts =
@@ -710,39 +719,64 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   scratch->Reserve(3 + 4 * parts);
   uint32_t* hash = scratch->Get<uint32_t>(0, n);
   uint16_t* shard_of = scratch->Get<uint16_t>(1, n);
-  // order: each range task's positions grouped by part (input order kept within a group), so a
-  // part reads its positions, in input order, from every range in turn.
   uint32_t* order = scratch->Get<uint32_t>(2, n);
-  std::vector<uint16_t> part_of_shard(num_shards);
-  for (size_t sh = 0; sh < num_shards; ++sh) {
-    part_of_shard[sh] = static_cast<uint16_t>(sh * parts / num_shards);
-  }
   const size_t tasks = Impl::RangeTasks(threads);
-  std::vector<size_t> cursor((parts + 1) * tasks, 0);  // [t * (parts + 1) + p]: start of part p
+  std::vector<size_t> shard_counts(tasks * num_shards, 0);  // [t * num_shards + shard]
   ParallelFor(threads, tasks, [&](size_t t) {
     const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
-    size_t* starts = cursor.data() + t * (parts + 1);
-    std::vector<size_t> counts(parts, 0);
+    size_t* counts = shard_counts.data() + t * num_shards;
     for (size_t i = begin; i < end; ++i) {
       uint64_t h = HashId(ids[i]);
       hash[i] = static_cast<uint32_t>(h);
       uint16_t sh = static_cast<uint16_t>(s.ShardOf(h));
       shard_of[i] = sh;
-      ++counts[part_of_shard[sh]];
+      ++counts[sh];
     }
-    size_t running = begin;
+  });
+  std::vector<uint16_t> part_of_shard(num_shards, 0);
+  if (parts > 1) {
+    std::vector<std::pair<size_t, size_t>> by_size(num_shards);  // (positions, shard)
+    for (size_t sh = 0; sh < num_shards; ++sh) {
+      size_t total = 0;
+      for (size_t t = 0; t < tasks; ++t) total += shard_counts[t * num_shards + sh];
+      by_size[sh] = {total, sh};
+    }
+    std::sort(by_size.begin(), by_size.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    std::vector<size_t> load(parts, 0);
+    for (const auto& [total, sh] : by_size) {
+      const auto p = std::min_element(load.begin(), load.end()) - load.begin();
+      part_of_shard[sh] = static_cast<uint16_t>(p);
+      load[p] += total;
+    }
+  }
+  // order: each range task's positions grouped by part (input order kept within a group), so a
+  // part reads its positions, in input order, from every range in turn.
+  std::vector<size_t> cursor((parts + 1) * tasks, 0);  // [t * (parts + 1) + p]: start of part p
+  for (size_t t = 0; t < tasks; ++t) {
+    size_t* starts = cursor.data() + t * (parts + 1);
+    std::fill(starts, starts + parts, size_t{0});
+    for (size_t sh = 0; sh < num_shards; ++sh) {
+      starts[part_of_shard[sh]] += shard_counts[t * num_shards + sh];
+    }
+    size_t running = n * t / tasks;
     for (size_t p = 0; p < parts; ++p) {
+      const size_t count = starts[p];
       starts[p] = running;
-      running += counts[p];
+      running += count;
     }
-    starts[parts] = end;
+    starts[parts] = running;
+  }
+  ParallelFor(threads, tasks, [&](size_t t) {
+    const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
+    const size_t* starts = cursor.data() + t * (parts + 1);
     std::vector<size_t> next(starts, starts + parts);
     for (size_t i = begin; i < end; ++i) {
       order[next[part_of_shard[shard_of[i]]]++] = static_cast<uint32_t>(i);
     }
   });
   struct Group {
-    size_t shard_begin = 0, shard_end = 0;
     size_t distinct = 0;
     size_t first_bad = SIZE_MAX;           // smallest position with a non-finite gradient
     uint32_t* first = nullptr;             // a position of each distinct id
@@ -752,12 +786,6 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   std::vector<Group> groups(parts);
   ParallelFor(threads, parts, [&](size_t part) {
     Group& group = groups[part];
-    // This group's shards: those with shard * parts / num_shards == part.
-    const size_t shard_begin = (part * num_shards + parts - 1) / parts;
-    size_t shard_end = shard_begin;
-    while (shard_end < num_shards && shard_end * parts / num_shards == part) ++shard_end;
-    group.shard_begin = shard_begin;
-    group.shard_end = shard_end;
     size_t count = 0;
     for (size_t t = 0; t < tasks; ++t) {
       count += cursor[t * (parts + 1) + part + 1] - cursor[t * (parts + 1) + part];
@@ -771,7 +799,10 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
     // A group reads its gradient rows in shard order, i.e. scattered over the whole batch, and
     // waiting for them is most of this loop at large dims: they are prefetched kAhead positions
     // ahead. With one group per thread (denser positions; two per thread before) this took
-    // 1M x 64 updates from ~145 to ~115-130 CPU-ns per id on the 2-core VM.
+    // 1M x 64 updates from ~145 to ~115-130 CPU-ns per id on the 2-core VM. The prefetches are
+    // plain (into all cache levels), not non-temporal: with both threads reading interleaved
+    // rows of the same batch, prefetchnta made 1M x 64 updates 12-35% slower (paired runs
+    // in one process, 2 threads; no change on 1 thread).
     constexpr size_t kAhead = 16;
     const size_t grad_bytes = std::min<size_t>(dim * sizeof(float), 1024);
     for (size_t t = 0; t < tasks; ++t) {
@@ -783,8 +814,8 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
 #if defined(__GNUC__) || defined(__clang__)
         if (k + kAhead < k_end) {
           const char* ahead = reinterpret_cast<const char*>(grads + order[k + kAhead] * dim);
-          for (size_t b = 0; b < grad_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
-          __builtin_prefetch(ahead + grad_bytes - 1, 0, 0);
+          for (size_t b = 0; b < grad_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+          __builtin_prefetch(ahead + grad_bytes - 1, 0, 3);
         }
 #endif
         // The table hashes with the store's hash (recomputed only when the table grows).
@@ -822,47 +853,66 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   std::atomic<uint64_t> updated{0};
   const uint32_t step32 = static_cast<uint32_t>(step);
   const uint32_t time32 = internal::EncodeTime(now);
-  ParallelFor(threads, parts, [&](size_t part) {
-    Group& group = groups[part];
-    const size_t distinct = group.distinct;
-    if (distinct == 0) return;
-    const uint32_t* first = group.first;
-    const int64_t* key = group.key;
-    const float* sums = group.sums;
-    std::vector<std::unique_lock<std::shared_mutex>> locks;
-    locks.reserve(group.shard_end - group.shard_begin);
-    for (size_t sh = group.shard_begin; sh < group.shard_end; ++sh) locks.emplace_back(s.shards[sh]->mu);
-    uint64_t part_updated = 0;
-    // Same pipeline as ReadRows: slot 2 * kAhead ahead, then the row it points to kAhead ahead
-    // (the candidate is kept: a discarded result would let the compiler drop the whole probe).
-    constexpr size_t kAhead = 8, kRing = 16;
-    uint32_t candidate[kRing];
-    const size_t prefetch_bytes = s.row_bytes;
-    for (size_t k = 0; k < distinct + 2 * kAhead; ++k) {
-      if (k < distinct) s.shards[shard_of[first[k]]]->Prefetch(hash[first[k]]);
-      if (k >= kAhead && k - kAhead < distinct) {
-        const uint32_t i = first[k - kAhead];
-        candidate[(k - kAhead) % kRing] =
-            s.shards[shard_of[i]]->PrefetchCandidate(hash[i], prefetch_bytes);
+  // Phase 3 holds every shard exclusively (in shard order, as every multi-shard lock is taken),
+  // so its chunks need no locks of their own: the groups' distinct ids are disjoint.
+  std::vector<size_t> group_start(parts + 1, 0);  // groups' distinct ids, numbered in turn
+  for (size_t part = 0; part < parts; ++part) {
+    group_start[part + 1] = group_start[part] + groups[part].distinct;
+  }
+  const size_t total_distinct = group_start[parts];
+  // Equal chunks, several per thread: a thread the shared cores start late leaves its chunks to
+  // the others (the groups themselves can differ by 2x in distinct ids).
+  const size_t chunks =
+      std::min(std::max<size_t>(total_distinct / 256, 1), Impl::RangeTasks(threads));
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  locks.reserve(num_shards);
+  for (auto& shard : s.shards) locks.emplace_back(shard->mu);
+  ParallelFor(threads, chunks, [&](size_t c) {
+    const size_t chunk_begin = total_distinct * c / chunks;
+    const size_t chunk_end = total_distinct * (c + 1) / chunks;
+    uint64_t chunk_updated = 0;
+    for (size_t part = 0; part < parts; ++part) {
+      const size_t begin = std::max(chunk_begin, group_start[part]);
+      const size_t end = std::min(chunk_end, group_start[part + 1]);
+      if (begin >= end) continue;
+      const Group& group = groups[part];
+      // This chunk's share of the group, as offsets into its arrays.
+      const size_t d_begin = begin - group_start[part], count = end - begin;
+      const uint32_t* first = group.first + d_begin;
+      const int64_t* key = group.key + d_begin;
+      const float* sums = group.sums + d_begin * dim;
+      // Same pipeline as ReadRows: slot 2 * kAhead ahead, then the row it points to kAhead
+      // ahead (the candidate is kept: a discarded result would let the compiler drop the probe).
+      constexpr size_t kAhead = 8, kRing = 16;
+      uint32_t candidate[kRing];
+      const size_t prefetch_bytes = s.row_bytes;
+      for (size_t k = 0; k < count + 2 * kAhead; ++k) {
+        if (k < count) s.shards[shard_of[first[k]]]->Prefetch(hash[first[k]]);
+        if (k >= kAhead && k - kAhead < count) {
+          const uint32_t i = first[k - kAhead];
+          candidate[(k - kAhead) % kRing] =
+              s.shards[shard_of[i]]->PrefetchCandidate(hash[i], prefetch_bytes);
+        }
+        if (k < 2 * kAhead) continue;
+        const size_t d = k - 2 * kAhead;
+        const uint32_t i = first[d];
+        Shard& shard = *s.shards[shard_of[i]];
+        uint32_t row = candidate[d % kRing];
+        if (row != Shard::kEmpty && shard.IdOf(row) != key[d]) row = shard.Find(key[d], hash[i]);
+        if (row == Shard::kEmpty) continue;  // never admitted (or expired): reads as zeros
+        RowHeader* header = shard.Header(row);
+        header->add_update();
+        header->set_dirty();
+        header->step = step32;
+        header->time = time32;
+        float* values = shard.Floats(row);
+        s.Update(values, values + dim, sums + d * dim, header->update_count());
+        ++chunk_updated;
       }
-      if (k < 2 * kAhead) continue;
-      const size_t d = k - 2 * kAhead;
-      const uint32_t i = first[d];
-      Shard& shard = *s.shards[shard_of[i]];
-      uint32_t row = candidate[d % kRing];
-      if (row != Shard::kEmpty && shard.IdOf(row) != key[d]) row = shard.Find(key[d], hash[i]);
-      if (row == Shard::kEmpty) continue;  // never admitted (or expired): reads as zeros
-      RowHeader* header = shard.Header(row);
-      header->add_update();
-      header->set_dirty();
-      header->step = step32;
-      header->time = time32;
-      float* values = shard.Floats(row);
-      s.Update(values, values + dim, sums + d * dim, header->update_count());
-      ++part_updated;
     }
-    updated.fetch_add(part_updated, std::memory_order_relaxed);
+    updated.fetch_add(chunk_updated, std::memory_order_relaxed);
   });
+  locks.clear();
   s.updates.fetch_add(updated.load(), std::memory_order_relaxed);
   int64_t seen = s.global_step.load();
   while (step > seen && !s.global_step.compare_exchange_weak(seen, step)) {

@@ -45,7 +45,7 @@ def test_training_lookup_sights_each_id_once_per_call_across_ranges():
     np.testing.assert_array_equal(rows, store.initial_rows(ids))
 
 
-@pytest.mark.parametrize("shards, threads", [(1, 2), (3, 2), (16, 2), (7, 3)])
+@pytest.mark.parametrize("shards, threads", [(1, 2), (3, 2), (16, 2), (7, 3), (5, 4)])
 def test_grouped_gradient_sums_match_one_thread(shards, threads):
     ids = np.random.default_rng(2).zipf(1.2, size=30000) % 3000
     grads = np.random.default_rng(3).normal(size=(len(ids), 5)).astype(np.float32)

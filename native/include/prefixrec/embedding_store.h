@@ -33,10 +33,12 @@
 //
 // Thread safety: every public method may be called from any number of threads at once. Each
 // shard has a reader/writer lock. Reads take every shard's lock shared (in shard order) and
-// split the batch by position over up to `num_threads` threads; writes split the batch by
-// shard and take each shard's lock exclusively in turn. Methods that span shards (Save, ExportDelta, Stats, ExportRows)
-// see each shard at one instant but not all shards at the same instant; pause writers for a
-// globally consistent snapshot.
+// split the batch by position over up to `num_threads` threads. Training lookups insert unseen
+// ids shard by shard, each shard's lock taken exclusively in turn; ApplyGradients sums and
+// checks the gradients without locks, then holds every shard's lock exclusively (taken in shard
+// order) while its threads update the rows. Methods that span shards (Save, ExportDelta,
+// Stats, ExportRows) see each shard at one instant but not all shards at the same instant;
+// pause writers for a globally consistent snapshot.
 //
 // Numbers are little-endian on disk; the store refuses to build on big-endian machines.
 #ifndef PREFIXREC_EMBEDDING_STORE_H_
