@@ -47,8 +47,8 @@ def test_online_benchmark_tiny(kafka_broker):
     import benchmarks.online
 
     result = benchmarks.online.run(["--samples", "16000", "--rate", "2000", "--seconds", "2",
-                                    "--export-every", "0.5", "--trees", "--bootstrap-servers",
-                                    kafka_broker.bootstrap])
+                                    "--export-every", "0.5", "--trees", "--unit-samples", "4000",
+                                    "--bootstrap-servers", kafka_broker.bootstrap])
     assert result["samples"] == 16000 and result["samples_per_sec"] > 0
     assert result["train_alone_samples_per_sec"] > 0
     assert result["trees"]["samples"] == 16000 and result["trees"]["samples_per_sec"] > 0
