@@ -99,12 +99,12 @@ def _train_alone(schema, messages, threads: int, unit_samples: int | None) -> di
     lookup + step + update timed, on a fresh trainer."""
     import compression
     from trainer import models
-    from trainer.online import DEFAULT_UNIT_BATCHES
+    from trainer.online import default_unit_samples
     from trainer.trainer import Trainer
 
     trainer = Trainer(schema, models.MLP(), _config(threads))
     batch_size = trainer.config.batch_size
-    unit = unit_samples or DEFAULT_UNIT_BATCHES * batch_size
+    unit = unit_samples or default_unit_samples(batch_size)
     values = [value.encode() for _, value in messages]
     prepared = []
     for start in range(0, len(values), unit):

@@ -53,6 +53,11 @@ DEFAULT_READER_NICE = 10
 DEFAULT_UNIT_BATCHES = 10
 
 
+def default_unit_samples(batch_size: int) -> int:
+    """Samples a unit holds unless ``--unit-samples`` says otherwise."""
+    return DEFAULT_UNIT_BATCHES * batch_size
+
+
 @dataclass
 class Unit:
     """Batches cut from one poll, and the consumer positions after it."""
@@ -138,7 +143,7 @@ class OnlineTrainer:
         self.reader_nice = reader_nice    # niceness added to the reader thread (0: none)
         self.reader_thread_id: int | None = None
         self.unit_samples = (unit_samples if unit_samples is not None
-                             else DEFAULT_UNIT_BATCHES * trainer.config.batch_size)
+                             else default_unit_samples(trainer.config.batch_size))
         if self.unit_samples < 1:
             raise ValueError(f"unit_samples must be at least 1, got {self.unit_samples}")
         self._writer = None
