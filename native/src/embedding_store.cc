@@ -755,8 +755,7 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   // part reads its positions, in input order, from every range in turn.
   std::vector<size_t> cursor((parts + 1) * tasks, 0);  // [t * (parts + 1) + p]: start of part p
   for (size_t t = 0; t < tasks; ++t) {
-    size_t* starts = cursor.data() + t * (parts + 1);
-    std::fill(starts, starts + parts, size_t{0});
+    size_t* starts = cursor.data() + t * (parts + 1);  // zero from the vector's construction
     for (size_t sh = 0; sh < num_shards; ++sh) {
       starts[part_of_shard[sh]] += shard_counts[t * num_shards + sh];
     }
