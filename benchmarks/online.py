@@ -140,6 +140,78 @@ def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, threads
         source.close()
 
 
+def _cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of this process, or of process ``pid``."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
+            unit_samples: int | None, broker_pid: int | None) -> dict:
+    """CPU seconds per 100k samples of each stage of the online path, measured one stage at a
+    time in this process (nothing else running in it): consume + decode through
+    ``KafkaSampleSource.poll`` (with the broker's own CPU), decode alone (so consume is the
+    difference), tree building + batching + feed tensors, and the trainer's lookup + step +
+    update. At 100k samples/s a 2-core machine has 2.0 CPU seconds per 100k samples for all of
+    them together."""
+    import compression
+    from trainer import models
+    from trainer.json_decode import decode_json_samples
+    from trainer.kafka_source import KafkaSampleSource, group_id
+    from trainer.online import default_unit_samples
+    from trainer.trainer import Trainer
+
+    trainer = Trainer(schema, models.MLP(), _config(threads))
+    unit = unit_samples or default_unit_samples(trainer.config.batch_size)
+    source = KafkaSampleSource(schema, bootstrap, topic, group_id(),
+                               config={"fetch.max.bytes": 64 << 20})
+    try:
+        while not source.poll(unit, 1.0).messages:  # the group join, not measured
+            pass
+        cpu, broker = _cpu_seconds(), _cpu_seconds(broker_pid) if broker_pid else 0.0
+        tables, consumed = [], 0
+        while consumed < len(messages):
+            polled = source.poll(unit, 1.0)
+            if not polled.messages:
+                break
+            tables.append(polled.samples)
+            consumed += polled.num_samples
+        consume_decode = _cpu_seconds() - cpu
+        broker = (_cpu_seconds(broker_pid) - broker) if broker_pid else None
+    finally:
+        source.close()
+    values = [value.encode() for _, value in messages[:consumed]]  # the same messages
+    cpu = _cpu_seconds()
+    for start in range(0, len(values), unit):
+        decode_json_samples(values[start:start + unit], schema)
+    decode = _cpu_seconds() - cpu
+    cpu = _cpu_seconds()
+    prepared = []
+    for table in tables:
+        trees = compression.build_trees(table, schema, validate=False)
+        prepared += [trainer.prepare(b) for b in compression.iter_batches(
+            trees, schema, trainer.config.batch_size)]
+    build = _cpu_seconds() - cpu
+    trainer.train_batch(prepared[0])  # trace the step
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    for p in prepared[1:]:
+        trainer.train_batch(p)
+    train, wall = _cpu_seconds() - cpu, time.perf_counter() - wall
+    trained = sum(p.num_leaves for p in prepared[1:])
+    per = 100_000 / consumed
+    stages = {"consume": (consume_decode - decode) * per, "decode": decode * per,
+              "build_batch_prepare": build * per, "train": train * 100_000 / trained}
+    if broker is not None:
+        stages["broker"] = broker * per
+    return {"samples": consumed, "cpu_s_per_100k": {k: round(v, 3) for k, v in stages.items()},
+            "total_cpu_s_per_100k": round(sum(stages.values()), 3),
+            "train_samples_per_sec": round(trained / wall, 1), "threads": threads}
+
+
 def _create_topic(bootstrap: str, partitions: int) -> str:
     import uuid
 
@@ -170,6 +242,10 @@ def run(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow intra-op threads of the trainer (the config's "
                              "threads; default 0: mlp.yaml's value)")
+    parser.add_argument("--budget", action="store_true",
+                        help="also measure the CPU seconds per 100k samples of each stage "
+                             "(consume, decode, build, train, the broker) one at a time: what "
+                             "100k samples/s needs from 2 cores (2.0 CPU-s per 100k)")
     parser.add_argument("--trees", action="store_true",
                         help="also measure the throughput from a topic of tree messages (the "
                              "streaming job's output, --format trees) on the same samples")
@@ -179,13 +255,18 @@ def run(argv=None) -> dict:
     options["threads"] = args.threads
     schema = schemas.load(SCHEMA)
     work = tempfile.mkdtemp(prefix="bench-online-")
+    budget = None
     broker = (contextlib.nullcontext((args.bootstrap_servers, None, None))
               if args.bootstrap_servers else local_broker.tansu())
     try:
-        with broker as (bootstrap, _, _):
+        with broker as (bootstrap, broker_process, _):
             messages = _messages(schema, args.samples, args.seed)
             topic = _create_topic(bootstrap, args.partitions)
             _produce(bootstrap, topic, messages)
+            if args.budget:
+                budget = _budget(schema, bootstrap, topic, messages, args.threads,
+                                 args.unit_samples,
+                                 broker_process.pid if broker_process else None)
             throughput = _online(schema, bootstrap, topic, os.path.join(work, "run1"),
                                  os.path.join(work, "export1"), 1e9,
                                  max_samples=args.samples, idle_exit=10, **options)
@@ -229,6 +310,8 @@ def run(argv=None) -> dict:
                               "exports": delay["exports"],
                               "samples_per_sec": delay["steady_samples_per_sec"]},
               "machine": machine()}
+    if budget is not None:
+        result["budget"] = budget
     if from_trees is not None:
         result["trees"] = {"samples": from_trees["samples"],
                            "samples_per_sec": from_trees["steady_samples_per_sec"],
@@ -242,6 +325,10 @@ def run(argv=None) -> dict:
     busy = ", ".join(f"{k} {v:.1f}" for k, v in throughput["busy_seconds"].items())
     print(f"  busy seconds (reader thread: poll_decode, compress_batch; trainer: the rest): "
           f"{busy}")
+    if budget is not None:
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in budget["cpu_s_per_100k"].items())
+        print(f"  CPU-s per 100k samples, one stage at a time: {stages}; total "
+              f"{budget['total_cpu_s_per_100k']:.2f} (2 cores at 100k samples/s: 2.00)")
     if from_trees is not None:
         print(f"  from trees   {result['trees']['samples_per_sec']:>12,.0f} samples/s (steady; "
               f"--format trees, the streaming job's tree messages)")

