@@ -40,24 +40,29 @@ SCHEMA = "schemas/examples/taobao_like.yaml"
 _STATS_KEYS = ("samples", "trees", "nodes", "ids_flat", "ids_in_trees")
 
 
-def _timed(fn):
-    start = time.perf_counter()
+def _timed(fn, cpu: list | None = None):
+    """``(wall seconds, fn())``; appends the CPU seconds this process spent (all threads,
+    user + system) to ``cpu``."""
+    start, times = time.perf_counter(), os.times()
     result = fn()
+    if cpu is not None:
+        end = os.times()
+        cpu.append(end.user + end.system - times.user - times.system)
     return time.perf_counter() - start, result
 
 
 def bench_batch(schema, raw_dir: str, work: str, shards: int, repeats: int,
                 beam_args: list[str]) -> dict:
     files = sorted(glob.glob(os.path.join(raw_dir, "*.parquet")))
-    inproc, beam = [], []
+    inproc, beam, cpu_inproc, cpu_beam = [], [], [], []
     for i in range(repeats):
         out_a = os.path.join(work, f"inproc-{i}")
         out_b = os.path.join(work, f"beam-{i}")
-        seconds, reference = _timed(lambda: compress_files(schema, files, out_a))
+        seconds, reference = _timed(lambda: compress_files(schema, files, out_a), cpu_inproc)
         inproc.append(seconds)
         argv = ["--schema", SCHEMA, "--input", os.path.join(raw_dir, "*.parquet"),
                 "--output", out_b, "--shards", str(shards), *beam_args]
-        seconds, summary = _timed(lambda: batch_job.run(argv))
+        seconds, summary = _timed(lambda: batch_job.run(argv), cpu_beam)
         beam.append(seconds)
         for key in _STATS_KEYS:
             if summary[key] != reference[key]:
@@ -70,7 +75,11 @@ def bench_batch(schema, raw_dir: str, work: str, shards: int, repeats: int,
     return {"samples": samples, "files": len(files), "shards": shards,
             "beam_args": " ".join(beam_args), "inproc_seconds": t_in, "beam_seconds": t_beam,
             "inproc_samples_per_s": samples / t_in, "beam_samples_per_s": samples / t_beam,
-            "beam_over_inproc": t_beam / t_in, "runs_inproc": inproc, "runs_beam": beam}
+            "beam_over_inproc": t_beam / t_in, "runs_inproc": inproc, "runs_beam": beam,
+            # what 500k samples/s needs: on 2 cores, 4.0 CPU seconds per million samples
+            "inproc_cpu_s_per_million": statistics.median(cpu_inproc) * 1e6 / samples,
+            "beam_cpu_s_per_million": statistics.median(cpu_beam) * 1e6 / samples,
+            "beam_cores_busy": statistics.median(cpu_beam) / t_beam}
 
 
 @contextlib.contextmanager
@@ -191,6 +200,11 @@ def main(argv=None) -> int:
     print(f"| Beam job, FnApiRunner, end to end | {batch['beam_seconds']:.2f} | "
           f"{batch['beam_samples_per_s']:,.0f} |")
     print(f"| Beam / in-process time | {batch['beam_over_inproc']:.2f}x | |")
+    print(f"CPU seconds per million samples (all threads): in process "
+          f"{batch['inproc_cpu_s_per_million']:.2f}, Beam job "
+          f"{batch['beam_cpu_s_per_million']:.2f} ({batch['beam_cores_busy']:.2f} cores busy); "
+          f"500k samples/s on {os.cpu_count()} cores allows "
+          f"{os.cpu_count() * 1e6 / 500_000:.2f}")
     if stream:
         print(f"\nStreaming job --bounded, {stream['samples']:,} JSON samples over "
               f"{stream['windows']} windows of {stream['window_seconds']} s")

@@ -27,6 +27,7 @@ def test_pipeline_benchmark_tiny(kafka_broker, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["batch"]["samples"] == 2000
     assert result["batch"]["beam_samples_per_s"] > 0 and result["batch"]["inproc_seconds"] > 0
+    assert result["batch"]["beam_cpu_s_per_million"] > 0 < result["batch"]["beam_cores_busy"]
     assert result["stream"]["samples"] == 500 and result["stream"]["tree_messages"] > 0
 
 
