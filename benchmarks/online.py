@@ -299,6 +299,7 @@ def run(argv=None) -> dict:
     result = {"benchmark": "online", "samples": throughput["samples"],
               "samples_per_sec": throughput["steady_samples_per_sec"],
               "samples_per_sec_with_startup": throughput["samples_per_sec"],
+              "final_export_checkpoint_s": throughput["since_last_unit_s"],
               "busy_seconds": throughput["busy_seconds"],
               "train_alone_samples_per_sec": alone["samples_per_sec"],
               "delay_phase": {"rate": args.rate, "samples": delay["samples"],
