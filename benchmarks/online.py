@@ -112,12 +112,19 @@ def _train_alone(schema, messages, threads: int, unit_samples: int | None) -> di
         trees = compression.build_trees(table, schema, validate=False)
         prepared += [trainer.prepare(b) for b in compression.iter_batches(trees, schema,
                                                                           batch_size)]
-    trainer.train_batch(prepared[0])  # trace the step
-    started = time.perf_counter()
-    samples = sum(p.num_leaves for p in prepared[1:])
+    samples, wall, _ = _time_steps(trainer, prepared)
+    return {"samples": samples, "samples_per_sec": samples / wall}
+
+
+def _time_steps(trainer, prepared: list) -> tuple[int, float, float]:
+    """Train every prepared batch (the first one untimed: it traces the step); the samples
+    timed, their wall seconds and this process's CPU seconds."""
+    trainer.train_batch(prepared[0])
+    cpu, started = _cpu_seconds(), time.perf_counter()
     for p in prepared[1:]:
         trainer.train_batch(p)
-    return {"samples": samples, "samples_per_sec": samples / (time.perf_counter() - started)}
+    wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+    return sum(p.num_leaves for p in prepared[1:]), wall, cpu
 
 
 def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, threads: int,
@@ -196,12 +203,7 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
         prepared += [trainer.prepare(b) for b in compression.iter_batches(
             trees, schema, trainer.config.batch_size)]
     build = _cpu_seconds() - cpu
-    trainer.train_batch(prepared[0])  # trace the step
-    cpu, wall = _cpu_seconds(), time.perf_counter()
-    for p in prepared[1:]:
-        trainer.train_batch(p)
-    train, wall = _cpu_seconds() - cpu, time.perf_counter() - wall
-    trained = sum(p.num_leaves for p in prepared[1:])
+    trained, wall, train = _time_steps(trainer, prepared)
     per = 100_000 / consumed
     stages = {"consume": (consume_decode - decode) * per, "decode": decode * per,
               "build_batch_prepare": build * per, "train": train * 100_000 / trained}
