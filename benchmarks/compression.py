@@ -51,6 +51,16 @@ def machine() -> dict:
             "pyarrow": pa.__version__, "numpy": np.__version__}
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of this process, or of process ``pid``."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _write_tfrecord(table: pa.Table, schema: schemas.Schema, path: str) -> None:
     import tensorflow as tf  # only this benchmark needs TensorFlow
 

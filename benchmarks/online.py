@@ -29,7 +29,7 @@ import time
 import pyarrow as pa
 
 import schemas
-from benchmarks.compression import machine
+from benchmarks.compression import cpu_seconds, machine
 from pipelines import local_broker
 from pipelines.generate import generate_tables
 from pipelines.replay import json_lines, message_keys
@@ -120,10 +120,10 @@ def _time_steps(trainer, prepared: list) -> tuple[int, float, float]:
     """Train every prepared batch (the first one untimed: it traces the step); the samples
     timed, their wall seconds and this process's CPU seconds."""
     trainer.train_batch(prepared[0])
-    cpu, started = _cpu_seconds(), time.perf_counter()
+    cpu, started = cpu_seconds(), time.perf_counter()
     for p in prepared[1:]:
         trainer.train_batch(p)
-    wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+    wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     return sum(p.num_leaves for p in prepared[1:]), wall, cpu
 
 
@@ -145,16 +145,6 @@ def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, threads
         return online.run()
     finally:
         source.close()
-
-
-def _cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds (user + system, all threads) of this process, or of process ``pid``."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
@@ -179,7 +169,7 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
     try:
         while not source.poll(unit, 1.0).messages:  # the group join, not measured
             pass
-        cpu, broker = _cpu_seconds(), _cpu_seconds(broker_pid) if broker_pid else 0.0
+        cpu, broker = cpu_seconds(), cpu_seconds(broker_pid) if broker_pid else 0.0
         tables, consumed = [], 0
         while consumed < len(messages):
             polled = source.poll(unit, 1.0)
@@ -187,22 +177,22 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
                 break
             tables.append(polled.samples)
             consumed += polled.num_samples
-        consume_decode = _cpu_seconds() - cpu
-        broker = (_cpu_seconds(broker_pid) - broker) if broker_pid else None
+        consume_decode = cpu_seconds() - cpu
+        broker = (cpu_seconds(broker_pid) - broker) if broker_pid else None
     finally:
         source.close()
     values = [value.encode() for _, value in messages[:consumed]]  # the same messages
-    cpu = _cpu_seconds()
+    cpu = cpu_seconds()
     for start in range(0, len(values), unit):
         decode_json_samples(values[start:start + unit], schema)
-    decode = _cpu_seconds() - cpu
-    cpu = _cpu_seconds()
+    decode = cpu_seconds() - cpu
+    cpu = cpu_seconds()
     prepared = []
     for table in tables:
         trees = compression.build_trees(table, schema, validate=False)
         prepared += [trainer.prepare(b) for b in compression.iter_batches(
             trees, schema, trainer.config.batch_size)]
-    build = _cpu_seconds() - cpu
+    build = cpu_seconds() - cpu
     trained, wall, train = _time_steps(trainer, prepared)
     per = 100_000 / consumed
     stages = {"consume": (consume_decode - decode) * per, "decode": decode * per,

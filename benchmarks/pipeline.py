@@ -30,7 +30,7 @@ import numpy as np
 
 import compression
 import schemas
-from benchmarks.compression import machine
+from benchmarks.compression import cpu_seconds, machine
 from compression.compress import compress_files
 from pipelines import compress as batch_job
 from pipelines import stream_compress as stream_job
@@ -43,11 +43,10 @@ _STATS_KEYS = ("samples", "trees", "nodes", "ids_flat", "ids_in_trees")
 def _timed(fn, cpu: list | None = None):
     """``(wall seconds, fn())``; appends the CPU seconds this process spent (all threads,
     user + system) to ``cpu``."""
-    start, times = time.perf_counter(), os.times()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     result = fn()
     if cpu is not None:
-        end = os.times()
-        cpu.append(end.user + end.system - times.user - times.system)
+        cpu.append(cpu_seconds() - cpu_start)
     return time.perf_counter() - start, result
 
 
