@@ -7,10 +7,10 @@ from native.config import (FTRL, SGD, Adagrad, Adam, CounterFilter, CountingBloo
 from native.errors import (CorruptFileError, DeltaOrderError, IncompatibleStoreError,
                            InvalidDtypeError, InvalidInputError, StoreError, StoreIOError)
 from native.json_samples import DecodedChunk, DecodedSamples, JsonColumn, JsonSampleDecoder
-from native.store import EmbeddingStore, StoreStats
+from native.store import EmbeddingStore, StoreStats, scatter_add_rows
 
 __all__ = [
-    "EmbeddingStore", "StoreConfig", "StoreStats",
+    "EmbeddingStore", "StoreConfig", "StoreStats", "scatter_add_rows",
     "SGD", "Adagrad", "Adam", "FTRL", "Optimizer",
     "Zeros", "Uniform", "Normal", "Initializer",
     "ProbabilityFilter", "CountingBloomFilter", "CounterFilter", "EntryFilter",

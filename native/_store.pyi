@@ -31,6 +31,9 @@ class Store:
     def export_delta(self, dir: str) -> tuple[str, int]: ...
     def apply_delta(self, path: str) -> int: ...
 
+def scatter_add_rows(values: npt.NDArray[np.float32], index: npt.NDArray[np.int32] | npt.NDArray[np.int64],
+                     num_rows: int) -> npt.NDArray[np.float32]: ...
+
 class JsonSampleDecoder:
     """Columns: (name, kind 0 id | 1 ids | 2 dense | 3 label, type 0 int64 | 1 string |
     2 float32, dim, is_key); see native/json_samples.py."""

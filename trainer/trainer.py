@@ -37,7 +37,7 @@ from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, FeedBuilder, Layout, Prepared
 from trainer.metrics import StreamingAUC, auc, logloss
-from trainer.network import Network
+from trainer.network import Network, sum_row_slices
 
 CHECKPOINT_VERSION = 1
 _END = object()
@@ -139,8 +139,8 @@ class Trainer:
 
     def _train_on(self, feed: Feed):
         t0 = time.perf_counter()
-        loss, row_grads, probabilities = self.network.train_step(feed.feed)
-        row_grads = {t: g.numpy() for t, g in row_grads.items()}
+        loss, row_slices, probabilities = self.network.train_step(feed.feed)
+        row_grads = sum_row_slices(row_slices, feed.feed["rows"])
         probabilities = {k: v.numpy() for k, v in probabilities.items()}
         t1 = time.perf_counter()
         self.step += 1
@@ -196,9 +196,10 @@ class Trainer:
         admitted, as in training): ``{"loss", "dense": [grad per dense variable],
         "embeddings": {table: (unique_ids, grads)}}``."""
         feed = self.builder.lookup(self.builder.prepare(batch), self.stores, train=True)
-        loss, dense, rows = self.network.gradients(feed.feed)
+        loss, dense, row_slices = self.network.gradients(feed.feed)
+        rows = sum_row_slices(row_slices, feed.feed["rows"])
         return {"loss": float(loss), "dense": [g.numpy() for g in dense],
-                "embeddings": {t: (feed.unique_ids[t], rows[str(d)].numpy()[a:b])
+                "embeddings": {t: (feed.unique_ids[t], rows[str(d)][a:b])
                                for t, (d, a, b) in feed.row_ranges.items()}}
 
     # -- evaluation -------------------------------------------------------------------------

@@ -8,11 +8,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "internal/kernels.h"
 #include "internal/memory.h"
 #include "prefixrec/embedding_store.h"
 
@@ -130,6 +132,52 @@ std::unique_ptr<EmbeddingStore> MakeStore(int dim, uint32_t optimizer, std::vect
   o.max_rows = max_rows;
   o.num_threads = num_threads;
   return std::make_unique<EmbeddingStore>(o);
+}
+
+// scatter_add_rows: see native.scatter_add_rows (native/store.py). Checks every index before
+// touching the output, so a bad one raises and writes nothing out of bounds.
+template <typename Index>
+void AddRowsChecked(float* out, const float* values, const Index* index, size_t n, size_t dim,
+                    int64_t num_rows) {
+  for (size_t i = 0; i < n; ++i) {
+    if (index[i] < 0 || static_cast<int64_t>(index[i]) >= num_rows) {
+      Invalid("index[" + std::to_string(i) + "] = " + std::to_string(static_cast<int64_t>(index[i])) +
+              " is outside [0, " + std::to_string(num_rows) + ")");
+    }
+  }
+  prefixrec::internal::AddRowsAt(out, values, index, n, dim);
+}
+
+py::array_t<float> ScatterAddRows(const py::array& values, const py::array& index, int64_t num_rows) {
+  if (!py::isinstance<py::array_t<float>>(values) || values.dtype().kind() != 'f' || values.itemsize() != 4) {
+    Invalid("values must be a float32 numpy array, got dtype " + std::string(py::str(values.dtype())));
+  }
+  if (values.ndim() != 2) Invalid("values must be 2-D, got " + std::to_string(values.ndim()) + " dimensions");
+  if (!(values.flags() & py::array::c_style)) Invalid("values must be C-contiguous");
+  if (index.ndim() != 1 || index.dtype().kind() != 'i' || (index.itemsize() != 4 && index.itemsize() != 8)) {
+    Invalid("index must be a 1-D int32 or int64 numpy array");
+  }
+  if (!(index.flags() & py::array::c_style)) Invalid("index must be C-contiguous");
+  const size_t n = static_cast<size_t>(values.shape(0)), dim = static_cast<size_t>(values.shape(1));
+  if (static_cast<size_t>(index.shape(0)) != n) {
+    Invalid("index has " + std::to_string(index.shape(0)) + " entries, values " + std::to_string(n) + " rows");
+  }
+  if (num_rows < 0 || num_rows > (int64_t{1} << 40)) Invalid("num_rows must be in [0, 2**40]");
+  py::array_t<float> out({static_cast<py::ssize_t>(num_rows), static_cast<py::ssize_t>(dim)});
+  float* dst = out.mutable_data();
+  const float* src = static_cast<const float*>(values.data());
+  const bool wide = index.itemsize() == 8;
+  const void* idx = index.data();
+  {
+    py::gil_scoped_release release;
+    std::fill(dst, dst + static_cast<size_t>(num_rows) * dim, 0.0f);
+    if (wide) {
+      AddRowsChecked(dst, src, static_cast<const int64_t*>(idx), n, dim, num_rows);
+    } else {
+      AddRowsChecked(dst, src, static_cast<const int32_t*>(idx), n, dim, num_rows);
+    }
+  }
+  return out;
 }
 
 // JSON sample decoding (native.json_samples): defined in the last section of this file.
@@ -303,6 +351,8 @@ PYBIND11_MODULE(_store, m) {
              return s.ApplyDelta(path);
            },
            py::arg("path"));
+
+  m.def("scatter_add_rows", &ScatterAddRows, py::arg("values"), py::arg("index"), py::arg("num_rows"));
 
   BindJsonSamples(m);
 }

@@ -75,6 +75,17 @@ inline bool AllFinite(const float* values, size_t n) {
   return bad == 0;
 }
 
+// out[index[i] * dim ..] += values[i * dim ..] for i < n (every index already checked to be in
+// range): the per-row gradient of a gather, summed over the occurrences of each row.
+template <typename Index>
+inline void AddRowsAt(float* out, const float* values, const Index* index, size_t n, size_t dim) {
+  for (size_t i = 0; i < n; ++i) {
+    float* dst = out + static_cast<size_t>(index[i]) * dim;
+    const float* src = values + i * dim;
+    for (size_t j = 0; j < dim; ++j) dst[j] += src[j];
+  }
+}
+
 }  // namespace prefixrec::internal
 
 #endif  // PREFIXREC_INTERNAL_KERNELS_H_
