@@ -255,6 +255,15 @@ void ValidateOptions(const StoreOptions& o) {
   }
 }
 
+namespace {
+
+// Adam's bias correction 1 - beta^t of a row's t-th update.
+float AdamCorrection(float beta, uint32_t t) {
+  return static_cast<float>(1.0 - std::pow(static_cast<double>(beta), t));
+}
+
+}  // namespace
+
 EmbeddingStore::Impl::Impl(const StoreOptions& o) : options(o) {
   ValidateOptions(o);
   dim = o.dim;
@@ -264,6 +273,13 @@ EmbeddingStore::Impl::Impl(const StoreOptions& o) : options(o) {
                               : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   bloom_counters = BloomCountersPerShard(o);
   bloom_hashes = BloomHashes(o);
+  if (o.optimizer.kind == OptimizerKind::kAdam) {
+    adam_corrections.resize(2 * static_cast<size_t>(kAdamCorrections));
+    for (uint32_t t = 0; t < kAdamCorrections; ++t) {
+      adam_corrections[2 * t] = AdamCorrection(o.optimizer.beta1, t);
+      adam_corrections[2 * t + 1] = AdamCorrection(o.optimizer.beta2, t);
+    }
+  }
   shards.reserve(o.num_shards);
   for (int s = 0; s < o.num_shards; ++s) {
     shards.emplace_back(new Shard(row_bytes));
@@ -453,8 +469,9 @@ void EmbeddingStore::Impl::Update(float* w, float* state, const float* g, uint32
     case OptimizerKind::kAdam: {
       float* m = state;
       float* v = state + dim;
-      float correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta1), t));
-      float correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta2), t));
+      const bool cached = t < kAdamCorrections;
+      const float correction1 = cached ? adam_corrections[2 * t] : AdamCorrection(o.beta1, t);
+      const float correction2 = cached ? adam_corrections[2 * t + 1] : AdamCorrection(o.beta2, t);
       for (int j = 0; j < dim; ++j) {
         m[j] = o.beta1 * m[j] + (1.0f - o.beta1) * g[j];
         v[j] = o.beta2 * v[j] + (1.0f - o.beta2) * (g[j] * g[j]);

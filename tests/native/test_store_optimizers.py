@@ -60,3 +60,22 @@ def test_adam_uses_each_rows_own_update_count():
     assert rows["update_counts"].tolist() == [3, 1]
     # After one bias-corrected Adam step the move is lr * g / (|g| + eps) ~= lr.
     np.testing.assert_allclose(rows["values"][1], [-0.1, -0.1], rtol=1e-6)
+
+
+def test_adam_matches_the_reference_past_its_cached_bias_corrections():
+    # The store computes 1 - beta^t once for the first update counts (4096) and with pow
+    # beyond; a row updated 4100 times crosses over, bit for bit the same as the reference.
+    optimizer = native.Adam(lr=0.01, beta1=0.9, beta2=0.999, epsilon=1e-8)
+    store = native.EmbeddingStore(native.StoreConfig(dim=3, optimizer=optimizer,
+                                                     initializer=native.Uniform(0.1), seed=3))
+    w = store.lookup([7])[0].copy()
+    state = initial_state(optimizer, 3)
+    grads = np.random.default_rng(9).normal(size=(4100, 1, 3)).astype(np.float32)
+    for t in range(1, 4101):
+        store.apply_gradients([7], grads[t - 1], t)
+        w, state = update(optimizer, w, state, grads[t - 1][0], t)
+        if t in (1, 4095, 4096, 4097, 4100):
+            np.testing.assert_array_equal(store.lookup([7], train=False)[0], w, err_msg=f"t={t}")
+    rows = rows_by_id(store)
+    np.testing.assert_array_equal(rows["state"][0], state)
+    assert rows["update_counts"].tolist() == [4100]

@@ -63,6 +63,12 @@ struct EmbeddingStore::Impl {
   // Removes a row and records its tombstone. Caller holds the shard exclusively.
   void RemoveRow(internal::Shard& shard, uint32_t row);
 
+  // Adam's bias corrections 1 - beta1^t and 1 - beta2^t for update counts t below
+  // kAdamCorrections (2 floats per t), computed once as Update would: two pow calls per row
+  // were a third of an update of a training batch's rows. Empty for other optimizers.
+  static constexpr uint32_t kAdamCorrections = 4096;
+  std::vector<float> adam_corrections;
+
   StoreOptions options;
   int dim;
   int state_floats;
