@@ -293,6 +293,7 @@ def run(argv=None) -> dict:
               "samples_per_sec_with_startup": throughput["samples_per_sec"],
               "final_export_checkpoint_s": throughput["since_last_unit_s"],
               "busy_seconds": throughput["busy_seconds"],
+              "trainer_waited_s": throughput["trainer_waited_s"],
               "train_alone_samples_per_sec": alone["samples_per_sec"],
               "delay_phase": {"rate": args.rate, "samples": delay["samples"],
                               "export_every": args.export_every,
@@ -317,7 +318,7 @@ def run(argv=None) -> dict:
           f"decoded, compressed and prepared in memory first; lookup + step + update only)")
     busy = ", ".join(f"{k} {v:.1f}" for k, v in throughput["busy_seconds"].items())
     print(f"  busy seconds (reader thread: poll_decode, compress_batch; trainer: the rest): "
-          f"{busy}")
+          f"{busy}; the trainer waited {result['trainer_waited_s']:.2f} s for the reader")
     if budget is not None:
         stages = ", ".join(f"{k} {v:.2f}" for k, v in budget["cpu_s_per_100k"].items())
         print(f"  CPU-s per 100k samples, one stage at a time: {stages}; total "

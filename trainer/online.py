@@ -116,6 +116,9 @@ class OnlineStats:
     # the reader thread's busy seconds (the trainer's own are in Trainer.timings)
     reader_seconds: dict = field(default_factory=lambda: {"poll_decode": 0.0,
                                                          "compress_batch": 0.0})
+    # seconds the training thread waited for the reader's next unit after the first unit
+    # (above ~0 the reader, i.e. Kafka and decoding, limits the rate; else training does)
+    trainer_waited: float = 0.0
 
 
 class OnlineTrainer:
@@ -240,10 +243,13 @@ class OnlineTrainer:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         try:
             while not self._stop.is_set():
+                waiting = time.perf_counter()
                 try:
                     unit = self._queue.get(timeout=0.5)
                 except queue.Empty:
                     unit = None
+                if unit is not None and self.stats.first_unit is not None:
+                    self.stats.trainer_waited += time.perf_counter() - waiting
                 if self._reader_error:
                     raise self._reader_error[0]
                 now = time.monotonic()
@@ -415,6 +421,7 @@ class OnlineTrainer:
                 "busy_seconds": {**{k: round(v, 3) for k, v in self.stats.reader_seconds.items()},
                                  **{k: round(self.trainer.timings[k], 3)
                                     for k in ("lookup", "step", "update")}},
+                "trainer_waited_s": round(self.stats.trainer_waited, 3),
                 "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())}}
 
 

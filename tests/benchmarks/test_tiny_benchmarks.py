@@ -54,6 +54,8 @@ def test_online_benchmark_tiny(kafka_broker):
                                     "--budget", "--bootstrap-servers", kafka_broker.bootstrap])
     assert result["samples"] == 16000 and result["samples_per_sec"] > 0
     assert result["train_alone_samples_per_sec"] > 0
+    # waits counted only after the first unit: within the steady part of the run
+    assert 0 <= result["trainer_waited_s"] <= 16000 / result["samples_per_sec"]
     assert result["trees"]["samples"] == 16000 and result["trees"]["samples_per_sec"] > 0
     budget = result["budget"]  # the first unit (the group join) is not measured
     assert budget["samples"] == 12000 and budget["train_samples_per_sec"] > 0
