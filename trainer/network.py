@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 
 import native
-
 from compression import LayerBatch, TreeBatch
 from trainer.feed import FeedBuilder, Layout
 

@@ -153,7 +153,7 @@ class OnlineTrainer:
             raise ValueError(f"unit_samples must be at least 1, got {self.unit_samples}")
         self._writer = None
         self._last_status = 0.0
-        self._last_report = (time.monotonic(), 0)  # (when, samples then)
+        self._last_report = (time.monotonic(), 0, 0.0)  # (when, samples, trainer_waited then)
         self.last_lag: int | None = None
         self.last_delay: dict = {"p50": None, "p99": None}  # of the latest export
         self.stats = OnlineStats()
@@ -373,22 +373,26 @@ class OnlineTrainer:
         """One console line and TensorBoard scalars: samples/s since the last report, consumer
         lag, store rows admitted/rejected/expired, dead letters, the latest export's delay."""
         now = time.monotonic()
-        then, samples_then = self._last_report
+        then, samples_then, waited_then = self._last_report
         rate = (self.stats.samples - samples_then) / max(now - then, 1e-9)
-        self._last_report = (now, self.stats.samples)
+        # the share of the time the training thread waited for input: near 0 while the topic
+        # has a backlog means training is the bottleneck (more cores or more trainers)
+        waited = (self.stats.trainer_waited - waited_then) / max(now - then, 1e-9)
+        self._last_report = (now, self.stats.samples, self.stats.trainer_waited)
         with self._lock:
             self.last_lag = self.source.lag()
         store = self.trainer.store_stats()
         delay = {k: "n/a" if v is None else f"{v:.2f} s" for k, v in self.last_delay.items()}
-        log.info("%s samples, %s samples/s, lag %s messages, %s store rows (admitted %s, "
-                 "rejected %s, expired %s), %d dead letters, export delay p50 %s p99 %s",
-                 f"{self.stats.samples:,}", f"{rate:,.0f}",
+        log.info("%s samples, %s samples/s (waited for input %.0f%%), lag %s messages, %s store "
+                 "rows (admitted %s, rejected %s, expired %s), %d dead letters, export delay p50 "
+                 "%s p99 %s", f"{self.stats.samples:,}", f"{rate:,.0f}", 100 * waited,
                  "n/a" if self.last_lag is None else f"{self.last_lag:,}",
                  f"{store.get('rows', 0):,}", f"{store.get('admitted', 0):,}",
                  f"{store.get('rejected', 0):,}", f"{store.get('expired', 0):,}",
                  self.stats.dead, delay["p50"], delay["p99"])
         if self._writer is not None:
             scalars = {"samples_per_sec": rate, "dead_letters": self.stats.dead,
+                       "waited_for_input": waited,
                        **{f"store/{k}": store.get(k, 0)
                           for k in ("rows", "admitted", "rejected", "expired")}}
             if self.last_lag is not None:
