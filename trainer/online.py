@@ -243,16 +243,16 @@ class OnlineTrainer:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         try:
             while not self._stop.is_set():
-                waiting = time.perf_counter()
+                waiting = time.monotonic()
                 try:
                     unit = self._queue.get(timeout=0.5)
                 except queue.Empty:
                     unit = None
-                if unit is not None and self.stats.first_unit is not None:
-                    self.stats.trainer_waited += time.perf_counter() - waiting
                 if self._reader_error:
                     raise self._reader_error[0]
                 now = time.monotonic()
+                if unit is not None and self.stats.first_unit is not None:
+                    self.stats.trainer_waited += now - waiting
                 if unit is not None or not self.source.assigned:
                     # idle time counts only while partitions are assigned: joining the group
                     # (or a rebalance) is not the topic being idle
