@@ -238,11 +238,16 @@ class _FlatCall:
         self._concrete = None
         self._specs = tf.nest.flatten(function.input_signature[0])
 
-    def __call__(self, feed):
+    def trace(self):
+        """Trace the function now instead of in its first call (~2.2 s of the MLP's first step
+        of ~2.8 s, measured here), so that a caller can overlap it with other start-up work."""
         if self._concrete is None:
             self._concrete = self.function.get_concrete_function()
             if not hasattr(self._concrete, "_call_flat"):  # another TensorFlow: the slow path
                 self._concrete = False
+
+    def __call__(self, feed):
+        self.trace()
         if self._concrete is False:
             return self.function(feed)
         tf.nest.assert_same_structure(feed, self.function.input_signature[0])

@@ -242,6 +242,7 @@ class OnlineTrainer:
         if self.log_dir:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         try:
+            self.trainer.trace()  # while the reader joins the group and polls its first unit
             while not self._stop.is_set():
                 waiting = time.monotonic()
                 try:

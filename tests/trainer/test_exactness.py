@@ -215,3 +215,27 @@ def test_the_flat_call_of_a_step_equals_the_tf_function_call(schema, trees_small
     del broken["labels"]
     with pytest.raises((ValueError, TypeError)):
         network.predict_step(broken)
+
+
+def test_a_step_traced_ahead_trains_like_one_traced_in_its_first_call(schema, trees_small):
+    # Online learning traces the step while its reader joins the consumer group
+    # (Trainer.trace); tracing must neither change state nor change what the steps compute.
+    batches = list(compression.iter_batches(trees_small, schema, 256))[:3]
+    ahead = Trainer(schema, models.MLP(**SMALL), small_config())
+    before = [v.numpy().copy() for v in ahead.network.variables]
+    ahead.trace()
+    assert ahead.network.train_step._concrete not in (None, False)  # traced, not run
+    assert ahead.step == 0 and ahead.store_rows() == 0
+    for v, b in zip(ahead.network.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    ahead.trace()  # a second call is a no-op
+    lazy = Trainer(schema, models.MLP(**SMALL), small_config())
+    for batch in batches:
+        assert ahead.train_batch(batch) == lazy.train_batch(batch)
+    for a, b in zip(ahead.network.variables, lazy.network.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for table, store in ahead.stores.items():
+        rows_a, rows_b = store.to_numpy(), lazy.stores[table].to_numpy()
+        order_a, order_b = np.argsort(rows_a["ids"]), np.argsort(rows_b["ids"])
+        np.testing.assert_array_equal(rows_a["ids"][order_a], rows_b["ids"][order_b])
+        np.testing.assert_array_equal(rows_a["values"][order_a], rows_b["values"][order_b])
