@@ -239,8 +239,7 @@ class _FlatCall:
         self._specs = tf.nest.flatten(function.input_signature[0])
 
     def trace(self):
-        """Trace the function now instead of in its first call (~2.2 s of the MLP's first step
-        of ~2.8 s, measured here), so that a caller can overlap it with other start-up work."""
+        """Trace the function now instead of in its first call (see ``Trainer.trace``)."""
         if self._concrete is None:
             self._concrete = self.function.get_concrete_function()
             if not hasattr(self._concrete, "_call_flat"):  # another TensorFlow: the slow path
