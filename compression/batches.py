@@ -11,6 +11,10 @@ layer ``l - 1``. Feature arrays by kind: ``id`` -> int64[size]; ``ids`` -> (valu
 offsets int32[size + 1]); ``dense`` -> float32[size, dim]. String ids are hashed to int64 with
 :func:`schemas.stable_hash` here, when batches are built.
 
+The schema's carried columns (row ids, timestamps: never trained) come per leaf in
+``batch.carried[name]`` as Arrow arrays in their schema type (nulls kept), so predictions can be
+joined back to the rows; the trainer's feed never reads them.
+
 Batches hold exactly ``batch_size`` leaves (the last one of a stream may hold fewer). Trees are
 packed whole in stream order; a tree that does not fit is split at a leaf boundary and its rest
 opens the next batch with its ancestors repeated (XDL's ``split_group``, the default).
@@ -18,7 +22,7 @@ opens the next batch with its ancestors repeated (XDL's ``split_group``, the def
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Union
 
 import numpy as np
@@ -43,10 +47,13 @@ class LayerBatch:
 
 @dataclass
 class TreeBatch:
-    """A mini-batch of trees: ``layers`` root first, and float32 ``labels`` per leaf."""
+    """A mini-batch of trees: ``layers`` root first, float32 ``labels`` per leaf, and the
+    schema's carried columns per leaf (``carried[name]``: a ``pa.Array`` of num_leaves values,
+    never fed to the model)."""
 
     layers: list[LayerBatch]
     labels: dict[str, np.ndarray]
+    carried: dict[str, pa.Array] = field(default_factory=dict)
 
     @property
     def num_leaves(self) -> int:
@@ -105,6 +112,10 @@ class TreeBatch:
             if len(values) != self.num_leaves:
                 raise ValueError(f"label {name!r} has {len(values)} values but the batch has "
                                  f"{self.num_leaves} leaves")
+        for name, values in self.carried.items():
+            if len(values) != self.num_leaves:
+                raise ValueError(f"carried column {name!r} has {len(values)} values but the "
+                                 f"batch has {self.num_leaves} leaves")
 
     # -- building and slicing -------------------------------------------------------------
 
@@ -121,7 +132,8 @@ class TreeBatch:
             layers.append(LayerBatch(layer.name, size, parent, features))
         labels = {label: _plain(nodes[-1].columns[label]).to_numpy(zero_copy_only=False)
                   .astype(np.float32, copy=False) for label in schema.labels}
-        return cls(layers, labels)
+        carried = {name: _plain(nodes[-1].columns[name]) for name in schema.carried_names}
+        return cls(layers, labels, carried)
 
     def slice_leaves(self, start: int, stop: int) -> "TreeBatch":
         """The sub-batch of leaves [start, stop) with all their ancestors, re-indexed."""
@@ -143,7 +155,9 @@ class TreeBatch:
             features = {name: _slice(array, lo, hi) for name, array in layer.features.items()}
             layers.append(LayerBatch(layer.name, hi - lo, parent, features))
         labels = {name: values[start:stop] for name, values in self.labels.items()}
-        return TreeBatch(layers, labels)
+        carried = {name: values.slice(start, stop - start)
+                   for name, values in self.carried.items()}
+        return TreeBatch(layers, labels, carried)
 
     def leaf_ancestor_at(self, level: int, leaf: int) -> int:
         index = leaf
@@ -169,7 +183,9 @@ class TreeBatch:
             layers.append(LayerBatch(first.name, sum(p.size for p in parts), parent, features))
         labels = {name: np.concatenate([b.labels[name] for b in batches])
                   for name in batches[0].labels}
-        return TreeBatch(layers, labels)
+        carried = {name: pa.concat_arrays([b.carried[name] for b in batches])
+                   for name in batches[0].carried}
+        return TreeBatch(layers, labels, carried)
 
 
 def iter_batches(trees: pa.Table | Iterable[pa.Table], schema: Schema, batch_size: int,

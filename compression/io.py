@@ -1,9 +1,9 @@
 """Reading and writing samples: raw files (Parquet, CSV, JSON lines) and tree tables (nested
 Parquet files, Arrow IPC messages).
 
-Raw CSV has one column per feature and label; an ``ids`` or ``dense`` cell holds its values
-separated by ``|`` (``3|17|42``; an empty cell is an empty list). JSON lines hold one object per
-sample, lists as JSON arrays.
+Raw CSV has one column per feature, label and carried column; an ``ids`` or ``dense`` cell
+holds its values separated by ``|`` (``3|17|42``; an empty cell is an empty list); a carried
+timestamp cell holds ISO-8601 text. JSON lines hold one object per sample, lists as JSON arrays.
 """
 
 from __future__ import annotations
@@ -96,6 +96,9 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
         else:
             types[f.name] = pa.string()
     types.update({label: pa.float32() for label in schema.labels})
+    for c in schema.carried:  # an empty string cell stays ""; timestamps are parsed below
+        types[c.name] = pa.string() if c.dtype == "timestamp" else c.raw_arrow_type()
+    timestamps = {c.name for c in schema.carried if c.dtype == "timestamp"}
     try:
         table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
             column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False))
@@ -115,8 +118,24 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
             except pa.ArrowInvalid as e:
                 raise RawDataError(f"{path}: column {name!r}: cells must hold "
                                    f"{LIST_SEPARATOR!r}-separated values ({e})") from None
+        elif name in timestamps:
+            column = _parse_timestamps(column, name, path)
         columns.append(column)
     return pa.Table.from_arrays(columns, names=table.column_names)
+
+
+def _parse_timestamps(column: pa.ChunkedArray, name: str, path: str) -> pa.ChunkedArray:
+    """ISO-8601 cells (an empty cell is null) as timestamps: all with a zone offset, or all
+    without (then read as UTC)."""
+    column = pc.if_else(pc.equal(column, ""), pa.scalar(None, pa.string()), column)
+    for kind in (pa.timestamp("us", tz="UTC"), pa.timestamp("us")):
+        try:
+            return column.cast(kind)
+        except pa.ArrowInvalid:
+            continue
+    raise RawDataError(f"{path}: carried column {name!r}: cells must hold ISO-8601 timestamps "
+                       "(2024-05-01 12:00:00.123456), all with a zone offset or all without "
+                       "(read as UTC), with at most microsecond precision")
 
 
 def _split_list_cells(column: pa.ChunkedArray, name: str, path: str) -> pa.Array:

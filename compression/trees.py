@@ -2,7 +2,8 @@
 
 A node of an upper layer is identified by its parent node plus the values of all its layer's
 features, so nodes whose features change between samples stay distinct and nothing is lost.
-Leaves are the samples themselves, in input order within their parent.
+Leaves are the samples themselves, in input order within their parent; they hold the labels and
+the schema's carried columns (row ids, timestamps), which never take part in a node's identity.
 
 How it works, without per-row Python: each upper layer's node identity becomes a dense integer
 code per row (each key column and then the combined codes numbered by first appearance: through
@@ -51,8 +52,7 @@ def build_trees(table: pa.Table, schema: Schema, validate: bool = True,
     if n == 0:
         return schema.tree_arrow_schema().empty_table()
     if levels == 1:
-        return pa.Table.from_arrays([table.column(f.name) for f in schema.leaf.features]
-                                    + [table.column(lb) for lb in schema.labels],
+        return pa.Table.from_arrays([table.column(name) for name in schema.leaf_columns],
                                     schema=schema.tree_arrow_schema())
 
     # codes[l][row]: the row's node at layer l, numbered in tree order (by parent, then first
@@ -72,9 +72,11 @@ def build_trees(table: pa.Table, schema: Schema, validate: bool = True,
         parent = code
 
     leaf_order = _stable_order(codes[-1], len(reps[-1]))
-    leaf_columns = [f.name for f in schema.leaf.features] + list(schema.labels)
-    nodes = pa.StructArray.from_arrays([_take(table.column(name), leaf_order)
-                                        for name in leaf_columns],
+    # Carried columns (request ids...) are mostly distinct: no dictionary detour for them.
+    carried = set(schema.carried_names)
+    nodes = pa.StructArray.from_arrays([_take(table.column(name), leaf_order,
+                                              dictionary=name not in carried)
+                                        for name in schema.leaf_columns],
                                        fields=schema.layer_fields(levels - 1))
     child_parent = codes[-1][leaf_order]
     for level in range(levels - 2, -1, -1):
@@ -172,8 +174,8 @@ def flatten(trees: pa.Table, schema: Schema) -> pa.Table:
         for f in layer.features:
             column = layer_nodes[level].columns[f.name]
             arrays[f.name] = column if level == levels - 1 else column.take(ancestor[level])
-    for label in schema.labels:
-        arrays[label] = leaves.columns[label]
+    for name in schema.labels + schema.carried_names:
+        arrays[name] = leaves.columns[name]
     return pa.Table.from_arrays([_cast(arrays[n], raw.field(n).type) for n in raw.names],
                                 schema=raw)
 
@@ -207,7 +209,7 @@ def flat_layers(trees: pa.Table, schema: Schema) -> list[LayerNodes]:
         layer = schema.layers[level]
         own = {f.name: columns[f.name] for f in layer.features}
         if level == levels - 1:
-            own.update({label: columns[label] for label in schema.labels})
+            own.update({name: columns[name] for name in schema.labels + schema.carried_names})
         out.append(LayerNodes(own, parent))
         if level == levels - 1:
             break
@@ -254,8 +256,10 @@ def take_rows(table: pa.Table, indices: np.ndarray) -> pa.Table:
                                 schema=table.schema)
 
 
-def _take(column, indices: np.ndarray) -> pa.Array:
-    """``column.take(indices)`` as one array, with faster paths for primitive and string data."""
+def _take(column, indices: np.ndarray, dictionary: bool = True) -> pa.Array:
+    """``column.take(indices)`` as one array, with faster paths for primitive and string data
+    (``dictionary=False``: no try through a dictionary, for strings known to be mostly
+    distinct)."""
     if isinstance(column, pa.ChunkedArray):
         if column.num_chunks == 1:
             column = column.chunk(0)
@@ -267,7 +271,7 @@ def _take(column, indices: np.ndarray) -> pa.Array:
     kind = column.type
     if _is_primitive(kind) and not column.null_count:
         return pa.array(column.to_numpy(zero_copy_only=False)[indices], type=kind)
-    if (len(indices) >= 1 << 16 and not column.null_count
+    if (dictionary and len(indices) >= 1 << 16 and not column.null_count
             and (pa.types.is_string(kind) or pa.types.is_binary(kind))):
         # Random gathers from a big string buffer miss the cache on every row; through a
         # small dictionary they don't.

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import Feature, Schema
+from schemas import Carried, Feature, Schema
 
 
 class RawDataError(ValueError):
@@ -82,19 +82,24 @@ def conform_columns(table: pa.Table, schema: Schema, source: str | None = None) 
     if missing:
         raise RawDataError(
             f"{_where(source)}missing column(s) {', '.join(map(repr, missing))}: the schema "
-            f"{schema.name!r} needs every feature of every layer plus the labels in each row")
+            f"{schema.name!r} needs every feature of every layer plus the labels"
+            f"{' and carried columns' if schema.carried else ''} in each row")
     if extra:
         raise RawDataError(
             f"{_where(source)}unexpected column(s) {', '.join(map(repr, extra))}: not in schema "
-            f"{schema.name!r}; drop them or declare them as features")
+            f"{schema.name!r}; drop them or declare them as features (or, to keep them with "
+            "the samples without training on them, under the leaf layer's `carried:`)")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise RawDataError(f"{_where(source)}column(s) {', '.join(map(repr, dupes))} appear twice")
     columns = []
+    carried = {c.name: c for c in schema.carried}
     for field in expected:
         column = table.column(field.name)
         if schema.labels and field.name in schema.labels:
             columns.append(_cast_label(column, field.name, source))
+        elif field.name in carried:
+            columns.append(_cast_carried(column, carried[field.name], source))
         else:
             columns.append(_cast_feature(column, schema.feature(field.name), source))
     return pa.Table.from_arrays(columns, schema=expected)
@@ -145,6 +150,33 @@ def _cast_feature(column: pa.ChunkedArray, feature: Feature, source) -> pa.Chunk
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise RawDataError(f"{_where(source)}column {feature.name!r}: cannot convert {found} to "
                            f"{target} without loss ({e})") from None
+
+
+def _cast_carried(column: pa.ChunkedArray, carried: Carried, source) -> pa.ChunkedArray:
+    """A carried column in its canonical type: any integer for int64, any float or integer
+    for float64 (integers beyond 2**53 are refused, not rounded), string or large_string for
+    string, any timestamp (naive ones are read as UTC) for timestamp; an all-null column
+    of any of these. Casts never lose a value."""
+    column = _unwrap_dictionary(column)
+    target = carried.raw_arrow_type()
+    found = column.type
+    ok = pa.types.is_null(found) or {
+        "int64": pa.types.is_integer,
+        "float64": lambda t: pa.types.is_floating(t) or pa.types.is_integer(t),
+        "string": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t),
+        "timestamp": pa.types.is_timestamp,
+    }[carried.dtype](found)
+    if not ok:
+        raise RawDataError(f"{_where(source)}carried column {carried.name!r} has type {found}, "
+                           f"expected {carried.dtype}; convert the column or change its dtype "
+                           "in the schema's `carried:` list")
+    if found == target:
+        return column
+    try:
+        return column.cast(target, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise RawDataError(f"{_where(source)}carried column {carried.name!r}: cannot convert "
+                           f"{found} to {target} without loss ({e})") from None
 
 
 def _scalar_ok(found: pa.DataType, dtype: str) -> bool:

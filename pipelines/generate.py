@@ -603,6 +603,7 @@ class _Plan:
         schema = self.schema.raw_arrow_schema()
         arrays = [rows.columns[f.name] for f in self.schema.features]
         arrays += [pa.array(labels[name].astype(np.float32)) for name in self.schema.labels]
+        arrays += [_carried_column(c, rows.row_id) for c in self.schema.carried]
         return pa.Table.from_arrays(arrays, schema=schema)
 
     def labels(self, rows: _Rows) -> tuple[dict, dict]:
@@ -673,6 +674,22 @@ def auc(scores, labels) -> float:
 
 
 # --- public API -----------------------------------------------------------------------------
+
+_EPOCH_2024_US = 1_704_067_200_000_000
+
+
+def _carried_column(carried, row_id: np.ndarray) -> pa.Array:
+    """A carried column (not trained, so it plays no part in the labels): the sample's row id
+    (int64, float64, its decimal text for strings) or, for timestamps, one second per row from
+    2024-01-01 UTC."""
+    row_id = row_id.astype(np.int64)
+    if carried.dtype == "timestamp":
+        return pa.array(_EPOCH_2024_US + row_id * 1_000_000, pa.int64()).cast(
+            carried.raw_arrow_type())
+    if carried.dtype == "string":
+        return pa.array(row_id).cast(pa.string())
+    return pa.array(row_id).cast(carried.raw_arrow_type())
+
 
 def _check(schema, samples, seed, samples_per_user, ctr, chunk_rows):
     if not isinstance(schema, Schema):

@@ -46,6 +46,8 @@ def message_keys(table: pa.Table, schema: schemas.Schema) -> pa.Array:
 def _json_values(column: pa.Array, name: str, schema: schemas.Schema) -> pa.Array:
     if name in schema.labels:
         return column.cast(pa.string())
+    if name in schema.carried_names:
+        return _json_carried(column, next(c for c in schema.carried if c.name == name))
     feature = schema.feature(name)
     if feature.kind == "id":
         return _json_strings(column) if feature.dtype == "string" else column.cast(pa.string())
@@ -56,6 +58,24 @@ def _json_values(column: pa.Array, name: str, schema: schemas.Schema) -> pa.Arra
         offsets = pc.subtract(offsets, offsets[0])
     lists = pa.ListArray.from_arrays(offsets, text)
     return pc.binary_join_element_wise("[", pc.binary_join(lists, ","), "]", "")
+
+
+def _json_carried(column: pa.Array, carried: schemas.Carried) -> pa.Array:
+    """A carried column as JSON values: null for nulls, ISO-8601 strings for timestamps,
+    NaN/Infinity for non-finite floats (as pyarrow's JSON reader reads them)."""
+    if carried.dtype == "string":
+        text = _json_strings(column.fill_null(""))
+    elif carried.dtype == "timestamp":
+        text = _json_strings(column.cast(pa.string()).fill_null(""))
+    else:
+        text = column.cast(pa.string())
+        if carried.dtype == "float64":
+            text = pc.if_else(pc.is_nan(column), "NaN", text)
+            text = pc.if_else(pc.equal(column, float("inf")), "Infinity", text)
+            text = pc.if_else(pc.equal(column, float("-inf")), "-Infinity", text)
+    if column.null_count:
+        text = pc.if_else(column.is_null(), "null", text)
+    return text
 
 
 def _json_strings(values: pa.Array) -> pa.Array:

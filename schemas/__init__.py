@@ -16,11 +16,16 @@ A schema is a YAML file (see ``schemas/examples/taobao_like.yaml``)::
           - {name: price, kind: dense, dim: 1}
     labels: [click]
 
+The leaf layer may also list ``carried: [{name: request_id, dtype: string}]``: columns that
+travel with every sample (row ids, timestamps) but are never trained.
+
 ``schemas.load(path)`` validates it up front and returns a frozen :class:`Schema`.
 """
 
 from schemas.hashing import stable_hash, stable_hash_strings
 from schemas.schema import (
+    CARRIED_DTYPES,
+    Carried,
     Feature,
     KINDS,
     Layer,
@@ -33,6 +38,8 @@ from schemas.schema import (
 )
 
 __all__ = [
+    "CARRIED_DTYPES",
+    "Carried",
     "Feature",
     "KINDS",
     "Layer",

@@ -12,6 +12,7 @@ import yaml
 
 KINDS = ("id", "ids", "dense")
 ID_DTYPES = ("int64", "string")
+CARRIED_DTYPES = ("int64", "float64", "string", "timestamp")
 MAX_LAYERS = 4
 SCHEMA_YAML_KEY = b"prefixrec.schema_yaml"  # tree tables carry their schema in the metadata
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -52,6 +53,32 @@ class Feature:
 
 
 @dataclass(frozen=True)
+class Carried:
+    """A column that is carried with every sample but never trained: a row id, a request id,
+    a timestamp. Declared in the leaf layer's ``carried`` list; it travels losslessly through
+    trees, Parquet files, tree messages and batches (``batch.carried[name]``), is never part
+    of a node's identity, and is never embedded or fed to the model. Values may be null.
+
+    ``dtype``: ``int64``, ``float64``, ``string`` or ``timestamp`` (microseconds, UTC; naive
+    timestamps are read as UTC).
+    """
+
+    name: str
+    dtype: str
+
+    def raw_arrow_type(self) -> pa.DataType:
+        """The Arrow type of this column in raw (flat) data, the tree table and batches."""
+        return _CARRIED_TYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype}
+
+
+_CARRIED_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
+                  "timestamp": pa.timestamp("us", tz="UTC")}
+
+
+@dataclass(frozen=True)
 class Layer:
     """A level of the multi-prefix tree (user, ad, creative...).
 
@@ -62,6 +89,7 @@ class Layer:
     name: str
     key: tuple[str, ...]
     features: tuple[Feature, ...]
+    carried: tuple[Carried, ...] = ()  # leaf layer only: columns carried but not trained
 
     @property
     def feature_names(self) -> tuple[str, ...]:
@@ -74,8 +102,11 @@ class Layer:
         raise KeyError(f"layer {self.name!r} has no feature {name!r}")
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "key": list(self.key),
-                "features": [f.to_dict() for f in self.features]}
+        out = {"name": self.name, "key": list(self.key),
+               "features": [f.to_dict() for f in self.features]}
+        if self.carried:
+            out["carried"] = [c.to_dict() for c in self.carried]
+        return out
 
 
 @dataclass(frozen=True)
@@ -109,9 +140,24 @@ class Schema:
         return tuple(f for layer in self.layers for f in layer.features)
 
     @property
+    def carried(self) -> tuple[Carried, ...]:
+        """The columns carried with every sample but not trained (the leaf layer's)."""
+        return self.leaf.carried
+
+    @property
+    def carried_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.leaf.carried)
+
+    @property
     def columns(self) -> tuple[str, ...]:
-        """The raw columns: every feature, then the labels."""
-        return tuple(f.name for f in self.features) + self.labels
+        """The raw columns: every feature, then the labels, then the carried columns."""
+        return tuple(f.name for f in self.features) + self.labels + self.carried_names
+
+    @property
+    def leaf_columns(self) -> tuple[str, ...]:
+        """The columns of a leaf node in the tree table: its features, the labels, the
+        carried columns."""
+        return self.leaf.feature_names + self.labels + self.carried_names
 
     def feature(self, name: str) -> Feature:
         return self._by_name[name][1]
@@ -121,7 +167,8 @@ class Schema:
         return self._by_name[feature_name][0]
 
     def raw_arrow_schema(self) -> pa.Schema:
-        """Arrow schema of flat samples: one column per feature (root layer first), then labels."""
+        """Arrow schema of flat samples: one column per feature (root layer first), then the
+        labels, then the carried columns."""
         if "raw" not in self._arrow:
             self._arrow["raw"] = self._raw_arrow_schema()
         return self._arrow["raw"]
@@ -129,11 +176,13 @@ class Schema:
     def _raw_arrow_schema(self) -> pa.Schema:
         fields = [pa.field(f.name, f.raw_arrow_type()) for f in self.features]
         fields += [pa.field(label, pa.float32()) for label in self.labels]
+        fields += [pa.field(c.name, c.raw_arrow_type()) for c in self.carried]
         return pa.schema(fields, metadata={b"prefixrec.schema": self.name.encode()})
 
     def layer_fields(self, level: int) -> list[pa.Field]:
         """Fields of one node of layer ``level`` in the tree table: its features, then either
-        the list of its children (named after the child layer) or, for leaves, the labels."""
+        the list of its children (named after the child layer) or, for leaves, the labels and
+        then the carried columns."""
         layer = self.layers[level]
         fields = [pa.field(f.name, f.raw_arrow_type()) for f in layer.features]
         if level + 1 < len(self.layers):
@@ -141,6 +190,7 @@ class Schema:
             fields.append(pa.field(self.layers[level + 1].name, pa.list_(child)))
         else:
             fields += [pa.field(label, pa.float32()) for label in self.labels]
+            fields += [pa.field(c.name, c.raw_arrow_type()) for c in layer.carried]
         return fields
 
     def tree_arrow_schema(self) -> pa.Schema:
@@ -230,14 +280,17 @@ def from_dict(data: Any) -> Schema:
             claim(feat.name, f"layers[{li}].features[{fi}]")
     for i, label in enumerate(labels):
         claim(label, f"labels[{i}]")
+    for ci, carried in enumerate(layers[-1].carried):
+        claim(carried.name, f"layers[{len(layers) - 1}].carried[{ci}]")
     return Schema(name=name, layers=layers, labels=tuple(labels))
 
 
 def _layer(raw: Any, index: int, last: bool) -> Layer:
     where = f"layers[{index}]"
     if not isinstance(raw, Mapping):
-        raise SchemaError(f"{where}: a layer is a mapping with keys name, key, features")
-    _no_unknown_keys(raw, ("name", "key", "features"), where)
+        raise SchemaError(f"{where}: a layer is a mapping with keys name, key, features "
+                          "(and, on the leaf layer, carried)")
+    _no_unknown_keys(raw, ("name", "key", "features", "carried"), where)
     name = raw.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise SchemaError(f"{where}.name: {name!r} is not a valid layer name")
@@ -247,6 +300,7 @@ def _layer(raw: Any, index: int, last: bool) -> Layer:
         raise SchemaError(f"{where}.features: missing or empty; a layer needs at least one feature")
     features = tuple(_feature(f, f"{where}.features[{i}]") for i, f in enumerate(raw_features))
     names = [f.name for f in features]
+    carried = _carried_list(raw.get("carried"), where, last)
 
     key = raw.get("key", [] if last else None)
     if isinstance(key, str):
@@ -255,6 +309,9 @@ def _layer(raw: Any, index: int, last: bool) -> Layer:
         raise SchemaError(f"{where}.key: missing; name the columns that identify a {name} node, "
                           f"e.g. `key: [{names[0]}]`")
     for k in key:
+        if k not in names and k in [c.name for c in carried]:
+            raise SchemaError(f"{where}.key: {k!r} is a carried column; carried columns are "
+                              "never part of a node's identity; key on a feature instead")
         if k not in names:
             raise SchemaError(f"{where}.key: key column {k!r} is not a feature of layer {name!r}; "
                               f"add `{{name: {k}, kind: id}}` to its features or pick one of "
@@ -263,7 +320,42 @@ def _layer(raw: Any, index: int, last: bool) -> Layer:
         if feat.kind != "id":
             raise SchemaError(f"{where}.key: key column {k!r} has kind {feat.kind!r}; "
                               "key columns must have kind id")
-    return Layer(name=name, key=tuple(key), features=features)
+    return Layer(name=name, key=tuple(key), features=features, carried=carried)
+
+
+def _carried_list(raw: Any, where: str, last: bool) -> tuple[Carried, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SchemaError(f"{where}.carried: expected a list like "
+                          "`carried: [{name: request_id, dtype: string}]`")
+    if raw and not last:
+        raise SchemaError(
+            f"{where}.carried: carried columns are per sample and belong on the last (leaf) "
+            "layer; on an upper layer a value would become part of the node's identity and "
+            "split its nodes. Move them to the leaf layer's carried list (or make them "
+            "features of this layer if they describe the node)")
+    return tuple(_carried(c, f"{where}.carried[{i}]") for i, c in enumerate(raw))
+
+
+def _carried(raw: Any, where: str) -> Carried:
+    if not isinstance(raw, Mapping):
+        raise SchemaError(f"{where}: a carried column is a mapping like "
+                          "{name: request_id, dtype: string}")
+    _no_unknown_keys(raw, ("name", "dtype"), where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SchemaError(f"{where}.name: {name!r} is not a valid column name")
+    where = f"{where} ({name})"
+    dtype = raw.get("dtype")
+    if dtype is None:
+        raise SchemaError(f"{where}: a carried column needs a dtype, e.g. "
+                          f"`{{name: {name}, dtype: int64}}`; one of "
+                          f"{', '.join(CARRIED_DTYPES)}")
+    if dtype not in CARRIED_DTYPES:
+        raise SchemaError(f"{where}.dtype: {dtype!r} is not a carried dtype; expected one of "
+                          f"{', '.join(CARRIED_DTYPES)} (store other values as strings)")
+    return Carried(name=name, dtype=dtype)
 
 
 def _feature(raw: Any, where: str) -> Feature:
@@ -275,6 +367,10 @@ def _feature(raw: Any, where: str) -> Feature:
         raise SchemaError(f"{where}.name: {name!r} is not a valid column name")
     where = f"{where} ({name})"
     kind = raw.get("kind")
+    if kind == "carried":
+        raise SchemaError(f"{where}.kind: a column that is carried but not trained is not a "
+                          "feature; list it under the leaf layer's `carried:` instead, e.g. "
+                          f"`carried: [{{name: {name}, dtype: int64}}]`")
     if kind not in KINDS:
         raise SchemaError(f"{where}.kind: unknown kind {kind!r}; expected one of "
                           f"{', '.join(KINDS)}")

@@ -131,3 +131,90 @@ def test_stable_hash_is_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".")
     assert out.stdout.strip() == str([schemas.stable_hash("x1"), schemas.stable_hash("user_42")])
+
+
+# -- carried columns: kept with every sample, never trained ---------------------------------
+
+WITH_ROW_IDS = "schemas/examples/with_row_ids.yaml"
+
+
+def _carried(*columns):
+    return _with(lambda d: d["layers"][-1].update(carried=list(columns)))
+
+
+def test_carried_columns_come_after_the_labels_and_are_not_features():
+    schema = schemas.load(WITH_ROW_IDS)
+    assert schema.carried_names == ("request_id", "row_id", "event_time")
+    assert [c.dtype for c in schema.carried] == ["string", "int64", "timestamp"]
+    assert schema.raw_arrow_schema().names == ["user_id", "clicked_cats", "ad_id", "price",
+                                               "click", "request_id", "row_id", "event_time"]
+    assert [f.type for f in schema.raw_arrow_schema()][-3:] == [
+        pa.string(), pa.int64(), pa.timestamp("us", tz="UTC")]
+    assert schema.columns == tuple(schema.raw_arrow_schema().names)
+    leaf = schema.tree_arrow_schema().field("ad").type.value_type
+    assert [f.name for f in leaf] == ["ad_id", "price", "click", "request_id", "row_id",
+                                      "event_time"]
+    # never a feature: the trainer (which iterates features) cannot see them
+    assert [f.name for f in schema.features] == ["user_id", "clicked_cats", "ad_id", "price"]
+    with pytest.raises(KeyError):
+        schema.feature("row_id")
+
+
+def test_carried_columns_round_trip_through_dict_yaml_and_tree_metadata(tmp_path):
+    schema = schemas.load(WITH_ROW_IDS)
+    assert schemas.from_dict(schema.to_dict()) == schema
+    assert schema.to_dict()["layers"][-1]["carried"] == [
+        {"name": "request_id", "dtype": "string"}, {"name": "row_id", "dtype": "int64"},
+        {"name": "event_time", "dtype": "timestamp"}]
+    path = tmp_path / "s.yaml"
+    path.write_text(schema.to_yaml())
+    assert schemas.load(path) == schema
+    assert schemas.from_arrow_metadata(schema.tree_arrow_schema()) == schema
+    # a schema without carried columns writes no `carried` key (tree files stay as they were)
+    assert "carried" not in schemas.from_dict(BASE).to_dict()["layers"][-1]
+    assert schemas.from_dict(_carried()) == schemas.from_dict(BASE)
+
+
+@pytest.mark.parametrize("dtype, arrow", [("int64", pa.int64()), ("float64", pa.float64()),
+                                          ("string", pa.string()),
+                                          ("timestamp", pa.timestamp("us", tz="UTC"))])
+def test_carried_dtypes(dtype, arrow):
+    schema = schemas.from_dict(_carried({"name": "x", "dtype": dtype}))
+    assert schema.raw_arrow_schema().field("x").type == arrow
+
+
+@pytest.mark.parametrize("data, message", [
+    (_with(lambda d: d["layers"][0].update(carried=[{"name": "rid", "dtype": "int64"}])),
+     "layers[0] (user).carried: carried columns are per sample and belong on the last (leaf) "
+     "layer; on an upper layer a value would become part of the node's identity"),
+    (_carried({"name": "rid"}),
+     "layers[1] (ad).carried[0] (rid): a carried column needs a dtype, e.g. "
+     "`{name: rid, dtype: int64}`; one of int64, float64, string, timestamp"),
+    (_carried({"name": "rid", "dtype": "int32"}),
+     "layers[1] (ad).carried[0] (rid).dtype: 'int32' is not a carried dtype; expected one of "
+     "int64, float64, string, timestamp"),
+    (_carried({"name": "rid", "dtype": "int64", "kind": "id"}),
+     "layers[1] (ad).carried[0]: unknown field 'kind'; expected name, dtype"),
+    (_carried({"name": "9x", "dtype": "int64"}),
+     "layers[1] (ad).carried[0].name: '9x' is not a valid column name"),
+    (_carried("rid"), "layers[1] (ad).carried[0]: a carried column is a mapping like"),
+    (_with(lambda d: d["layers"][-1].update(carried={"name": "rid", "dtype": "int64"})),
+     "layers[1] (ad).carried: expected a list like"),
+    (_carried({"name": "aid", "dtype": "int64"}),
+     "layers[1].carried[0]: name 'aid' is used twice (also layers[1].features[0])"),
+    (_carried({"name": "click", "dtype": "int64"}),
+     "layers[1].carried[0]: name 'click' is used twice (also labels[0])"),
+    (_carried({"name": "r", "dtype": "int64"}, {"name": "r", "dtype": "string"}),
+     "layers[1].carried[1]: name 'r' is used twice (also layers[1].carried[0])"),
+    (_with(lambda d: d["layers"][-1].update(key=["rid"],
+                                            carried=[{"name": "rid", "dtype": "int64"}])),
+     "layers[1] (ad).key: 'rid' is a carried column; carried columns are never part of a "
+     "node's identity"),
+    (_with(lambda d: d["layers"][-1]["features"].append({"name": "rid", "kind": "carried"})),
+     "layers[1] (ad).features[2] (rid).kind: a column that is carried but not trained is not "
+     "a feature; list it under the leaf layer's `carried:` instead"),
+])
+def test_invalid_carried_columns_name_the_column_and_the_fix(data, message):
+    with pytest.raises(SchemaError) as err:
+        schemas.from_dict(data)
+    assert message in str(err.value)
