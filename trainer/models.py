@@ -1,4 +1,5 @@
-"""Dense networks for the trainer: the paper's MLP, DIN-style target attention and ESMM.
+"""Dense networks for the trainer: the paper's MLP, DIN-style target attention, ESMM, and the
+cross models DCN-v2 and DeepFM.
 
 A DenseNet is a Keras layer with a ``forward(inputs)`` method that receives a
 :class:`trainer.network.Inputs` (per-layer features and an ``expand`` helper) and returns a dict
@@ -243,7 +244,202 @@ class ESMM(DenseNet):
                 "click": self.click, "conversion": self.conversion}
 
 
-MODELS = {"mlp": MLP, "din": DIN, "esmm": ESMM}
+def _glorot():
+    # A new initializer per weight: each draws its own seed from Keras' seeded generator.
+    return keras.initializers.GlorotUniform()
+
+
+def _widths(xs) -> list:
+    return [int(x.shape[-1]) for x in xs]
+
+
+def _split_matmul(inputs, xs, kernel):
+    """``sum_l expand(x_l kernel_l, l)``: ``x0 kernel`` of the leaves' concatenated input, each
+    layer's share computed on its own nodes (``kernel_l`` are kernel's rows of layer l)."""
+    out, start = None, 0
+    for level, x in enumerate(xs):
+        width = int(x.shape[-1])
+        part = inputs.expand(tf.matmul(x, kernel[start:start + width]), level)
+        out = part if out is None else out + part
+        start += width
+    return out
+
+
+class DCN(DenseNet):
+    """DCN-v2 (Wang et al., WWW 2021): a low-rank cross network in parallel with the MLP tower.
+
+    ``x0`` is a leaf's whole input (every layer's ``concat``, root first: pooled embeddings and
+    dense features). Cross layer k computes ``x_{k+1} = x0 * (U_k (V_k^T x_k) + b_k) + x_k``, the
+    paper's low-rank form of ``W_k = U_k V_k^T`` (U, V: d x ``rank``); the logit is
+    ``w^T x_L`` plus the deep tower's logit (the paper's parallel structure, one output layer
+    over ``[x_L, h]``). ``hidden``/``activation`` are the tower's, as MLP.
+
+    Structured compute runs on the nodes whatever is linear in ``x0`` (split by layer and
+    gathered, as SplitDense): the first layer's ``V_0^T x0``, and the output of the last layer,
+    ``w^T x_L = z . (U_{L-1}^T diag(w) x0) + (w * b_{L-1}) . x0 + w^T x_{L-1}`` with
+    ``z = V_{L-1}^T x_{L-1}`` (one matmul per layer's nodes, ``2 rank + 1`` columns, one gather).
+    The leaves then run ``2 (L - 1)`` rank-r products of width ``d = len(x0)`` (flat: ``2 L`` of
+    them and ``w^T x_L``); with one cross layer nothing of it runs per leaf but a dot product of
+    ``rank`` numbers. Flat compute runs the formula as written, so the structured == flat tests
+    check this algebra too. Unlike the MLP, layers 1.. of the cross network need ``x0`` itself
+    on the leaves ([leaves, d]): measured on taobao_like with trainer/examples/mlp.yaml, a step
+    of the defaults costs about 1.7-1.9x the MLP's (one cross layer: about 1.3x).
+
+    The cross terms are polynomials of degree ``cross_layers + 1`` in ``x0``: give dense features
+    a transform (``dense: {price: {transform: log1p}}``), raw values in the thousands make them
+    overflow.
+    """
+
+    def __init__(self, hidden=(200, 80), cross_layers: int = 2, rank: int = 32,
+                 activation="relu", label: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        for name, value in (("cross_layers", cross_layers), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DCN {name}: expected a positive integer, got {value!r}")
+        self.hidden = tuple(hidden)
+        self.cross_layers, self.rank = cross_layers, rank
+        self.activation_name, self.label = activation, label
+        self.tower = _Tower(self.hidden, activation)
+        self.cross_v = None
+
+    def _build_cross(self, width: int):
+        # Made at the first call, after the trainer seeded Keras; one fixed order.
+        self.cross_v, self.cross_u, self.cross_b = [], [], []
+        for k in range(self.cross_layers):
+            self.cross_v.append(self.add_weight(shape=(width, self.rank), name=f"cross_v_{k}",
+                                                initializer=_glorot()))
+            self.cross_u.append(self.add_weight(shape=(self.rank, width), name=f"cross_u_{k}",
+                                                initializer=_glorot()))
+            self.cross_b.append(self.add_weight(shape=(width,), name=f"cross_b_{k}",
+                                                initializer="zeros"))
+        self.cross_out = self.add_weight(shape=(width, 1), name="cross_out",
+                                         initializer=_glorot())
+
+    def forward(self, inputs):
+        xs = [inputs.concat(level) for level in range(inputs.levels)]
+        if self.cross_v is None:
+            self._build_cross(sum(_widths(xs)))
+        cross = self._cross_flat(xs) if inputs.flat else self._cross_structured(inputs, xs)
+        return {self.label or inputs.label_names[0]: self.tower(inputs) + cross}
+
+    def _cross_flat(self, xs):
+        x0 = tf.concat(xs, axis=1) if len(xs) > 1 else xs[0]
+        x = x0
+        for v, u, b in zip(self.cross_v, self.cross_u, self.cross_b):
+            x = x0 * (tf.matmul(tf.matmul(x, v), u) + b) + x
+        return tf.matmul(x, self.cross_out)[:, 0]
+
+    def _cross_structured(self, inputs, xs):
+        r, last = self.rank, self.cross_layers - 1
+        w = self.cross_out[:, 0]
+        fold = w[:, None] * tf.transpose(self.cross_u[last])       # [d, r]
+        # x0 . (w * b) + (with one layer, where x_{L-1} = x0) x0 . w
+        constant = w * (self.cross_b[last] + (1.0 if last == 0 else 0.0))
+        per_node = _split_matmul(inputs, xs, tf.concat(
+            [self.cross_v[0], fold, constant[:, None]], axis=1))    # [leaves, 2r + 1]
+        z, a, c = per_node[:, :r], per_node[:, r:2 * r], per_node[:, 2 * r]
+        if last == 0:
+            return tf.reduce_sum(z * a, axis=1) + c
+        x0 = tf.concat([inputs.expand(x, level) for level, x in enumerate(xs)], axis=1)
+        # x_1 = x0 * (z U_0 + b_0 + 1): the bias rides in the matmul as a row against a column
+        # of ones, so the leaves run one elementwise pass over [leaves, d] here, not three.
+        z = tf.pad(z, [[0, 0], [0, 1]], constant_values=1.0)
+        x = x0 * tf.matmul(z, tf.concat([self.cross_u[0], (self.cross_b[0] + 1.0)[None, :]],
+                                        axis=0))
+        for k in range(1, last):
+            x = x0 * (tf.matmul(tf.matmul(x, self.cross_v[k]), self.cross_u[k])
+                      + self.cross_b[k]) + x
+        # V_{L-1}^T x_{L-1} and w^T x_{L-1} in one matmul
+        y = tf.matmul(x, tf.concat([self.cross_v[last], self.cross_out], axis=1))
+        return tf.reduce_sum(y[:, :r] * a, axis=1) + c + y[:, r]
+
+    def spec(self):
+        return {"name": "dcn", "hidden": list(self.hidden), "cross_layers": self.cross_layers,
+                "rank": self.rank, "activation": self.activation_name, "label": self.label}
+
+
+class DeepFM(DenseNet):
+    """DeepFM (Guo et al., IJCAI 2017): linear part + FM second-order part + the MLP tower,
+    summed into one logit, all over the same pooled embeddings.
+
+    The FM fields are the ``id`` and ``ids`` features (an ``ids`` list is one field: its pooled
+    embedding, as the config pools it); ``FM = 0.5 * sum_k ((sum_f v_f)_k^2 - sum_f v_f,k^2)``,
+    so every field needs one embedding dimension (a ValueError at construction of the Trainer
+    otherwise). The linear part is ``w^T x0 + b`` over the leaf's whole input (pooled
+    embeddings and dense features), a linear layer over the embeddings rather than the paper's
+    per-id scalar weights (those would need a table of dimension 1 per feature); the tower's
+    output bias is the bias. ``hidden``/``activation`` are the tower's, as MLP.
+
+    Structured compute sums per node of each layer ``s_l = sum_{f in l} v_f`` and
+    ``q_l = sum_{f in l} |v_f|^2`` next to that layer's share of the linear part, gathers them to
+    the leaves in one gather per layer, and the leaves compute
+    ``0.5 |sum_l s_l|^2 - 0.5 sum_l q_l`` (d + 1 numbers per leaf and layer). Flat compute runs
+    the textbook formula over the stacked fields.
+    """
+
+    def __init__(self, hidden=(200, 80), activation="relu", label: str | None = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = tuple(hidden)
+        self.activation_name, self.label = activation, label
+        self.tower = _Tower(self.hidden, activation)
+        self.linear = None
+
+    @staticmethod
+    def field_dim(layout) -> int:
+        """The one embedding dimension of the FM fields (0 without any id/ids feature)."""
+        dims = sorted({b.dim for b in layout.blocks})
+        if len(dims) > 1:
+            by_dim = {}
+            for table, dim in sorted(layout.dims.items()):
+                by_dim.setdefault(dim, []).append(table)
+            found = "; ".join(f"dim {d}: {', '.join(t)}" for d, t in sorted(by_dim.items()))
+            raise ValueError(f"DeepFM: the FM term needs one embedding dimension for every "
+                             f"id/ids feature, the tables have several ({found}); give every "
+                             "table the same dim (embedding.dim, tables.<table>.dim)")
+        return dims[0] if dims else 0
+
+    def forward(self, inputs):
+        dim = self.field_dim(inputs.layout)
+        xs = [inputs.concat(level) for level in range(inputs.levels)]
+        # canonical order: one dimension, so each layer's fields are its first columns
+        fields = [sum(len(b.ids) + len(b.lists) for b in inputs.layout.layer_blocks(level))
+                  for level in range(inputs.levels)]
+        if self.linear is None:  # made at the first call, after the trainer seeded Keras
+            self.linear = self.add_weight(shape=(sum(_widths(xs)), 1), name="linear",
+                                          initializer="zeros")
+        if inputs.flat:
+            x0 = tf.concat(xs, axis=1) if len(xs) > 1 else xs[0]
+            logit = tf.matmul(x0, self.linear)[:, 0]
+            if dim:
+                v = tf.concat([tf.reshape(x[:, :n * dim], [-1, n, dim])
+                               for x, n in zip(xs, fields) if n], axis=1)   # [leaves, F, d]
+                s, q = tf.reduce_sum(v, axis=1), tf.reduce_sum(v * v, axis=1)
+                logit += 0.5 * tf.reduce_sum(s * s - q, axis=1)
+        else:
+            total, start = None, 0
+            for level, (x, n) in enumerate(zip(xs, fields)):
+                width = int(x.shape[-1])
+                part = tf.matmul(x, self.linear[start:start + width])      # [nodes, 1]
+                start += width
+                if dim:
+                    e = x[:, :n * dim]
+                    s = (tf.reduce_sum(tf.reshape(e, [-1, n, dim]), axis=1) if n
+                         else tf.zeros([tf.shape(x)[0], dim], x.dtype))
+                    q = tf.reduce_sum(e * e, axis=1, keepdims=True)
+                    part = tf.concat([s, part - 0.5 * q], axis=1)          # [nodes, d + 1]
+                part = inputs.expand(part, level)
+                total = part if total is None else total + part
+            s = total[:, :dim]
+            logit = total[:, dim] + 0.5 * tf.reduce_sum(s * s, axis=1)
+        return {self.label or inputs.label_names[0]: self.tower(inputs) + logit}
+
+    def spec(self):
+        return {"name": "deepfm", "hidden": list(self.hidden),
+                "activation": self.activation_name, "label": self.label}
+
+
+MODELS = {"mlp": MLP, "din": DIN, "esmm": ESMM, "dcn": DCN, "deepfm": DeepFM}
 
 
 def from_spec(spec: dict) -> DenseNet:
