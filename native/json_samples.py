@@ -3,7 +3,8 @@
     decoder = JsonSampleDecoder([JsonColumn("user_id", "id", key=True),
                                  JsonColumn("hist", "ids"),
                                  JsonColumn("price", "dense", dim=1),
-                                 JsonColumn("click", "label")])
+                                 JsonColumn("click", "label"),
+                                 JsonColumn("request_id", "carried", dtype="string")])
     out = decoder.decode([b'{"user_id": 1, ...}', ...], threads=2)
 
 The whole decode runs in C++ without the GIL (optionally on several threads). The accepted rows
@@ -24,8 +25,9 @@ from native.errors import InvalidInputError
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 MAX_MESSAGE_BYTES_LIMIT = 1 << 30
 
-_KINDS = {"id": 0, "ids": 1, "dense": 2, "label": 3}
-_TYPES = {"int64": 0, "string": 1, "float32": 2}
+_KINDS = {"id": 0, "ids": 1, "dense": 2, "label": 3, "carried": 4}
+_TYPES = {"int64": 0, "string": 1, "float32": 2, "float64": 3, "timestamp": 4}
+CARRIED_DTYPES = ("int64", "float64", "string", "timestamp")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,10 @@ class JsonColumn:
     """One field of the sample objects.
 
     ``kind``: ``id`` (one int64 or string), ``ids`` (a list of them, possibly empty), ``dense``
-    (a list of exactly ``dim`` floats, float32) or ``label`` (a float32 number in [0, 1]).
+    (a list of exactly ``dim`` floats, float32), ``label`` (a float32 number in [0, 1]) or
+    ``carried`` (a value kept with the sample but never trained, of ``dtype`` ``int64``,
+    ``float64``, ``string`` or ``timestamp``; null or missing gives a null row; a timestamp is
+    an ISO-8601 string, as pyarrow's JSON reader parses it for ``timestamp[us, tz=UTC]``).
     ``key`` only changes the reason given for a null value (key columns are named as such).
     """
 
@@ -47,7 +52,13 @@ class JsonColumn:
         if self.kind not in _KINDS:
             raise InvalidInputError(f"column {self.name!r}: unknown kind {self.kind!r}; expected "
                                     f"one of {', '.join(_KINDS)}")
-        if self.kind in ("dense", "label"):
+        if self.kind == "carried":
+            if self.dtype not in CARRIED_DTYPES:
+                raise InvalidInputError(f"column {self.name!r}: carried dtype {self.dtype!r} is "
+                                        f"not one of {', '.join(CARRIED_DTYPES)}")
+            if self.key:
+                raise InvalidInputError(f"column {self.name!r}: a carried column is never a key")
+        elif self.kind in ("dense", "label"):
             object.__setattr__(self, "dtype", "float32")
             if self.kind == "dense" and (not isinstance(self.dim, int) or self.dim < 1):
                 raise InvalidInputError(f"column {self.name!r}: dense columns need a dim >= 1")
@@ -69,6 +80,11 @@ class DecodedChunk:
     - ids int64: ``(list_offsets[rows+1], values int64)``
     - ids string: ``(list_offsets[rows+1], str_offsets[items+1], data uint8)``
     - dense: ``(list_offsets[rows+1], values float32[rows*dim])``; label: ``(values float32,)``
+    - carried: ``(validity, ...)`` then int64 / timestamp: ``values int64[rows]`` (timestamps in
+      microseconds since the epoch, UTC), float64: ``values float64[rows]``, string:
+      ``offsets[rows+1], data uint8``. ``validity`` is an Arrow bitmap (uint8, bit ``i % 8`` of
+      byte ``i // 8`` set when row ``i`` has a value), or None when no row of the chunk is null;
+      a null row holds 0 or an empty string.
     """
 
     message: np.ndarray

@@ -14,7 +14,13 @@ unknown and repeated fields are rejected (field names are compared after unescap
 ``"user\\u005fid"`` is ``user_id``), missing or null values get split_bad_rows' reasons, in its
 order; a number whose exponent pyarrow's RapidJSON finds too big for a double (``1e400``) is
 rejected, one that only overflows float32 (``1e39``) becomes infinity and fails the row checks;
-a leading UTF-8 BOM is skipped. The same reason texts for row problems, unknown fields (quoted
+a leading UTF-8 BOM is skipped. Carried columns (``schema.carried``: row ids, timestamps, never
+trained) are read as pyarrow reads them for their Arrow type: int64 as ids are, float64 correctly
+rounded from the text (NaN and Infinity accepted, overflow to infinity), strings as strings,
+timestamps from an ISO-8601 string with pyarrow's exact grammar (``YYYY-MM-DD``, then ``[ T]hh``,
+``hh:mm``, ``hh:mm:ss`` or ``hh:mm:ss.ffffff``, then an optional ``Z`` or ``+-hh[[:]mm]``
+offset; naive ones are UTC); a null or missing carried field is a null, never a reason to
+reject. The same reason texts for row problems, unknown fields (quoted
 as Python's repr, except that only U+0080-U+00A0 and U+00AD are escaped among non-ASCII
 characters), empty messages and non-objects; syntax and type errors get their own texts (the
 pyarrow path repeats pyarrow's or ``json.loads``' message), still starting with
@@ -54,7 +60,8 @@ def json_columns(schema: Schema) -> list[JsonColumn]:
     keys = {k for layer in schema.layers for k in layer.key}
     columns = [JsonColumn(f.name, f.kind, dtype=f.dtype if f.kind != "dense" else "float32",
                           dim=f.dim or 0, key=f.name in keys) for f in schema.features]
-    return columns + [JsonColumn(label, "label") for label in schema.labels]
+    columns += [JsonColumn(label, "label") for label in schema.labels]
+    return columns + [JsonColumn(c.name, "carried", dtype=c.dtype) for c in schema.carried]
 
 
 @functools.lru_cache(maxsize=16)
@@ -81,7 +88,8 @@ def decode_json_samples(values: list[bytes | None], schema: Schema, with_index: 
     raw_schema = schema.raw_arrow_schema()
     indexed = raw_schema.append(pa.field(MESSAGE_INDEX, pa.int64()))
     out = decoder.decode(values, threads=threads)
-    batches = [_record_batch(chunk, raw_schema, indexed) for chunk in out.chunks if chunk.num_rows]
+    batches = [_record_batch(chunk, decoder.columns, raw_schema, indexed)
+               for chunk in out.chunks if chunk.num_rows]
     table = pa.Table.from_batches(batches, schema=indexed)
     dead = list(zip(out.rejected_index.tolist(), out.rejected_reason))
     if with_index:
@@ -89,11 +97,12 @@ def decode_json_samples(values: list[bytes | None], schema: Schema, with_index: 
     return table.drop_columns([MESSAGE_INDEX]), [(values[i], reason) for i, reason in dead]
 
 
-def _record_batch(chunk: DecodedChunk, raw_schema: pa.Schema, indexed: pa.Schema
-                  ) -> pa.RecordBatch:
+def _record_batch(chunk: DecodedChunk, columns: tuple[JsonColumn, ...],
+                  raw_schema: pa.Schema, indexed: pa.Schema) -> pa.RecordBatch:
     rows = chunk.num_rows
-    arrays = [_array(field.type, rows, buffers)
-              for field, buffers in zip(raw_schema, chunk.columns)]
+    arrays = [_carried_array(field.type, rows, buffers) if column.kind == "carried"
+              else _array(field.type, rows, buffers)
+              for column, field, buffers in zip(columns, raw_schema, chunk.columns)]
     arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(chunk.message)]))
     return pa.RecordBatch.from_arrays(arrays, schema=indexed)
 
@@ -111,3 +120,12 @@ def _array(type_: pa.DataType, rows: int, buffers: tuple[np.ndarray, ...]) -> pa
     if pa.types.is_string(type_):
         return pa.Array.from_buffers(type_, rows, [None, buf[0], buf[1]])
     return pa.Array.from_buffers(type_, rows, [None, buf[0]])
+
+
+def _carried_array(type_: pa.DataType, rows: int, buffers: tuple) -> pa.Array:
+    """A carried column: (validity bitmap or None, values...) in the schema's Arrow type
+    (int64, float64, string, or timestamp[us, tz=UTC] over int64 microseconds)."""
+    validity, *values = buffers
+    buf = [None if validity is None else pa.py_buffer(validity)]
+    buf += [pa.py_buffer(b) for b in values]
+    return pa.Array.from_buffers(type_, rows, buf, null_count=0 if validity is None else -1)

@@ -392,6 +392,14 @@ py::tuple ColumnArrays(const pj::ColumnSpec& spec, pj::ColumnData& d) {
       return py::make_tuple(Release(d.offsets), Release(d.floats));
     case pj::ColumnKind::kLabel:
       return py::make_tuple(Release(d.floats));
+    case pj::ColumnKind::kCarried: {
+      // The validity bitmap only when the chunk has a null in this column (None: all valid).
+      py::object validity = py::none();
+      if (d.nulls > 0) validity = Release(d.validity);
+      if (strings) return py::make_tuple(validity, Release(d.str_offsets), Release(d.str_data));
+      if (spec.type == pj::ValueType::kFloat64) return py::make_tuple(validity, Release(d.doubles));
+      return py::make_tuple(validity, Release(d.ints));  // int64, timestamp (microseconds)
+    }
   }
   return py::tuple();
 }
@@ -404,7 +412,7 @@ std::unique_ptr<pj::JsonSampleDecoder> MakeJsonDecoder(const py::list& columns,
     pj::ColumnSpec spec;
     spec.name = std::get<0>(t);
     const int kind = std::get<1>(t), type = std::get<2>(t);
-    if (kind < 0 || kind > 3 || type < 0 || type > 2) Invalid("column " + spec.name + ": bad kind/type code");
+    if (kind < 0 || kind > 4 || type < 0 || type > 4) Invalid("column " + spec.name + ": bad kind/type code");
     spec.kind = static_cast<pj::ColumnKind>(kind);
     spec.type = static_cast<pj::ValueType>(type);
     spec.dim = std::get<3>(t);

@@ -14,6 +14,13 @@
 // as with pyarrow + its json.loads diagnosis); otherwise its row is checked in schema order as
 // compression.split_bad_rows does (null / missing value, null inside a list, dense length,
 // non-finite dense value, null label, label out of [0, 1]) and the first problem is its reason.
+//
+// Carried columns (int64, float64, string, timestamp) take a value of their type or null, and
+// have no row checks: a null or missing one is a null row (a validity bit, written when the row
+// is accepted, so a rejected row never touches the bitmap). Their values are read as pyarrow's
+// JSON reader reads them for the schema's Arrow type: float64 correctly rounded from the text
+// (overflow to +-infinity, NaN and Infinity accepted), timestamps from a JSON string with the
+// exact grammar of Arrow's ParseTimestampISO8601 for microseconds (ParseIso8601Micros below).
 #include "prefixrec/json_samples.h"
 
 #include <charconv>
@@ -207,8 +214,140 @@ std::string Describe(const ColumnSpec& c) {
     case ColumnKind::kIds:
       return c.type == ValueType::kInt64 ? "a list of integers (kind ids, dtype int64)"
                                          : "a list of strings (kind ids, dtype string)";
+    case ColumnKind::kCarried:
+      switch (c.type) {
+        case ValueType::kInt64: return "an integer or null (carried, dtype int64)";
+        case ValueType::kFloat64: return "a number or null (carried, dtype float64)";
+        case ValueType::kString: return "a string or null (carried, dtype string)";
+        case ValueType::kTimestamp:
+          return "an ISO-8601 timestamp string or null (carried, dtype timestamp)";
+        case ValueType::kFloat32: break;
+      }
+      break;
   }
   return "?";
+}
+
+// --- ISO-8601 timestamps, exactly as Arrow's ParseTimestampISO8601 (unit: microseconds) ------
+// Accepted: YYYY-MM-DD, then optionally [ T]hh, [ T]hh:mm, [ T]hh:mm:ss or [ T]hh:mm:ss.f{1,6},
+// each followed by an optional zone: Z, [+-]hh, [+-]hhmm or [+-]hh:mm (hours < 24, minutes
+// < 60, seconds < 60; the date must exist; years 0000-9999). The offset is subtracted: UTC.
+
+// n decimal digits (n <= 9), nothing else.
+inline bool FixedDigits(const uint8_t* s, size_t n, uint32_t* out) {
+  uint32_t v = 0;
+  for (size_t k = 0; k < n; ++k) {
+    if (!IsDigit(s[k])) return false;
+    v = v * 10 + static_cast<uint32_t>(s[k] - '0');
+  }
+  *out = v;
+  return true;
+}
+
+// Days from 1970-01-01 to y-m-d in the proleptic Gregorian calendar (H. Hinnant's algorithm).
+inline int64_t DaysFromCivil(int64_t y, uint32_t m, uint32_t d) {
+  y -= m <= 2;
+  const int64_t era = (y >= 0 ? y : y - 399) / 400;
+  const auto yoe = static_cast<uint32_t>(y - era * 400);
+  const uint32_t doy = (153 * (m > 2 ? m - 3 : m + 9) + 2) / 5 + d - 1;
+  const uint32_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+  return era * 146097 + static_cast<int64_t>(doe) - 719468;
+}
+
+inline uint32_t DaysInMonth(uint32_t y, uint32_t m) {
+  static constexpr uint8_t kDays[12] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+  const bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+  return m == 2 && leap ? 29 : kDays[m - 1];
+}
+
+inline bool IsoHH(const uint8_t* s, int64_t* seconds) {
+  uint32_t h;
+  if (!FixedDigits(s, 2, &h) || h >= 24) return false;
+  *seconds = int64_t{3600} * h;
+  return true;
+}
+
+inline bool IsoHHMM(const uint8_t* s, bool colon, int64_t* seconds) {
+  uint32_t h, m;
+  if (colon && s[2] != ':') return false;
+  if (!FixedDigits(s, 2, &h) || !FixedDigits(s + (colon ? 3 : 2), 2, &m)) return false;
+  if (h >= 24 || m >= 60) return false;
+  *seconds = int64_t{3600} * h + int64_t{60} * m;
+  return true;
+}
+
+inline bool IsoHHMMSS(const uint8_t* s, int64_t* seconds) {
+  uint32_t h, m, sec;
+  if (s[2] != ':' || s[5] != ':') return false;
+  if (!FixedDigits(s, 2, &h) || !FixedDigits(s + 3, 2, &m) || !FixedDigits(s + 6, 2, &sec)) {
+    return false;
+  }
+  if (h >= 24 || m >= 60 || sec >= 60) return false;
+  *seconds = int64_t{3600} * h + int64_t{60} * m + sec;
+  return true;
+}
+
+// s[0..length) is the decoded string; reads nothing outside it.
+bool ParseIso8601Micros(const uint8_t* s, size_t length, int64_t* out) {
+  constexpr int64_t kMicros = 1000000;
+  if (length < 10) return false;
+  if (s[4] != '-' || s[7] != '-') return false;
+  uint32_t year, month, day;
+  if (!FixedDigits(s, 4, &year) || !FixedDigits(s + 5, 2, &month) ||
+      !FixedDigits(s + 8, 2, &day)) {
+    return false;
+  }
+  if (month < 1 || month > 12 || day < 1 || day > DaysInMonth(year, month)) return false;
+  int64_t seconds = DaysFromCivil(year, month, day) * 86400;
+  if (length == 10) {
+    *out = seconds * kMicros;
+    return true;
+  }
+  if (s[10] != ' ' && s[10] != 'T') return false;
+  // length >= 11 from here, so s[length - 6] is inside the string.
+  int64_t zone = 0;
+  if (s[length - 1] == 'Z') {
+    --length;
+  } else if (s[length - 3] == '+' || s[length - 3] == '-') {
+    length -= 3;
+    if (!IsoHH(s + length + 1, &zone)) return false;
+    if (s[length] == '+') zone = -zone;
+  } else if (s[length - 5] == '+' || s[length - 5] == '-') {
+    length -= 5;
+    if (!IsoHHMM(s + length + 1, false, &zone)) return false;
+    if (s[length] == '+') zone = -zone;
+  } else if ((s[length - 6] == '+' || s[length - 6] == '-') && s[length - 3] == ':') {
+    length -= 6;
+    if (!IsoHHMM(s + length + 1, true, &zone)) return false;
+    if (s[length] == '+') zone = -zone;
+  }
+  int64_t time_of_day = 0;
+  switch (length) {
+    case 13:
+      if (!IsoHH(s + 11, &time_of_day)) return false;
+      break;
+    case 16:
+      if (!IsoHHMM(s + 11, true, &time_of_day)) return false;
+      break;
+    case 19: case 21: case 22: case 23: case 24: case 25: case 26: case 27: case 28: case 29:
+      if (!IsoHHMMSS(s + 11, &time_of_day)) return false;
+      break;
+    default:
+      return false;
+  }
+  seconds += time_of_day + zone;
+  if (length <= 19) {
+    *out = seconds * kMicros;
+    return true;
+  }
+  if (s[19] != '.') return false;
+  const size_t digits = length - 20;  // 1..9
+  if (digits > 6) return false;
+  uint32_t sub;
+  if (!FixedDigits(s + 20, digits, &sub)) return false;
+  for (size_t k = digits; k < 6; ++k) sub *= 10;
+  *out = seconds * kMicros + sub;
+  return true;
 }
 
 // A JSON number as scanned: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, or NaN / Inf /
@@ -288,7 +427,11 @@ bool RapidJsonTooBig(const Number& n) {
 class Parser {
  public:
   Parser(const std::vector<ColumnSpec>& columns, size_t max_message_bytes)
-      : columns_(columns), max_message_bytes_(max_message_bytes), state_(columns.size()) {}
+      : columns_(columns), max_message_bytes_(max_message_bytes), state_(columns.size()) {
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (columns[c].kind == ColumnKind::kCarried) carried_.push_back(c);
+    }
+  }
 
   void Run(const MessageRef* messages, size_t begin, size_t end, DecodeOutput* out) {
     size_t chunk_bytes = 0;
@@ -321,6 +464,7 @@ class Parser {
         p = pad_.data();
       }
       if (ParseMessage(p, p + m.size)) {
+        if (!carried_.empty()) FinishCarried();
         ++rows_;
         chunk_->messages.push_back(static_cast<int64_t>(i));
         if (rows_ == kSampleRows) ReserveLike(end - i - 1, RemainingBytes(messages, i + 1, end));
@@ -337,7 +481,7 @@ class Parser {
     uint8_t flags = 0;
     uint32_t count = 0;  // dense: items in the list, nulls included
   };
-  enum class FailKind : uint8_t { kType, kNotInteger, kOutOfRange };
+  enum class FailKind : uint8_t { kType, kNotInteger, kOutOfRange, kNotTimestamp };
 
   // After the first kSampleRows rows of a chunk, every buffer is reserved for `more` rows
   // like them (+1/8), so that growing a buffer rarely copies it.
@@ -355,6 +499,8 @@ class Parser {
     for (ColumnData& d : chunk_->columns) {
       ReserveFor(&d.ints, more, bytes);
       ReserveFor(&d.floats, more, bytes);
+      ReserveFor(&d.doubles, more, bytes);
+      ReserveFor(&d.validity, more, bytes);
       ReserveFor(&d.offsets, more, bytes);
       ReserveFor(&d.str_offsets, more, bytes);
       ReserveFor(&d.str_data, more, bytes);
@@ -430,6 +576,41 @@ class Parser {
         case ColumnKind::kLabel:
           d.floats.truncate(n);
           break;
+        case ColumnKind::kCarried:  // the validity bits are only written for accepted rows
+          if (s.type == ValueType::kString) {
+            TruncateStrings(d, n);
+          } else if (s.type == ValueType::kFloat64) {
+            d.doubles.truncate(n);
+          } else {
+            d.ints.truncate(n);
+          }
+          break;
+      }
+    }
+  }
+
+  // An accepted row: the validity bit of each carried column, and a placeholder value (0, an
+  // empty string) for a null or missing one. A given value was appended as it was parsed.
+  void FinishCarried() {
+    const size_t row = rows_;
+    for (const size_t c : carried_) {
+      ColumnData& d = chunk_->columns[c];
+      const uint8_t flags = state_[c].flags;
+      if (row % 8 == 0) d.validity.push_back(0);
+      if ((flags & kSeen) && !(flags & kNull)) {
+        d.validity[row / 8] = static_cast<uint8_t>(d.validity[row / 8] | (1u << (row % 8)));
+        continue;
+      }
+      ++d.nulls;
+      switch (columns_[c].type) {
+        case ValueType::kString:
+          d.str_offsets.push_back(d.str_offsets.back());
+          break;
+        case ValueType::kFloat64:
+          d.doubles.push_back(0.0);
+          break;
+        default:
+          d.ints.push_back(0);
       }
     }
   }
@@ -615,19 +796,53 @@ class Parser {
     const std::string text(reinterpret_cast<const char*>(start), static_cast<size_t>(stop - start));
     return strtof_l(text.c_str(), nullptr, c_locale);
 #endif
-    // Out of float range: the value is >= 1 (overflow to infinity) iff its leading significant
-    // digit sits at a decimal position >= 0.
+    return OutOfRange<float>(n);
+  }
+
+  // The same for a float64 (carried) value: correctly rounded from the decimal text, as
+  // pyarrow's converter (fast_float) does; out of range: +-infinity or +-0.
+  static double ToDouble(const uint8_t* start, const uint8_t* stop, const Number& n) {
+    if (n.special == 1) {  // -NaN keeps its sign bit, as fast_float gives it
+      return std::copysign(std::numeric_limits<double>::quiet_NaN(), n.negative ? -1.0 : 1.0);
+    }
+    if (n.special == 2) {
+      return n.negative ? -std::numeric_limits<double>::infinity()
+                        : std::numeric_limits<double>::infinity();
+    }
+    if (n.frac_len == 0 && !n.has_exp && n.int_len <= 15) {  // exact in float64
+      int64_t v = 0;
+      for (size_t k = 0; k < n.int_len; ++k) v = v * 10 + (n.int_digits[k] - '0');
+      const auto f = static_cast<double>(v);
+      return n.negative ? -f : f;
+    }
+#if defined(__cpp_lib_to_chars) && !defined(PREFIXREC_JSON_STRTOF)
+    double f = 0.0;
+    const auto r = std::from_chars(reinterpret_cast<const char*>(start),
+                                   reinterpret_cast<const char*>(stop), f);
+    if (r.ec == std::errc() && r.ptr == reinterpret_cast<const char*>(stop)) return f;
+#else
+    static const locale_t c_locale = newlocale(LC_ALL_MASK, "C", static_cast<locale_t>(nullptr));
+    const std::string text(reinterpret_cast<const char*>(start), static_cast<size_t>(stop - start));
+    return strtod_l(text.c_str(), nullptr, c_locale);
+#endif
+    return OutOfRange<double>(n);
+  }
+
+  // A finite number out of T's range: the value is >= 1 (overflow to infinity) iff its
+  // leading significant digit sits at a decimal position >= 0; else it underflows to zero.
+  template <typename T>
+  static T OutOfRange(const Number& n) {
     int64_t lead = 0;  // the value lies in [10^(lead-1), 10^lead)
     if (n.int_digits[0] != '0') {
       lead = static_cast<int64_t>(n.int_len);
     } else {
       size_t zeros = 0;
       while (zeros < n.frac_len && n.frac_digits[zeros] == '0') ++zeros;
-      if (zeros == n.frac_len) return n.negative ? -0.0f : 0.0f;
+      if (zeros == n.frac_len) return n.negative ? -T(0) : T(0);
       lead = -static_cast<int64_t>(zeros);
     }
     lead += n.exp_negative ? -n.exp : n.exp;
-    const float magnitude = lead >= 1 ? std::numeric_limits<float>::infinity() : 0.0f;
+    const T magnitude = lead >= 1 ? std::numeric_limits<T>::infinity() : T(0);
     return n.negative ? -magnitude : magnitude;
   }
 
@@ -788,6 +1003,53 @@ class Parser {
     return q;
   }
 
+  const uint8_t* ParseDouble(const uint8_t* p, double* out) {
+    const uint8_t c = *p;
+    if (!(IsDigit(c) || c == '-' || c == 'N' || c == 'I')) return Fail(p, FailKind::kType);
+    Number n;
+    const uint8_t* q = ScanNumber(p, &n);
+    if (q == nullptr) return Fail(p, FailKind::kType);  // a syntax error: SkipValue reports it
+    *out = ToDouble(p, q, n);
+    return q;
+  }
+
+  // A JSON string holding an ISO-8601 timestamp: microseconds since the epoch, UTC.
+  const uint8_t* ParseTimestamp(const uint8_t* p, int64_t* out) {
+    if (*p != '"') return Fail(p, FailKind::kType);
+    scratch_.clear();
+    const uint8_t* q = ScanString(p + 1, &scratch_);
+    if (q == nullptr) return nullptr;  // syntax error, recorded
+    if (!ParseIso8601Micros(scratch_.data(), scratch_.size(), out)) {
+      return Fail(p, FailKind::kNotTimestamp);
+    }
+    return q;
+  }
+
+  const uint8_t* ParseCarried(const ColumnSpec& s, ColumnData& d, const uint8_t* p) {
+    switch (s.type) {
+      case ValueType::kString:
+        return ParseStringValue(p, &d);
+      case ValueType::kFloat64: {
+        double v;
+        p = ParseDouble(p, &v);
+        if (p != nullptr) d.doubles.push_back(v);
+        return p;
+      }
+      case ValueType::kTimestamp: {
+        int64_t v;
+        p = ParseTimestamp(p, &v);
+        if (p != nullptr) d.ints.push_back(v);
+        return p;
+      }
+      default: {
+        int64_t v;
+        p = ParseInt(p, &v);
+        if (p != nullptr) d.ints.push_back(v);
+        return p;
+      }
+    }
+  }
+
   const uint8_t* ParseStringValue(const uint8_t* p, ColumnData* d) {
     if (*p != '"') return Fail(p, FailKind::kType);
     p = ScanString(p + 1, &d->str_data);
@@ -820,6 +1082,8 @@ class Parser {
         if (p != nullptr) d.floats.push_back(v);
         return p;
       }
+      case ColumnKind::kCarried:
+        return ParseCarried(s, d, p);
       case ColumnKind::kIds:
       case ColumnKind::kDense:
         break;
@@ -873,7 +1137,10 @@ class Parser {
     const uint8_t* at = fail_at_ != nullptr ? fail_at_ : value;
     std::string what;
     switch (*at) {
-      case '"': what = "a string"; break;
+      case '"':
+        what = fail_ == FailKind::kNotTimestamp ? QuotedToken(at) + ", not a timestamp"
+                                                : "a string";
+        break;
       case '[': what = "a list"; break;
       case '{': what = "an object"; break;
       case 't': case 'f': what = "a boolean"; break;
@@ -893,6 +1160,21 @@ class Parser {
     }
     if (at != value) what = "a list holding " + what;
     return what;
+  }
+
+  // The raw text of the JSON string at `at` (its quotes included; valid, as it was scanned),
+  // cut at kMaxTokenInReason bytes on a UTF-8 character boundary.
+  std::string QuotedToken(const uint8_t* at) const {
+    const uint8_t* q = at + 1;
+    while (q < end_ && *q != '"') q += (*q == '\\' && q + 1 < end_) ? 2 : 1;
+    size_t len = static_cast<size_t>(q - at - 1);
+    bool cut = false;
+    if (len > kMaxTokenInReason) {
+      len = kMaxTokenInReason;
+      while (len > 0 && (at[1 + len] & 0xC0) == 0x80) --len;
+      cut = true;
+    }
+    return "\"" + std::string(reinterpret_cast<const char*>(at + 1), len) + (cut ? "...\"" : "\"");
   }
 
   // --- a message ----------------------------------------------------------------------------
@@ -1049,6 +1331,7 @@ class Parser {
     for (size_t c = 0; c < columns_.size(); ++c) {
       const ColumnSpec& s = columns_[c];
       const State& st = state_[c];
+      if (s.kind == ColumnKind::kCarried) continue;  // nulls allowed, no row checks
       const bool null = !(st.flags & kSeen) || (st.flags & kNull);
       if (s.kind == ColumnKind::kLabel) {
         if (null) {
@@ -1093,6 +1376,7 @@ class Parser {
   const std::vector<ColumnSpec>& columns_;
   const size_t max_message_bytes_;
   std::vector<State> state_;
+  std::vector<size_t> carried_;  // the carried columns' indices (their rows are finished apart)
   DecodedChunk* chunk_ = nullptr;
   size_t rows_ = 0;
 
@@ -1137,7 +1421,17 @@ JsonSampleDecoder::JsonSampleDecoder(std::vector<ColumnSpec> columns, size_t max
     if (!names.insert(c.name).second) Invalid("column name '" + c.name + "' is used twice");
     const auto kind = static_cast<uint8_t>(c.kind);
     const auto type = static_cast<uint8_t>(c.type);
-    if (kind > 3 || type > 2) Invalid("column '" + c.name + "': unknown kind or type");
+    if (kind > 4 || type > 4) Invalid("column '" + c.name + "': unknown kind or type");
+    if (c.kind == ColumnKind::kCarried) {
+      if (c.type == ValueType::kFloat32 || c.dim != 0) {
+        Invalid("column '" + c.name + "': carried columns are int64, float64, string or "
+                "timestamp, without a dim");
+      }
+      continue;
+    }
+    if (c.type == ValueType::kFloat64 || c.type == ValueType::kTimestamp) {
+      Invalid("column '" + c.name + "': only carried columns are float64 or timestamp");
+    }
     const bool floats = c.kind == ColumnKind::kDense || c.kind == ColumnKind::kLabel;
     if (floats != (c.type == ValueType::kFloat32)) {
       Invalid("column '" + c.name + "': dense and label columns are float32, ids int64 or string");

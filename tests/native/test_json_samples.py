@@ -5,8 +5,10 @@ hypothesis feeds it random and mutated bytes, which must never crash it and must
 rejected with a reason or decode to what json.loads reads. The comparison with the pyarrow
 path (compression.decode_json_samples) is in tests/trainer/test_json_decode.py.
 """
+import datetime as dt
 import json
 import math
+import struct
 import sys
 import threading
 from fractions import Fraction
@@ -16,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from native import _store
 from native.errors import InvalidInputError
 from native.json_samples import JsonColumn, JsonSampleDecoder
 from mutations import mutate
@@ -67,6 +70,8 @@ def _strings(offsets, data):
 
 
 def _column_values(spec, buffers, n):
+    if spec.kind == "carried":
+        return _carried_values(spec, buffers, n)
     for b in buffers:
         assert b.flags.c_contiguous
     if spec.kind == "label":
@@ -97,6 +102,33 @@ def _column_values(spec, buffers, n):
         assert len(str_offsets) == offsets[-1] + 1
         items = _strings(str_offsets, data)
     return [items[offsets[i]:offsets[i + 1]] for i in range(n)]
+
+
+def _carried_values(spec, buffers, n):
+    """A carried column's values, None for null rows (whose placeholder must be 0 or "")."""
+    validity, *values = buffers
+    if validity is None:
+        valid = [True] * n
+    else:
+        assert validity.dtype == np.uint8 and len(validity) == (n + 7) // 8
+        valid = [bool(validity[i // 8] >> (i % 8) & 1) for i in range(n)]
+        assert not all(valid)  # a bitmap only when the chunk has a null
+        assert n % 8 == 0 or validity[-1] >> (n % 8) == 0  # bits past the last row stay 0
+    if spec.dtype == "string":
+        offsets, data = values
+        assert offsets.dtype == np.int32 and data.dtype == np.uint8 and len(offsets) == n + 1
+        items = _strings(offsets, data)
+        placeholder = ""
+    else:
+        (items,) = values
+        assert items.dtype == (np.float64 if spec.dtype == "float64" else np.int64)
+        assert len(items) == n
+        items = items.tolist()
+        placeholder = 0
+    for item, ok in zip(items, valid):
+        assert ok or (item == placeholder and not (isinstance(item, float)
+                                                   and math.copysign(1, item) < 0))
+    return [item if ok else None for item, ok in zip(items, valid)]
 
 
 def float32_of(text: str) -> float:
@@ -384,16 +416,24 @@ def test_valid_samples_decode_to_their_values(samples, ensure_ascii, rnd):
 
 # -- the GIL ---------------------------------------------------------------------------------
 
-def test_the_gil_is_released_while_decoding():
+@pytest.mark.parametrize("carried", [False, True])
+def test_the_gil_is_released_while_decoding(carried):
     # With a 100 s switch interval no thread is ever forced to give up the GIL: the main thread,
     # woken when the worker is about to call decode, can only run before decode returns if
     # decode releases the GIL.
-    values = [sample(uid=i, hist=range(30)) for i in range(100_000)]
+    if carried:
+        decoder = CARRIED_DECODER
+        values = [carried_sample(uid=i, rid=i, score=i / 7, req=f"r{i}",
+                                 ts="2024-05-01T12:00:00.25Z") if i % 3 else carried_sample(uid=i)
+                  for i in range(100_000)]
+    else:
+        decoder = DECODER
+        values = [sample(uid=i, hist=range(30)) for i in range(100_000)]
     started, state = threading.Event(), {}
 
     def work():
         started.set()
-        state["out"] = DECODER.decode(values, threads=1)
+        state["out"] = decoder.decode(values, threads=1)
         state["done"] = True
 
     interval = sys.getswitchinterval()
@@ -431,3 +471,344 @@ def test_one_decoder_serves_several_python_threads_at_once():
     for out in results:
         assert rows(out) == rows(expected)
         assert out.rejected_index.tolist() == expected.rejected_index.tolist()
+
+
+# -- carried columns (kept with the sample, never trained; nulls allowed) ---------------------
+
+CARRIED = [
+    JsonColumn("uid", "id", key=True),
+    JsonColumn("click", "label"),
+    JsonColumn("rid", "carried"),  # int64
+    JsonColumn("score", "carried", dtype="float64"),
+    JsonColumn("req", "carried", dtype="string"),
+    JsonColumn("ts", "carried", dtype="timestamp"),
+]
+CARRIED_DECODER = JsonSampleDecoder(CARRIED, max_message_bytes=1 << 16)
+NO_CARRIED = {"rid": None, "score": None, "req": None, "ts": None}
+UTC = dt.timezone.utc
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def carried_sample(uid=1, click=0, **fields):
+    return json.dumps({"uid": uid, "click": click, **fields}).encode()
+
+
+def micros(*args, tz=UTC) -> int:
+    return (dt.datetime(*args, tzinfo=tz) - EPOCH) // dt.timedelta(microseconds=1)
+
+
+def bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def arrow_iso_micros(text: str):
+    """Arrow's ParseTimestampISO8601 (unit us), written again in Python: the reference for the
+    fuzz test (tests/trainer/test_json_decode.py compares the decoder with pyarrow itself)."""
+    s = text.encode("utf-8")
+    n = len(s)
+
+    def num(a, b):
+        part = s[a:b]
+        return int(part) if len(part) == b - a and part.isdigit() else None
+
+    def hh(a):
+        h = num(a, a + 2)
+        return None if h is None or h >= 24 else 3600 * h
+
+    def hhmm(a, colon):
+        if colon and s[a + 2:a + 3] != b":":
+            return None
+        h, m = num(a, a + 2), num(a + 3 if colon else a + 2, a + 5 if colon else a + 4)
+        return None if h is None or m is None or h >= 24 or m >= 60 else 3600 * h + 60 * m
+
+    if n < 10 or s[4:5] != b"-" or s[7:8] != b"-":
+        return None
+    y, mo, d = num(0, 4), num(5, 7), num(8, 10)
+    if y is None or mo is None or d is None or not 1 <= mo <= 12:
+        return None
+    leap = y % 4 == 0 and (y % 100 != 0 or y % 400 == 0)
+    if not 1 <= d <= [31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][mo - 1]:
+        return None
+    # year 0 is fine too: the Gregorian calendar repeats every 400 years (146097 days)
+    days = (dt.date(y, mo, d).toordinal() if y else dt.date(400, mo, d).toordinal() - 146097)
+    days -= dt.date(1970, 1, 1).toordinal()
+    seconds = days * 86400
+    if n == 10:
+        return seconds * 10**6
+    if s[10:11] not in (b" ", b"T"):
+        return None
+    zone = 0
+    if s[n - 1:n] == b"Z":
+        n -= 1
+    else:
+        for width, parse in ((3, hh), (5, lambda a: hhmm(a, False)), (6, lambda a: hhmm(a, True))):
+            if s[n - width:n - width + 1] in (b"+", b"-") and (width < 6 or s[n - 3:n - 2] == b":"):
+                n -= width
+                zone = parse(n + 1)
+                if zone is None:
+                    return None
+                if s[n:n + 1] == b"+":
+                    zone = -zone
+                break
+    if n == 13:
+        tod = hh(11)
+    elif n == 16:
+        tod = hhmm(11, True)
+    elif n == 19 or 21 <= n <= 29:
+        sec = num(17, 19)
+        tod = hhmm(11, True) if s[16:17] == b":" else None
+        tod = None if tod is None or sec is None or sec >= 60 else tod + sec
+    else:
+        return None
+    if tod is None:
+        return None
+    seconds += tod + zone
+    if n <= 19:
+        return seconds * 10**6
+    if s[19:20] != b"." or n - 20 > 6:
+        return None
+    frac = num(20, n)
+    return None if frac is None else seconds * 10**6 + frac * 10 ** (6 - (n - 20))
+
+
+def test_carried_columns_keep_their_values_and_read_null_or_missing_as_null():
+    values = [carried_sample(uid=1, rid=-(2**63), score=0.1, req="é\x00x", ts="2024-05-01 12:00"),
+              carried_sample(uid=2),  # all missing
+              carried_sample(uid=3, rid=None, score=None, req=None, ts=None),
+              carried_sample(uid=4, rid=2**63 - 1, req="", ts="2024-05-01T12:00:00.5+02:00"),
+              carried_sample(uid=5, score=-2.5e-300)]
+    out = CARRIED_DECODER.decode(values)
+    got, messages = rows(out, CARRIED)
+    assert messages == [0, 1, 2, 3, 4] and len(out.rejected_index) == 0
+    assert got == [
+        {"uid": 1, "click": 0.0, "rid": -(2**63), "score": 0.1, "req": "é\x00x",
+         "ts": micros(2024, 5, 1, 12, 0)},
+        {"uid": 2, "click": 0.0, **NO_CARRIED},
+        {"uid": 3, "click": 0.0, **NO_CARRIED},
+        {"uid": 4, "click": 0.0, "rid": 2**63 - 1, "score": None, "req": "",
+         "ts": micros(2024, 5, 1, 10, 0, 0, 500000)},
+        {"uid": 5, "click": 0.0, **NO_CARRIED, "score": -2.5e-300}]
+    # No null in a chunk: no bitmap at all.
+    (chunk,) = CARRIED_DECODER.decode(values[:1]).chunks
+    assert all(buffers[0] is None for buffers in chunk.columns[2:])
+
+
+@pytest.mark.parametrize("text", [
+    "0.1", "-0", "-0.0", "1E5", "0.30000000000000004", "9007199254740993", "1e308",
+    "1.7976931348623157e308", "1.7976931348623159e308", "2e308", "10e308", "1" + "0" * 400,
+    "-1" + "0" * 400, "1e-400", "-1e-400", "4.9e-324", "2.4703282292062328e-324",
+    "2.4703282292062327e-324", "2.2250738585072011e-308", "123456789012345678901234567890e-10",
+    "1" + "0" * 400 + "e-400", "0." + "0" * 400 + "1e400", "NaN", "-NaN", "Infinity",
+    "-Infinity", "Inf", "-Inf", "18446744073709551616", "999999999999999", "9999999999999999"])
+def test_carried_float64_is_rounded_once_from_the_text(text):
+    message = carried_sample(score=0).replace(b'"score": 0', f'"score": {text}'.encode())
+    (row,), _ = rows(CARRIED_DECODER.decode([message]), CARRIED)
+    assert bits(row["score"]) == bits(float(text)), (row["score"], float(text))
+
+
+@given(st.lists(DECIMAL, min_size=1, max_size=4))
+@FUZZ
+def test_random_decimals_as_float64_match_pythons_correct_rounding(texts):
+    values = [carried_sample(score=0).replace(b'"score": 0', f'"score": {t}'.encode())
+              for t in texts]
+    got, _ = rows(CARRIED_DECODER.decode(values), CARRIED)
+    assert [bits(r["score"]) for r in got] == [bits(float(t)) for t in texts]
+
+
+TIMESTAMPS = [
+    ("2024-05-01", micros(2024, 5, 1)),
+    ("2024-05-01T12", micros(2024, 5, 1, 12)),
+    ("2024-05-01 12:34", micros(2024, 5, 1, 12, 34)),
+    ("2024-05-01T12:34:56", micros(2024, 5, 1, 12, 34, 56)),
+    ("2024-05-01T12:34:56.1", micros(2024, 5, 1, 12, 34, 56, 100000)),
+    ("2024-05-01T12:34:56.000001", micros(2024, 5, 1, 12, 34, 56, 1)),
+    ("2024-05-01T12:34:56.123456Z", micros(2024, 5, 1, 12, 34, 56, 123456)),
+    ("2024-05-01T12Z", micros(2024, 5, 1, 12)),
+    ("2024-05-01T12:00-05", micros(2024, 5, 1, 17)),
+    ("2024-05-01T12-05", micros(2024, 5, 1, 17)),
+    ("2024-05-01T12:00:00+0530", micros(2024, 5, 1, 6, 30)),
+    ("2024-05-01T12:00:00.5-00:30", micros(2024, 5, 1, 12, 30, 0, 500000)),
+    ("2024-05-01T00:00+23:59", micros(2024, 4, 30, 0, 1)),
+    ("2000-02-29", micros(2000, 2, 29)),
+    ("1969-12-31T23:59:59.999999", -1),
+    ("0001-01-01", micros(1, 1, 1)),
+    ("0000-01-01", micros(1, 1, 1) - 366 * 86400 * 10**6),
+    ("9999-12-31T23:59:59.999999", micros(9999, 12, 31, 23, 59, 59, 999999)),
+    ("\u0032024-05-01", micros(2024, 5, 1)),  # escapes are decoded first
+    # rejected, as pyarrow rejects them
+    ("", None), ("2024-5-1", None), ("20240501", None), ("2024-05-01Z", None),
+    ("2024-05-01T", None), ("2024-05-01t12", None), ("2024-05-01T12:00:00z", None),
+    ("2024-13-01", None), ("2024-00-01", None), ("2023-02-29", None), ("1900-02-29", None),
+    ("2024-04-31", None), ("2024-05-01T24:00", None), ("2024-05-01T12:60", None),
+    ("2024-05-01T23:59:60", None), ("2024-05-01T12:00:00.", None),
+    ("2024-05-01T12:00:00.1234567", None), ("2024-05-01T12:00:00,5", None),
+    ("2024-05-01T12:00:00+24:00", None), ("2024-05-01T12:00:00+02:60", None),
+    ("2024-05-01T12:00:00+2", None), ("2024-05-01T12:00:00.123-45", None),
+    (" 2024-05-01", None), ("2024-05-01 ", None), ("10000-01-01", None), ("-001-01-01", None),
+    ("2024-05-01T12:00:00\u0000", None), ("２０２４-05-01", None), ("2024-05-01T12:0000", None),
+]
+
+
+@pytest.mark.parametrize("text,expected", TIMESTAMPS, ids=range(len(TIMESTAMPS)))
+def test_carried_timestamps_are_read_with_arrows_iso8601_grammar(text, expected):
+    assert arrow_iso_micros(text) == expected  # the fuzz test's reference agrees
+    out = CARRIED_DECODER.decode([carried_sample(ts=text)])
+    got, _ = rows(out, CARRIED)
+    if expected is None:
+        assert got == []
+        assert out.rejected_reason == [
+            "not a valid sample: field 'ts': expected an ISO-8601 timestamp string or null "
+            f"(carried, dtype timestamp), got {json.dumps(text)[:41]}" +
+            ('..."' if len(json.dumps(text)) > 42 else "") + ", not a timestamp"]
+    else:
+        assert got[0]["ts"] == expected
+
+
+CARRIED_REJECTED = [
+    ('"rid": "1"', "field 'rid': expected an integer or null (carried, dtype int64), got a string"),
+    ('"rid": 1.0', "field 'rid': expected an integer or null (carried, dtype int64), got 1.0, "
+                   "not an integer"),
+    ('"rid": 9223372036854775808', "field 'rid': expected an integer or null (carried, dtype "
+                                   "int64), got 9223372036854775808, out of the int64 range"),
+    ('"rid": true', "field 'rid': expected an integer or null (carried, dtype int64), got a "
+                    "boolean"),
+    ('"rid": [1]', "field 'rid': expected an integer or null (carried, dtype int64), got a list"),
+    ('"rid": NaN', "field 'rid': expected an integer or null"),
+    ('"score": "1.5"', "field 'score': expected a number or null (carried, dtype float64), got a "
+                       "string"),
+    ('"score": false', "field 'score': expected a number or null (carried, dtype float64), got a "
+                       "boolean"),
+    ('"score": {"a": 1}', "field 'score': expected a number or null (carried, dtype float64), "
+                          "got an object"),
+    ('"req": 5', "field 'req': expected a string or null (carried, dtype string), got 5"),
+    ('"req": ["a"]', "field 'req': expected a string or null (carried, dtype string), got a list"),
+    ('"ts": 1714564800', "field 'ts': expected an ISO-8601 timestamp string or null (carried, "
+                         "dtype timestamp), got 1714564800"),
+    ('"ts": "2024-05-01T12:00:00.1234567"', "field 'ts': expected an ISO-8601 timestamp string "
+                                            "or null (carried, dtype timestamp), got "
+                                            '"2024-05-01T12:00:00.1234567", not a timestamp'),
+    ('"ts": "' + "é" * 30 + '"', "field 'ts': expected an ISO-8601 timestamp string or null "
+                                 '(carried, dtype timestamp), got "' + "é" * 20 + '...", not a '
+                                 "timestamp"),
+    ('"rid": 1, "rid": 2', "field 'rid' is given twice"),
+    ('"ts": "2024-05-01", "other": 1', "unexpected field(s) 'other'; the schema has no such "
+                                       "column"),
+    ('"score": 1e400', "not JSON (number too big to be stored in a double"),
+    ('"req": "a\\qb"', "not JSON (invalid escape in a string"),
+    ('"ts": "2024-05-01', "not JSON ("),
+]
+
+
+@pytest.mark.parametrize("field,reason", CARRIED_REJECTED, ids=range(len(CARRIED_REJECTED)))
+def test_a_carried_value_of_the_wrong_type_is_rejected_naming_the_column(field, reason):
+    bad = b'{"uid": 9, ' + field.encode() + b', "click": 1}'
+    values = [carried_sample(uid=1, rid=1, ts="2024-05-01"), bad,
+              carried_sample(uid=2, req="b", score=2.5), bad, carried_sample(uid=3)]
+    for copy in (False, True):
+        out = CARRIED_DECODER.decode(values, _copy_messages=copy)
+        got, messages = rows(out, CARRIED)
+        assert messages == [0, 2, 4] and out.rejected_index.tolist() == [1, 3]
+        assert got == [{"uid": 1, "click": 0.0, **NO_CARRIED, "rid": 1, "ts": micros(2024, 5, 1)},
+                       {"uid": 2, "click": 0.0, **NO_CARRIED, "req": "b", "score": 2.5},
+                       {"uid": 3, "click": 0.0, **NO_CARRIED}]
+        assert out.rejected_reason[0] == out.rejected_reason[1]
+        assert out.rejected_reason[0].startswith("not a valid sample: " + reason), \
+            out.rejected_reason[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_rejected_after_their_carried_values_roll_them_back(threads):
+    # Carried fields come first in each message, then a row check rejects every 5th one: the
+    # values already appended must go, and the validity bits stay aligned with the rows.
+    values, expected = [], []
+    for i in range(3000):
+        fields = {}
+        if i % 3:
+            fields = {"rid": i, "score": i / 4, "req": "r" * (i % 5),
+                      "ts": f"2024-05-01T00:00:{i % 60:02d}"}
+        elif i % 2:
+            fields = {"rid": None, "req": None}
+        click = 2 if i % 5 == 0 else i % 2
+        values.append(json.dumps({**fields, "uid": i, "click": click}).encode())
+        if i % 5:
+            row = {"uid": i, "click": float(i % 2), **NO_CARRIED, **fields}
+            if row["ts"] is not None:
+                row["ts"] = micros(2024, 5, 1, 0, 0, i % 60)
+            expected.append(row)
+    out = CARRIED_DECODER.decode(values, threads=threads)
+    got, messages = rows(out, CARRIED)
+    assert len(out.chunks) == threads
+    assert got == expected
+    assert out.rejected_index.tolist() == list(range(0, 3000, 5))
+    assert set(out.rejected_reason) == {"label 'click': value out of range, labels must be in "
+                                        "[0, 1]"}
+
+
+def test_carried_column_specs_are_checked_at_the_boundary():
+    with pytest.raises(InvalidInputError, match="carried dtype"):
+        JsonColumn("x", "carried", dtype="float32")
+    with pytest.raises(InvalidInputError, match="never a key"):
+        JsonColumn("x", "carried", key=True)
+    with pytest.raises(InvalidInputError, match="only dense"):
+        JsonColumn("x", "carried", dim=2)
+    with pytest.raises(InvalidInputError, match="not int64 or string"):
+        JsonColumn("x", "id", dtype="timestamp")
+    # The C++ side checks on its own whatever it is given.
+    for spec in [("x", 4, 2, 0, False), ("x", 4, 0, 1, False), ("x", 0, 3, 0, False),
+                 ("x", 1, 4, 0, False), ("x", 3, 3, 0, False), ("x", 5, 0, 0, False),
+                 ("x", 4, 5, 0, False), ("x", -1, 0, 0, False)]:
+        with pytest.raises(InvalidInputError):
+            _store.JsonSampleDecoder([spec], 100)
+
+
+def _check_carried_invariants(values, out):
+    got, messages = rows(out, CARRIED)
+    rejected = out.rejected_index.tolist()
+    assert sorted(messages + rejected) == list(range(len(values)))
+    assert len(out.rejected_reason) == len(rejected) and all(out.rejected_reason)
+    for row, index in zip(got, messages):
+        try:
+            parsed = json.loads(values[index].decode("utf-8-sig"))
+        except ValueError:  # RapidJSON's Inf and -NaN, which json.loads does not know
+            assert b"Inf" in values[index] or b"NaN" in values[index]
+            continue
+        assert set(parsed) <= set(row)
+        assert row["uid"] == parsed["uid"] and row["req"] == parsed.get("req")
+        assert row["rid"] == parsed.get("rid")
+        # float64 from the number's own text (-0 is -0.0, not the int 0)
+        score = json.loads(values[index].decode("utf-8-sig"), parse_int=float).get("score")
+        assert (row["score"] is None) == (score is None)
+        if score is not None:
+            assert bits(row["score"]) == bits(score) or (
+                math.isnan(row["score"]) and math.isnan(score))
+        ts = parsed.get("ts")
+        assert row["ts"] == (None if ts is None else arrow_iso_micros(ts))
+
+
+TS_TEXT = st.builds(lambda d, sep, t, z: d + sep + t + z,
+                    st.sampled_from(["2024-05-01", "2000-02-29", "2023-02-29", "0000-12-31"]),
+                    st.sampled_from(["", "T", " "]),
+                    st.sampled_from(["", "12", "12:34", "12:34:56", "12:34:56.5",
+                                     "23:59:59.999999"]),
+                    st.sampled_from(["", "Z", "+05", "-0530", "+05:30", "-23:59"]))
+
+
+@given(st.lists(st.tuples(INT64 | st.none(), DECIMAL | st.none(), st.text(max_size=6) | st.none(),
+                          TS_TEXT | st.none(), EDITS), min_size=1, max_size=6),
+       st.sampled_from([1, 2]), st.booleans())
+@FUZZ
+def test_mutated_carried_samples_never_crash_and_decode_exactly_when_accepted(specs, threads,
+                                                                              copy):
+    def make(uid, rid, score, req, ts):
+        text = json.dumps({"uid": uid, "rid": rid, "score": 0, "req": req, "ts": ts, "click": 1})
+        return text.replace('"score": 0', f'"score": {score or "null"}').encode()
+
+    values = [mutate(make(i, *spec[:4]), spec[4]) for i, spec in enumerate(specs)]
+    values += [make(i, *spec[:4]) for i, spec in enumerate(specs)]
+    out = CARRIED_DECODER.decode(values, threads=threads, _copy_messages=copy)
+    _check_carried_invariants(values, out)
+    _, messages = rows(out, CARRIED)
+    # The unmutated copies are accepted unless their timestamp is not one.
+    for i, spec in enumerate(specs):
+        ts = spec[3]
+        assert ((len(specs) + i) in messages) == (ts is None or arrow_iso_micros(ts) is not None)

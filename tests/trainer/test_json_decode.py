@@ -6,7 +6,9 @@ fields, empty messages and non-objects. The deliberate differences (invalid UTF-
 inside strings, the message ``null``) are checked on their own.
 """
 import json
+import os
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -49,13 +51,27 @@ def mixed_messages():
     return _messages(MIXED, 1500, seed=4)
 
 
+def _equal_tables(a: pa.Table, b: pa.Table) -> bool:
+    """Table.equals, except that float64 columns (carried) compare bit for bit, so that NaN
+    equals NaN (of the same sign) and -0.0 differs from 0.0."""
+    if not a.schema.equals(b.schema):
+        return False
+    for x, y in zip(a.columns, b.columns):
+        x, y = x.combine_chunks(), y.combine_chunks()
+        if pa.types.is_float64(x.type):
+            x, y = x.view(pa.int64()), y.view(pa.int64())
+        if not x.equals(y):
+            return False
+    return True
+
+
 def _same(values, schema, threads=1):
     """Both decoders on ``values``: tables equal (types and schema included), same dead."""
     expected = compression.decode_json_samples(values, schema, with_index=True)
     got = decode_json_samples(values, schema, with_index=True, threads=threads)
     got[0].validate(full=True)
     assert got[0].schema.equals(expected[0].schema)
-    assert got[0].equals(expected[0])
+    assert _equal_tables(got[0], expected[0])
     assert [i for i, _ in got[1]] == [i for i, _ in expected[1]]
     return expected, got
 
@@ -230,3 +246,215 @@ def test_random_field_values_get_the_pyarrow_verdict(changes, ensure_ascii):
         sample.update(change)
         values.append(json.dumps(sample, ensure_ascii=ensure_ascii).encode())
     _same(values, MIXED)
+
+
+# -- carried columns ---------------------------------------------------------------------------
+
+WITH_ROW_IDS = schemas.load("schemas/examples/with_row_ids.yaml")
+_CARRIED_DICT = MIXED.to_dict()
+_CARRIED_DICT["name"] = "mixed_carried"
+_CARRIED_DICT["layers"][-1]["carried"] = [
+    {"name": "row_id", "dtype": "int64"}, {"name": "score", "dtype": "float64"},
+    {"name": "request_id", "dtype": "string"}, {"name": "event_time", "dtype": "timestamp"}]
+CARRIED = schemas.from_dict(_CARRIED_DICT)
+
+
+def _carried_sample(**changes):
+    value = {**json.loads(GOOD), "row_id": 7, "score": 0.5, "request_id": "r-7",
+             "event_time": "2024-05-01T12:00:00.25Z"}
+    for k, v in changes.items():
+        if v is ...:
+            del value[k]
+        else:
+            value[k] = v
+    return json.dumps(value).encode()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_generated_messages_with_carried_columns_decode_to_the_same_table(threads):
+    messages = _messages(WITH_ROW_IDS, 2000, seed=6)
+    assert b'"event_time":"2024-01-01 00:00:00.000000Z"' in messages[0]
+    # some nulls and missing fields, as real logs have them
+    for i in range(0, len(messages), 7):
+        sample = json.loads(messages[i])
+        sample["row_id"] = None
+        del sample["request_id"]
+        messages[i] = json.dumps(sample).encode()
+    (expected, dead), (good, _) = _same(messages, WITH_ROW_IDS, threads)
+    assert dead == [] and good.num_rows == len(messages)
+    assert good.schema.field("event_time").type == pa.timestamp("us", tz="UTC")
+    assert good.column("row_id").null_count == good.column("request_id").null_count == 286
+
+
+def test_carried_values_nulls_and_missing_fields_are_those_of_the_pyarrow_path():
+    values = [_carried_sample(), _carried_sample(row_id=..., score=..., request_id=...,
+                                                 event_time=...),
+              _carried_sample(row_id=None, score=None, request_id=None, event_time=None),
+              _carried_sample(row_id=-(2**63), request_id="", event_time="2024-05-01"),
+              _carried_sample(row_id=2**63 - 1, request_id="é\u0000\"", event_time="0000-02-29"),
+              _carried_sample(score=2**64), _carried_sample(score=1e-320),
+              _carried_sample(score=float("nan")), _carried_sample(score=float("-inf")),
+              _carried_sample().replace(b'"score": 0.5', b'"score": -NaN'),
+              _carried_sample().replace(b'"score": 0.5', b'"score": -0'),
+              _carried_sample().replace(b'"score": 0.5', b'"score": 2e308'),
+              _carried_sample().replace(b'"score": 0.5', b'"score": 1' + b"0" * 400),
+              _carried_sample().replace(b'"score": 0.5', b'"score": 1e-400')]
+    values += [_carried_sample(event_time=t) for t in (
+        "2024-05-01T12", "2024-05-01 12:34", "2024-05-01T12:34:56", "2024-05-01T12:34:56.123456",
+        "2024-05-01T12-05", "2024-05-01T12:00:00+0530", "2024-05-01T12:00:00.5-00:30",
+        "9999-12-31T23:59:59.999999", "0001-01-01T00:00Z")]
+    (_, dead), (good, _) = _same(values, CARRIED)
+    assert dead == [] and good.num_rows == len(values)
+    assert good.column("row_id").to_pylist()[:5] == [7, None, None, -(2**63), 2**63 - 1]
+    assert good.column("request_id").to_pylist()[:5] == ["r-7", None, None, "", "é\u0000\""]
+    assert good.column("event_time")[3].as_py().isoformat() == "2024-05-01T00:00:00+00:00"
+
+
+CARRIED_WRONG = [
+    ("row_id", '"1"'), ("row_id", "1.0"), ("row_id", "1e3"), ("row_id", "9223372036854775808"),
+    ("row_id", "true"), ("row_id", "[1]"), ("row_id", "{}"), ("row_id", "NaN"),
+    ("score", '"1.5"'), ("score", "true"), ("score", "[]"), ("request_id", "5"),
+    ("request_id", "false"), ("request_id", '["a"]'), ("event_time", "1714564800"),
+    ("event_time", '"2024-13-01"'), ("event_time", '"2024-05-01T12:00:00.1234567"'),
+    ("event_time", '"2024-05-01Z"'), ("event_time", '""'), ("event_time", '"1900-02-29"'),
+    ("event_time", '"2024-05-01T12:00:00+24:00"'), ("event_time", "[]"),
+]
+
+
+@pytest.mark.parametrize("field,text", CARRIED_WRONG, ids=range(len(CARRIED_WRONG)))
+def test_a_carried_value_of_the_wrong_type_is_a_dead_letter_naming_the_column(field, text):
+    bad = _carried_sample(**{field: "@@"}).replace(b'"@@"', text.encode())
+    values = [_carried_sample(user_id=1), bad, _carried_sample(user_id=2, row_id=None)]
+    (_, expected_dead), (good, dead) = _same(values, CARRIED)
+    assert good.column("user_id").to_pylist() == [1, 2]
+    assert [i for i, _ in dead] == [i for i, _ in expected_dead] == [1]
+    reason = dead[0][1]
+    assert reason.startswith(f"not a valid sample: field '{field}': expected "), reason
+
+
+def test_carried_values_come_after_unknown_fields_and_before_row_checks():
+    # The verdict order of the pyarrow path: unknown fields, then types, then the row checks.
+    both = _carried_sample(row_id="x", extra=1)
+    type_and_row = _carried_sample(row_id="x", click=5)
+    row_only = _carried_sample(row_id=None, click=5)
+    (_, expected), (_, dead) = _same([both, type_and_row, row_only], CARRIED)
+    assert dead[0] == expected[0]
+    assert dead[0][1].startswith("not a valid sample: unexpected field(s) 'extra'")
+    assert dead[1][1].startswith("not a valid sample: field 'row_id'")
+    assert dead[2] == expected[2] == (2, "label 'click': value out of range, labels must be in "
+                                         "[0, 1]")
+
+
+TS_PIECES = st.builds(
+    lambda date, sep, time, frac, zone: date + sep + time + frac + zone,
+    st.from_regex(r"\A[0-9]{4}-[0-9]{2}-[0-9]{2}\Z") | st.sampled_from(
+        ["2024-05-01", "2000-02-29", "2023-02-29", "0000-01-01", "2024-5-01"]),
+    st.sampled_from(["", "T", " ", "t", "X"]),
+    st.sampled_from(["", "12", "23:59", "12:34:56", "24:00", "12:60:00", "1:00", "12:0000"])
+    | st.from_regex(r"\A[0-9]{2}(:[0-9]{2}(:[0-9]{2})?)?\Z"),
+    st.sampled_from(["", "."]) | st.from_regex(r"\A\.[0-9]{1,8}\Z"),
+    st.sampled_from(["", "Z", "z", "+05", "-0530", "+05:30", "-23:59", "+24", "+2", "-05:3",
+                     "+0560"]) | st.from_regex(r"\A[+-][0-9]{2}(:?[0-9]{2})?\Z"))
+VALID_TS = st.builds(
+    lambda date, sep, time, digits, zone: (date.isoformat() + sep + time.isoformat(
+        timespec="microseconds")[:{0: 2, 1: 5, 2: 8}.get(digits, 9 + digits - 3)] + zone),
+    st.dates(), st.sampled_from(["T", " "]), st.times(), st.integers(0, 9),
+    st.sampled_from(["", "Z"]) | st.builds("{}{:02d}{}".format, st.sampled_from("+-"),
+                                           st.integers(0, 23),
+                                           st.sampled_from(["", "00", ":30", "59", ":59"])))
+TS_TEXT = (VALID_TS | TS_PIECES | st.dates().map(str)
+           | st.text(st.sampled_from("0123456789-:TZ +."), max_size=30))
+
+
+@given(st.lists(TS_TEXT, min_size=1, max_size=8))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+def test_random_timestamp_strings_get_the_pyarrow_value_or_verdict(texts):
+    values = [_carried_sample(user_id=i, event_time=t) for i, t in enumerate(texts)]
+    _same(values, CARRIED)
+
+
+CARRIED_FIELDS = st.sampled_from(list(CARRIED.raw_arrow_schema().names) + ["other"])
+
+
+@given(st.lists(st.dictionaries(CARRIED_FIELDS, JSON_VALUES, max_size=4), min_size=1, max_size=6),
+       st.booleans())
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+def test_random_field_values_with_carried_columns_get_the_pyarrow_verdict(changes, ensure_ascii):
+    values = []
+    for change in changes:
+        sample = json.loads(_carried_sample())
+        sample.update(change)
+        values.append(json.dumps(sample, ensure_ascii=ensure_ascii).encode())
+    _same(values, CARRIED)
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**4), BYTES),
+                         min_size=1, max_size=3), min_size=1, max_size=6))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+def test_mutated_messages_with_carried_columns_get_the_pyarrow_verdict(edits):
+    values = [mutate(_carried_sample(user_id=i, row_id=None if i % 2 else i), e)
+              for i, e in enumerate(edits)]
+    values = [v for v in values
+              if v.strip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf").strip(b" \t\r\n") != b"null"
+              and not _pyarrow_may_differ(v)]
+    values.append(_carried_sample())
+    _same(values, CARRIED)
+
+
+def test_decoded_samples_with_carried_columns_train_and_keep_their_row_ids():
+    # What trainer.online does with a poll of JSON messages: decode, build trees, batch, train.
+    from trainer import TrainConfig, Trainer, models
+
+    messages = _messages(WITH_ROW_IDS, 600, seed=8)
+    messages[5] = messages[5].replace(b'"row_id":5', b'"row_id":null')
+    messages.insert(9, messages[9].replace(b'"row_id":9', b'"row_id":"nine"'))
+    table, dead = decode_json_samples(messages, WITH_ROW_IDS, with_index=True)
+    assert [i for i, _ in dead] == [9] and "'row_id'" in dead[0][1]
+    samples = table.drop_columns(["__message"])
+    trees = compression.build_trees(samples, WITH_ROW_IDS, validate=False)
+    trainer = Trainer(WITH_ROW_IDS, models.MLP(hidden=(8,)),
+                      TrainConfig.from_dict({"batch_size": 200, "embedding": {"dim": 4}}))
+    batches = list(compression.iter_batches(trees, WITH_ROW_IDS, 200))
+    losses = [float(trainer.train_batch(b)) for b in batches]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    row_ids = pa.concat_arrays([b.carried["row_id"] for b in batches])
+    assert sorted(row_ids.drop_null().to_pylist()) == sorted(set(range(600)) - {5})
+    assert row_ids.null_count == 1
+    times = pa.concat_arrays([b.carried["event_time"] for b in batches])
+    assert times.type == pa.timestamp("us", tz="UTC") and times.null_count == 0
+
+
+@pytest.mark.slow
+def test_online_training_from_json_with_carried_columns(kafka_broker, tmp_path):
+    # trainer.online on a topic of samples with carried fields (some null or missing): it
+    # trains them all and dead-letters only the wrong-typed carried values, naming the column.
+    import subprocess
+    import sys
+
+    import yaml
+
+    schema_path = tmp_path / "schema.yaml"
+    schema_path.write_text(yaml.safe_dump(WITH_ROW_IDS.to_dict()))
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump({"batch_size": 100, "seed": 3, "threads": 1,
+                                           "embedding": {"dim": 4}}))
+    messages = _messages(WITH_ROW_IDS, 300, seed=9)
+    messages[3] = messages[3].replace(b',"request_id":"3"', b"")
+    good = [(str(i).encode(), m) for i, m in enumerate(messages)]
+    bad = [(b"b1", messages[0].replace(b'"row_id":0', b'"row_id":"zero"')),
+           (b"b2", messages[0].replace(b'"2024-01-01 00:00:00.000000Z"', b'"yesterday"'))]
+    topic = kafka_broker.create_topic()
+    kafka_broker.produce(topic, good[:150] + bad + good[150:])
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.online", "--schema", str(schema_path), "--config",
+         str(config_path), "--bootstrap-servers", kafka_broker.bootstrap, "--topic", topic,
+         "--group", "g-carried", "--run-dir", str(tmp_path / "run"), "--model", "mlp",
+         "--max-samples", "300"],
+        capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 300 and summary["dead_letters"] == 2
+    dead = {m.key(): dict(m.headers())["reason"].decode()
+            for m in kafka_broker.consume_all(f"{topic}.dlq")}
+    assert dead[b"b1"].startswith("not a valid sample: field 'row_id': ")
+    assert dead[b"b2"].startswith("not a valid sample: field 'event_time': ")

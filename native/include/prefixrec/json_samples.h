@@ -5,8 +5,10 @@
 // features and labels) holding the accepted samples only, in message order, plus a reason for
 // every rejected message. The semantics are those of compression.decode_json_samples (pyarrow's
 // JSON reader with an explicit schema + compression.split_bad_rows); the differences are listed
-// in trainer/json_decode.py. Decoding never reads outside a message and allocates at most a
-// constant times the input size; it holds no Python state, so callers release the GIL around it.
+// in trainer/json_decode.py. Carried columns (never trained: row ids, timestamps) may be null
+// or missing and then come back as nulls, with an Arrow validity bitmap. Decoding never reads
+// outside a message and allocates at most a constant times the input size; it holds no Python
+// state, so callers release the GIL around it.
 #ifndef PREFIXREC_JSON_SAMPLES_H_
 #define PREFIXREC_JSON_SAMPLES_H_
 
@@ -21,14 +23,19 @@
 namespace prefixrec {
 namespace json {
 
-enum class ColumnKind : uint8_t { kId = 0, kIds = 1, kDense = 2, kLabel = 3 };
-enum class ValueType : uint8_t { kInt64 = 0, kString = 1, kFloat32 = 2 };
+enum class ColumnKind : uint8_t { kId = 0, kIds = 1, kDense = 2, kLabel = 3, kCarried = 4 };
+// kTimestamp: an ISO-8601 string in the message (as pyarrow's JSON reader parses it for a
+// timestamp[us, tz=UTC] field), microseconds since the epoch (UTC) in the output.
+enum class ValueType : uint8_t {
+  kInt64 = 0, kString = 1, kFloat32 = 2, kFloat64 = 3, kTimestamp = 4
+};
 
 // One column of the raw sample schema, in the order of the output columns.
 struct ColumnSpec {
   std::string name;
   ColumnKind kind = ColumnKind::kId;
-  ValueType type = ValueType::kInt64;  // id/ids: int64 or string; dense/label: float32
+  ValueType type = ValueType::kInt64;  // id/ids: int64 or string; dense/label: float32;
+                                       // carried: int64, string, float64 or timestamp
   int32_t dim = 0;                     // dense only: the exact number of floats
   bool is_key = false;                 // a layer's key column (only changes the null reason)
 };
@@ -117,12 +124,18 @@ class PodBuffer {
 //   ids string:   offsets (rows + 1), str_offsets (items + 1), str_data
 //   dense:        offsets (rows + 1), floats (rows * dim)
 //   label:        floats (rows)
+//   carried:      validity (Arrow bitmap, LSB first, (rows + 7) / 8 bytes) and
+//                 int64 / timestamp: ints (rows); float64: doubles (rows);
+//                 string: str_offsets (rows + 1), str_data. A null row holds 0 / an empty string.
 struct ColumnData {
   PodBuffer<int64_t> ints;
   PodBuffer<float> floats;
+  PodBuffer<double> doubles;
   PodBuffer<int32_t> offsets;
   PodBuffer<int32_t> str_offsets;
   PodBuffer<uint8_t> str_data;
+  PodBuffer<uint8_t> validity;
+  size_t nulls = 0;  // carried: null rows in this chunk
 };
 
 // Accepted rows of a contiguous range of messages; offsets are relative to the chunk.
