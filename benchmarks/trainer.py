@@ -105,7 +105,7 @@ class TrainerRun:
         t.timings.clear()
         for batch in self.timed:
             t0 = time.perf_counter()
-            prepared = t.builder.prepare(batch)
+            prepared = t.prepare_numpy(batch)
             t1 = time.perf_counter()
             feed = t.builder.lookup(prepared, t.stores, train=True)
             t.timings["prepare"] += t1 - t0

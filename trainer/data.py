@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -31,21 +32,42 @@ def is_tree_table(arrow_schema: pa.Schema, schema: Schema) -> bool:
     return schema.layers[1].name in arrow_schema.names
 
 
-def batch_source(data, schema: Schema, batch_size: int,
-                 split_trees: bool = True) -> Callable[[], Iterator[TreeBatch]]:
+def batch_source(data, schema: Schema, batch_size: int, split_trees: bool = True,
+                 shuffle_seed: int | None = None) -> Callable[[], Iterator[TreeBatch]]:
+    """A function that starts a fresh pass over ``data``. With ``shuffle_seed`` every pass deals
+    the trees in a new order (pass k uses the seed ``(shuffle_seed, k)``): a table's trees all
+    together, files in a new order and the trees of each chunk read from them. TreeBatches and
+    one-shot iterators are read as they come."""
+    passes = [0]
+
+    def rng():
+        passes[0] += 1
+        return None if shuffle_seed is None else np.random.default_rng(
+            [shuffle_seed, passes[0], 0x5F])
+
+    def shuffled(table: pa.Table, r) -> pa.Table:
+        return table if r is None or table.num_rows < 2 else table.take(
+            r.permutation(table.num_rows))
+
     if isinstance(data, TreeBatch):
         return lambda: iter([data])
     if isinstance(data, pa.Table):
         if not is_tree_table(data.schema, schema):
             data = compression.build_trees(data, schema)
         table = data
-        return lambda: compression.iter_batches(table, schema, batch_size, split_trees)
+        return lambda: compression.iter_batches(shuffled(table, rng()), schema, batch_size,
+                                                split_trees)
     if isinstance(data, (str, os.PathLike)) or (
             isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))):
         files = compression.expand_paths(data if isinstance(data, (list, tuple))
                                          else os.fspath(data))
-        return lambda: compression.iter_batches(_file_tables(files, schema), schema,
-                                                batch_size, split_trees)
+
+        def file_pass():
+            r = rng()
+            order = files if r is None else [files[i] for i in r.permutation(len(files))]
+            tables = (shuffled(t, r) for t in _file_tables(order, schema))
+            return compression.iter_batches(tables, schema, batch_size, split_trees)
+        return file_pass
     if isinstance(data, (list, tuple)):
         for i, item in enumerate(data):
             if not isinstance(item, TreeBatch):

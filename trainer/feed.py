@@ -30,6 +30,7 @@ import numpy as np
 
 from compression import TreeBatch
 from schemas import Schema
+from trainer.config import DenseConfig, transform_values
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,11 @@ class Layout:
     dense features, each group in schema order."""
 
     def __init__(self, schema: Schema, tables: dict[str, list[str]], dims: dict[str, int],
-                 poolings: dict[str, str], transforms: dict[str, str] | None = None):
+                 poolings: dict[str, str], dense: dict[str, DenseConfig] | None = None):
         self.schema = schema
-        self.transforms = dict(transforms or {})
+        # dense feature -> its DenseConfig; the trainer resolves them before the first batch
+        self.dense_configs = {f.name: (dense or {}).get(f.name, DenseConfig())
+                              for f in schema.features if f.kind == "dense"}
         self.tables = tables
         self.table_of = {n: t for t, names in tables.items() for n in names}
         self.dims = dims
@@ -102,12 +105,17 @@ def _leaf_id_count(batch: TreeBatch, schema: Schema, ancestors: dict) -> int:
     return total
 
 
-def _transform(values: np.ndarray, transform: str | None) -> np.ndarray:
-    """A dense feature's values as the model sees them; elementwise, so the same per node or
-    per leaf."""
-    if transform == "log1p":
-        return np.sign(values) * np.log1p(np.abs(values))
-    return values
+def _dense_values(values: np.ndarray, config: DenseConfig, name: str) -> np.ndarray:
+    """A dense feature's values as the model sees them; per row, so the same per node or per
+    leaf."""
+    if not config.resolved:
+        raise ValueError(f"dense feature {name!r}: its transform/statistics are not resolved "
+                         "yet (Trainer resolves them from the first training batch)")
+    values = transform_values(values, config.transform)
+    if config.standardize:
+        values = (values - np.asarray(config.mean, np.float32)) / np.asarray(config.std,
+                                                                             np.float32)
+    return values.astype(np.float32, copy=False)
 
 
 @dataclass
@@ -175,7 +183,7 @@ class FeedBuilder:
             feed["segments"][block.key] = np.concatenate(segments)
             feed["scale"][block.key] = np.concatenate(scale)
         for level, names in layout.dense.items():
-            parts = [_transform(np.asarray(arrays[n], np.float32), layout.transforms.get(n))
+            parts = [_dense_values(np.asarray(arrays[n], np.float32), layout.dense_configs[n], n)
                      for n in names]
             feed["dense"][str(level)] = np.ascontiguousarray(
                 parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))

@@ -100,11 +100,14 @@ def _constant(value):
 
 
 class _Tower(keras.layers.Layer):
-    """SplitDense(hidden[0]) -> activation -> Dense(hidden[1:]) -> Dense(1): one logit per leaf."""
+    """SplitDense(hidden[0]) -> activation -> Dense(hidden[1:]) -> Dense(1): one logit per leaf;
+    with ``dropout`` > 0, dropout after every hidden layer in training steps."""
 
-    def __init__(self, hidden, activation, **kwargs):
+    def __init__(self, hidden, activation, dropout: float = 0.0, **kwargs):
         super().__init__(**kwargs)
-        self.hidden, self.activation_name = hidden, activation
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout: expected a rate in [0, 1), got {dropout!r}")
+        self.hidden, self.activation_name, self.dropout = hidden, activation, dropout
         self.activation = keras.activations.get(activation)
         self.first = None
 
@@ -116,9 +119,13 @@ class _Tower(keras.layers.Layer):
             self.rest = [keras.layers.Dense(u, activation=self.activation_name)
                          for u in self.hidden[1:]]
             self.out = keras.layers.Dense(1)
+            self.drop = keras.layers.Dropout(self.dropout) if self.dropout else None
         h = self.activation(self.first(inputs, extra))
-        for layer in self.rest:
-            h = layer(h)
+        for layer in self.rest + [None]:
+            if self.drop is not None:
+                h = self.drop(h, training=inputs.training)
+            if layer is not None:
+                h = layer(h)
         return self.out(h)[:, 0]
 
 
@@ -126,19 +133,21 @@ class MLP(DenseNet):
     """The XDL paper's model: every feature's pooled embedding (dim 18, sum pooling in the default
     config) concatenated, then 200-80-1. ``label`` defaults to the schema's first label."""
 
-    def __init__(self, hidden=(200, 80), activation="relu", label: str | None = None, **kwargs):
+    def __init__(self, hidden=(200, 80), activation="relu", label: str | None = None,
+                 dropout: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.hidden = tuple(hidden)
         self.activation_name = activation
         self.label = label
-        self.tower = _Tower(self.hidden, activation)
+        self.dropout = dropout
+        self.tower = _Tower(self.hidden, activation, dropout)
 
     def forward(self, inputs):
         return {self.label or inputs.label_names[0]: self.tower(inputs)}
 
     def spec(self):
         return {"name": "mlp", "hidden": list(self.hidden), "activation": self.activation_name,
-                "label": self.label}
+                "label": self.label, "dropout": self.dropout}
 
 
 class DIN(DenseNet):

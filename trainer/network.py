@@ -7,11 +7,14 @@ what the feed holds (nodes of each layer, or everything expanded to the leaves) 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import tensorflow as tf
 
 import native
 from compression import LayerBatch, TreeBatch
+from trainer.config import DenseConfig
 from trainer.feed import FeedBuilder, Layout
 
 
@@ -63,8 +66,9 @@ class Inputs:
     ``[size_l, None, dim]`` (for attention).
     """
 
-    def __init__(self, layout: Layout, feed: dict, flat: bool):
+    def __init__(self, layout: Layout, feed: dict, flat: bool, training: bool = False):
         self.layout = layout
+        self.training = training  # True in a training step (dropout on), False otherwise
         self.schema = layout.schema
         self.flat = flat
         self.levels = layout.levels
@@ -221,6 +225,8 @@ def dummy_feed(layout: Layout, structured: bool) -> dict:
         parent = None if level == 0 else np.zeros(1, np.int32)
         layers.append(LayerBatch(layer.name, 1, parent, features))
     batch = TreeBatch(layers, {name: np.zeros(1, np.float32) for name in layout.schema.labels})
+    layout = copy.copy(layout)  # zeros need no dense statistics
+    layout.dense_configs = {n: DenseConfig("none", False) for n in layout.dense_configs}
     builder = FeedBuilder(layout, structured)
     stores = {t: _ZeroStore(layout.dims[t]) for t in layout.tables}
     return builder.lookup(builder.prepare(batch), stores, train=False).feed
@@ -274,14 +280,15 @@ class Network:
                                                   input_signature=[self.signature]))
         self.gradients = tf.function(self._gradients, input_signature=[self.signature])
 
-    def _forward(self, feed):
-        return self.model.forward(Inputs(self.layout, feed, flat=not self.structured))
+    def _forward(self, feed, training: bool = False):
+        return self.model.forward(Inputs(self.layout, feed, flat=not self.structured,
+                                         training=training))
 
     def _loss_and_grads(self, feed):
         rows = feed["rows"]
         with tf.GradientTape() as tape:
             tape.watch(list(rows.values()))
-            outputs = self._forward(feed)
+            outputs = self._forward(feed, training=True)
             loss = self.model.loss(outputs, feed["labels"])
         dims = list(rows)
         grads = tape.gradient(loss, self.variables + [rows[d] for d in dims])

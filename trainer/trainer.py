@@ -19,6 +19,7 @@ import os
 import queue
 import re
 import shutil
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -39,7 +40,7 @@ from trainer.feed import Feed, FeedBuilder, Layout, Prepared
 from trainer.metrics import StreamingAUC, auc, logloss
 from trainer.network import Network, sum_row_slices
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 _END = object()
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -83,18 +84,37 @@ class Trainer:
         self.ids_fed = 0       # ids looked up in training (per node in structured compute)
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
         self.timings = defaultdict(float)  # seconds per stage: read, lookup, step, update
+        self._dense_lock = threading.Lock()
 
     # -- training ---------------------------------------------------------------------------
 
     def fit(self, data, epochs: int = 1, *, progress: bool = False, log_dir: str | None = None,
-            callback=None) -> dict:
-        """Train ``epochs`` passes over ``data`` (tree/raw file paths or glob, a pyarrow Table,
-        or TreeBatches). ``log_dir`` gets TensorBoard scalars; ``progress`` shows a bar on
+            callback=None, eval_data=None, eval_every: int | None = None,
+            patience: int | None = None, best_dir: str | None = None,
+            shuffle: bool = True) -> dict:
+        """Train up to ``epochs`` passes over ``data`` (tree/raw file paths or glob, a pyarrow
+        Table, or TreeBatches). ``log_dir`` gets TensorBoard scalars; ``progress`` shows a bar on
         stderr; ``callback(trainer, loss, probabilities, labels)`` runs after every step.
-        Returns samples, steps, samples_per_sec, loss (last step) and a streaming train AUC."""
+
+        ``shuffle`` deals the trees of each pass in a new order (seeded by the config's seed and
+        the pass). With ``eval_data`` the model is evaluated after every pass, and every
+        ``eval_every`` steps if given; ``best_dir`` then always holds the checkpoint of the
+        best evaluation AUC so far, and with ``patience`` training stops after that many
+        evaluations without a better AUC and the trainer goes back to the best checkpoint
+        (CTR models tend to overfit after one epoch, so a run need not guess ``epochs``).
+
+        Returns samples, steps, samples_per_sec, loss (last step), a streaming train AUC and,
+        with ``eval_data``, ``evaluations`` (one dict per evaluation) and ``best``."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs: expected a positive integer, got {epochs!r}")
-        source = batch_source(data, self.schema, self.config.batch_size, self.config.split_trees)
+        for key, value in (("eval_every", eval_every), ("patience", patience)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{key}: expected a positive integer or None, got {value!r}")
+        if (eval_every or patience or best_dir) and eval_data is None:
+            raise ValueError("eval_every, patience and best_dir need eval_data")
+        source = batch_source(data, self.schema, self.config.batch_size, self.config.split_trees,
+                              shuffle_seed=self.config.seed if shuffle else None)
         total = count_samples(data, self.schema)
         bar = _progress_bar(progress, None if total is None else total * epochs, "train")
         writer = tf.summary.create_file_writer(os.path.join(log_dir, "train")) if log_dir else None
@@ -105,8 +125,30 @@ class Trainer:
         samples0, steps0, ids0, leaf_ids0 = self.samples, self.step, self.ids_fed, self.leaf_ids
         mark_time, mark_samples = started, self.samples
         loss = float("nan")
+        evaluations: list[dict] = []
+        best: dict | None = None
+        stale = 0  # evaluations since the best one
+
+        def evaluate(epoch: int) -> bool:
+            """Evaluate now; True when training should stop."""
+            nonlocal best, stale
+            result = self.evaluate(eval_data, log_dir=log_dir)
+            result.update(epoch=epoch, step=self.step, samples_trained=self.samples - samples0)
+            evaluations.append(result)
+            if progress:
+                bar.write(f"eval after epoch {epoch} (step {self.step}): AUC {result['auc']:.4f}"
+                          f" logloss {result['logloss']:.5f}", file=sys.stderr)
+            if best is None or result["auc"] > best["auc"]:
+                best, stale = result, 0
+                if best_dir:
+                    self.save(best_dir)
+            else:
+                stale += 1
+            return patience is not None and stale >= patience
+
+        stopped = False
         try:
-            for _ in range(epochs):
+            for epoch in range(1, epochs + 1):
                 for feed in self._pipeline(source, train=True):
                     loss, probabilities = self._train_on(feed)
                     label = label or next(iter(probabilities))
@@ -125,6 +167,13 @@ class Trainer:
                         if writer is not None:
                             self._write_scalars(writer, loss, window_auc.result(), rate)
                         window_auc.reset()
+                    if eval_every and self.step % eval_every == 0 and evaluate(epoch):
+                        stopped = True
+                        break
+                if stopped or (eval_data is not None and (
+                        not evaluations or evaluations[-1]["step"] != self.step)
+                        and evaluate(epoch)):
+                    break
         finally:
             bar.close()
             if writer is not None:
@@ -132,15 +181,24 @@ class Trainer:
                 writer.close()
         seconds = time.perf_counter() - started
         samples = self.samples - samples0
-        return {"samples": samples, "steps": self.step - steps0, "seconds": seconds,
-                "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
-                "samples_per_sec": samples / max(seconds, 1e-9), "loss": loss,
-                "train_auc": train_auc.result(), "store_rows": self.store_rows()}
+        out = {"samples": samples, "steps": self.step - steps0, "seconds": seconds,
+               "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
+               "samples_per_sec": samples / max(seconds, 1e-9), "loss": loss,
+               "train_auc": train_auc.result(), "store_rows": self.store_rows()}
+        if eval_data is not None:
+            out.update(evaluations=evaluations, best=best, stopped_early=stopped or (
+                patience is not None and stale >= patience))
+            if best_dir and best is not None and best is not evaluations[-1]:
+                self.load(best_dir)  # back to the best model
+        return out
 
     def _train_on(self, feed: Feed):
         t0 = time.perf_counter()
         loss, row_slices, probabilities = self.network.train_step(feed.feed)
         row_grads = sum_row_slices(row_slices, feed.feed["rows"])
+        if self.config.row_gradients == "sum":  # per-sample sums, not the batch mean's share
+            for grads in row_grads.values():
+                grads *= feed.num_leaves
         probabilities = {k: v.numpy() for k, v in probabilities.items()}
         t1 = time.perf_counter()
         self.step += 1
@@ -183,25 +241,61 @@ class Trainer:
     def prepare(self, batch: TreeBatch) -> Prepared:
         """The part of a step that needs neither the stores nor the dense weights (numpy feed
         work, tensors made from it), so a reader thread can do it ahead of the step."""
-        prepared = self.builder.prepare(batch)
+        prepared = self.prepare_numpy(batch)
         prepared.feed = tf.nest.map_structure(tf.convert_to_tensor, prepared.feed)
         return prepared
 
-    def train_batch(self, batch: TreeBatch | Prepared) -> float:
+    def prepare_numpy(self, batch: TreeBatch) -> Prepared:
+        """``prepare`` without making tensors (the feed builder's numpy work), after resolving
+        the dense features' statistics if this is the first batch the trainer sees."""
+        if not self._dense_resolved:
+            self._resolve_dense(batch)
+        return self.builder.prepare(batch)
+
+    @property
+    def _dense_resolved(self) -> bool:
+        return all(c.resolved for c in self.layout.dense_configs.values())
+
+    def _resolve_dense(self, batch: TreeBatch) -> None:
+        """Decide ``auto`` transforms and measure the standardization statistics of every
+        unresolved dense feature on ``batch`` (the first one the trainer sees), each node
+        weighted by the samples under it so structured and flat compute agree. The resolved
+        values go into ``self.config``, so checkpoints and exports keep them."""
+        with self._dense_lock:
+            for name, dense in list(self.layout.dense_configs.items()):
+                if dense.resolved:
+                    continue
+                level = self.schema.layer_index(name)
+                values = batch.layers[level].features[name]
+                if level == len(batch.layers) - 1:
+                    weights = np.ones(len(values))
+                else:
+                    weights = np.bincount(batch.leaf_ancestors(level), minlength=len(values))
+                resolved = dense.resolve(values, weights)
+                self.config = self.config.with_dense(name, resolved)
+                self.layout.dense_configs[name] = resolved
+
+    def train_batch(self, batch: TreeBatch | Prepared, *, predictions: bool = False):
         """One training step on one batch (or one ``prepare``-d ahead), on the caller's thread
-        (for callers that batch themselves, e.g. online learning); returns the loss."""
+        (for callers that batch themselves, e.g. online learning); returns the loss.
+
+        With ``predictions=True`` it returns ``(loss, probabilities, labels)``, both dicts of
+        numpy arrays per label in the batch's leaf order. The probabilities are the step's own
+        forward pass, computed with the dense weights and store rows *before* this step's
+        update (the update uses their gradients): progressive-validation predictions, at no
+        extra cost."""
         t0 = time.perf_counter()
-        prepared = batch if isinstance(batch, Prepared) else self.builder.prepare(batch)
+        prepared = batch if isinstance(batch, Prepared) else self.prepare_numpy(batch)
         feed = self.builder.lookup(prepared, self.stores, train=True)
         self.timings["lookup"] += time.perf_counter() - t0
-        loss, _ = self._train_on(feed)
-        return loss
+        loss, probabilities = self._train_on(feed)
+        return (loss, probabilities, feed.labels) if predictions else loss
 
     def compute_gradients(self, batch: TreeBatch) -> dict:
         """Loss and gradients of one batch without applying them (rows are looked up, and
         admitted, as in training): ``{"loss", "dense": [grad per dense variable],
         "embeddings": {table: (unique_ids, grads)}}``."""
-        feed = self.builder.lookup(self.builder.prepare(batch), self.stores, train=True)
+        feed = self.builder.lookup(self.prepare_numpy(batch), self.stores, train=True)
         loss, dense, row_slices = self.network.gradients(feed.feed)
         rows = sum_row_slices(row_slices, feed.feed["rows"])
         return {"loss": float(loss), "dense": [g.numpy() for g in dense],
@@ -434,32 +528,66 @@ class Trainer:
         except FileNotFoundError:
             raise FileNotFoundError(f"{directory}: no trainer checkpoint (trainer.json missing); "
                                     "write one with Trainer.save") from None
-        if state.get("version") != CHECKPOINT_VERSION:
+        if state.get("version") not in (1, CHECKPOINT_VERSION):
             raise ValueError(f"{path}: checkpoint version {state.get('version')}, this trainer "
-                             f"reads version {CHECKPOINT_VERSION}")
+                             f"reads versions 1 and {CHECKPOINT_VERSION}")
         if model is None:
             if state["model"] is None:
                 raise ValueError(f"{directory}: the checkpoint's model is not built in; pass "
                                  "model= (a fresh instance of the same DenseNet)")
             model = models_lib.from_spec(state["model"])
         schema = schemas.from_dict(state["schema"])
+        if state["version"] == 1:
+            state["config"] = _config_v1(state["config"], schema)
         config = TrainConfig.from_dict(state["config"])
         trainer = cls(schema, model, config)
+        trainer._load_state(directory, state)
+        return trainer
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Load the dense weights, stores and counters of a checkpoint of this same trainer
+        (e.g. the best one ``fit`` kept) in place."""
+        directory = os.fspath(directory)
+        with open(os.path.join(directory, "trainer.json")) as f:
+            state = json.load(f)
+        self.config = TrainConfig.from_dict(state["config"])
+        for name, dense in self.config.dense:
+            self.layout.dense_configs[name] = dense
+        self._load_state(directory, state)
+
+    def _load_state(self, directory: str, state: dict) -> None:
         with np.load(os.path.join(directory, "dense.npz")) as arrays:
-            variables = trainer.network.variables
+            variables = self.network.variables
             if len(variables) != len(state["variables"]):
                 raise ValueError(f"{directory}: the checkpoint has {len(state['variables'])} "
                                  f"dense variables, this model {len(variables)}")
             for i, v in enumerate(variables):
                 v.assign(arrays[f"model/{i:04d}"])
-            for i, v in enumerate(trainer.network.optimizer.variables):
+            for i, v in enumerate(self.network.optimizer.variables):
                 v.assign(arrays[f"optimizer/{i:04d}"])
-        for table in trainer.tables:
-            trainer.stores[table] = native.EmbeddingStore.load(
-                os.path.join(directory, "stores", table), config.table(table).store_config(0))
-        trainer.step, trainer.samples = state["step"], state["samples"]
-        trainer.expired = state.get("expired", 0)
-        return trainer
+        for table in self.tables:
+            self.stores[table] = native.EmbeddingStore.load(
+                os.path.join(directory, "stores", table), self.config.table(table).store_config(0))
+        self.step, self.samples = state["step"], state["samples"]
+        self.expired = state.get("expired", 0)
+
+
+def _config_v1(config: dict, schema) -> dict:
+    """A version-1 checkpoint's config with that version's defaults written out: ids lists
+    pooled by sum, dense values untransformed unless configured and never standardized, row
+    gradients of the batch mean."""
+    config = dict(config)
+    features = {k: dict(v) for k, v in (config.get("features") or {}).items()}
+    for f in schema.features:
+        if f.kind == "ids":
+            features.setdefault(f.name, {}).setdefault("pooling", "sum")
+    dense = {f.name: {"transform": "none"} for f in schema.features if f.kind == "dense"}
+    for name, raw in (config.get("dense") or {}).items():
+        dense[name] = dict(raw)
+    for raw in dense.values():
+        raw["standardize"] = False
+    config.update(features=features, dense=dense, row_gradients="mean")
+    return config
 
 
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(

@@ -30,10 +30,14 @@ def test_restored_run_continues_exactly(schema, trees_small, tmp_path):
     first = Trainer(schema, models.MLP(hidden=(16, 8)), config)
     first.fit(batches[:k])
     checkpoint = first.save(tmp_path / "ckpt")
+    # the config as trained: price's transform and statistics resolved from the first batch
+    trained_config = first.config
+    assert trained_config.dense_config("price").mean is not None
+    assert trained_config.replace(dense=()) == config
     del first
     resumed = Trainer.restore(checkpoint)
     assert resumed.step == k
-    assert resumed.config == config and isinstance(resumed.model, models.MLP)
+    assert resumed.config == trained_config and isinstance(resumed.model, models.MLP)
     resumed.fit(batches[k:])
 
     assert resumed.step == straight.step == len(batches)

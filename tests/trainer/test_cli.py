@@ -50,7 +50,9 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
     assert result["id_compression"] > 1.5   # ~10 samples per user: user ids looked up once
     assert result["store_rows"] > 0 and result["admitted"] >= result["store_rows"]
     assert "train" in stderr and "samples" in stderr      # the progress bar
-    assert f"eval AUC {result['auc']:.4f} | " in stderr      # the summary line
+    assert (f"eval AUC {result['auc']:.4f} (epoch {result['checkpoint_epoch']}, kept) | "
+            in stderr)                                        # the summary line
+    assert "eval after epoch 1 (step 10): AUC" in stderr     # each evaluation
     assert scalar_tags(run_dir / "train") >= {"loss", "auc", "samples_per_sec", "store/rows",
                                               "store/admitted", "store/rejected",
                                               "store/expired"}
@@ -59,7 +61,11 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
 
     evaluation, _ = run(["trainer.evaluate", "--run", str(run_dir),
                          "--data", str(tmp_path / "eval.parquet"), "--no-progress"])
-    assert evaluation["samples"] == 600 and evaluation["step"] == 20
+    # evaluated after each of the 2 epochs; the checkpoint is the better one
+    assert [e["step"] for e in result["evaluations"]] == [10, 20]
+    best = max(result["evaluations"], key=lambda e: e["auc"])
+    assert (result["checkpoint_step"], result["auc"]) == (best["step"], best["auc"])
+    assert evaluation["samples"] == 600 and evaluation["step"] == best["step"]
     assert evaluation["auc"] == result["auc"]
     assert evaluation["store_rows"] == result["store_rows"]
 

@@ -96,7 +96,7 @@ def test_schema_mismatches_name_the_feature(tmp_path, schema, text, message):
      "embedding.expire.function: module 'json' has no function 'no_such_function'"),
     ("compute: tree", "compute: 'tree' is not a compute mode; use one of structured, flat"),
     ("dense: {price: {transform: sqrt}}",
-     "dense.price.transform: 'sqrt' is not a transform; use one of none, log1p"),
+     "dense.price.transform: 'sqrt' is not a transform; use one of auto, none, log1p"),
     ("batch_size: 0", "batch_size: expected an integer >= 1, got 0"),
     ("epochs: 3", "config: unknown key 'epochs'; known keys are batch_size, "),
     ("embedding: {dim: 0}", "embedding.dim: expected an integer in [1, 4096], got 0"),

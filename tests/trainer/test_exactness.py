@@ -203,7 +203,7 @@ def test_the_flat_call_of_a_step_equals_the_tf_function_call(schema, trees_small
     # tf.function call's argument binding costs ~2 ms a step); both give the same numbers.
     trainer = Trainer(schema, models.MLP(**SMALL), small_config())
     batch = first_batch(schema, trees_small)
-    feed = trainer.builder.lookup(trainer.builder.prepare(batch), trainer.stores, train=False)
+    feed = trainer.builder.lookup(trainer.prepare_numpy(batch), trainer.stores, train=False)
     network = trainer.network
     loss, probabilities = network.predict_step(feed.feed)
     loss_ref, probabilities_ref = network.predict_step.function(feed.feed)

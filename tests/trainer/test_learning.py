@@ -7,6 +7,7 @@ import compression
 from trainer import TrainConfig, Trainer, models
 from trainer.metrics import StreamingAUC, auc, logloss
 
+from logistic import HashedLogisticRegression
 from trainer_data import generated
 
 
@@ -17,36 +18,48 @@ def learn_data(schema):
     return data.slice(0, 24000).drop_columns(["p_click", "p_conversion"]), data.slice(24000)
 
 
-# Small data learns fast only with large steps.
-FAST = {"batch_size": 500, "embedding": {"dim": 8, "optimizer": {"name": "adagrad", "lr": 1.0}},
-        "dense_optimizer": {"name": "adam", "lr": 0.01}}
-
-
-def test_mlp_learns_the_planted_signal(schema, learn_data):
+@pytest.fixture(scope="module")
+def baseline_auc(schema, learn_data):
+    """The field's floor on the same split: hashed one-hot logistic regression (numpy), its L2
+    penalty picked on the training rows only."""
     train, test = learn_data
-    trainer = Trainer(schema, models.MLP(hidden=(32, 16)), TrainConfig.from_dict(FAST))
-    history = trainer.fit(train, epochs=3)
-    assert history["samples"] == 72000 and history["steps"] >= 144
+    model = HashedLogisticRegression(schema).fit(train, "click")
+    return auc(model.predict(test), test["click"].to_numpy())
+
+
+MODELS = {"mlp": models.MLP, "din": models.DIN, "esmm": models.ESMM, "dcn": models.DCN,
+          "deepfm": models.DeepFM}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_model_with_the_defaults_beats_logistic_regression(schema, learn_data,
+                                                                  baseline_auc, name):
+    """One epoch with the default config (only a batch size fitting 24k samples): every model
+    must beat the linear baseline, which cannot learn the planted user-taste x category
+    interaction. The defaults before this test (per-row Adam on batch-mean gradients, sum
+    pooling, raw prices) gave 0.60 for the MLP and 0.53-0.60 for the others here, under the
+    baseline's 0.62; the defaults give 0.64-0.65."""
+    train, test = learn_data
+    config = {"batch_size": 500}
+    if name == "din":
+        config["features"] = {"clicked_cats": {"table": "cate"}, "cate_id": {"table": "cate"}}
+    trainer = Trainer(schema, MODELS[name](), TrainConfig.from_dict(config))
+    history = trainer.fit(train)
+    assert history["samples"] == 24000 and history["steps"] >= 48
     result = trainer.evaluate(test.drop_columns(["p_click", "p_conversion"]))
     bayes = auc(test["p_click"].to_numpy(), test["click"].to_numpy())
-    assert result["auc"] > 0.6, (result, bayes)
-    assert result["auc"] < bayes + 0.02
+    assert baseline_auc < result["auc"] < bayes + 0.02, (result["auc"], baseline_auc, bayes)
 
 
-def test_esmm_and_din_learn(schema, learn_data):
+def test_esmm_predicts_both_heads(schema, learn_data):
     train, test = learn_data
     test = test.drop_columns(["p_click", "p_conversion"])
-    config = TrainConfig.from_dict({**FAST, "features": {"clicked_cats": {"table": "cate"},
-                                                         "cate_id": {"table": "cate"}}})
-    esmm = Trainer(schema, models.ESMM(hidden=(16, 8)), config)
-    esmm.fit(train, epochs=2)
+    esmm = Trainer(schema, models.ESMM(hidden=(16, 8)), TrainConfig(batch_size=500))
+    esmm.fit(train)
     result = esmm.evaluate(test)
     assert set(result) >= {"auc/click", "auc/conversion", "logloss/conversion"}
-    assert result["auc/click"] > 0.6
+    assert result["auc"] == result["auc/click"]
     assert esmm.predict(test).shape == (6000, 2)
-    din = Trainer(schema, models.DIN(hidden=(16, 8), attention_hidden=(8,)), config)
-    din.fit(train, epochs=2)
-    assert din.evaluate(test)["auc"] > 0.6
 
 
 def test_reads_tree_parquet_raw_parquet_and_csv(schema, raw_small, trees_small, tmp_path):
