@@ -67,3 +67,28 @@ def test_checkpoint_layout_and_errors(schema, trees_small, tmp_path):
     assert state["step"] == trainer.step and state["model"]["name"] == "mlp"
     with pytest.raises(FileNotFoundError, match="no trainer checkpoint"):
         Trainer.restore(tmp_path / "missing")
+
+
+def test_a_version_1_checkpoint_restores_with_that_versions_defaults(schema, trees_small,
+                                                                      tmp_path):
+    """Version 1 wrote no row_gradients, pooled ids lists by sum unless told and fed dense
+    values raw: restoring one must keep that, not take today's defaults."""
+    trainer = Trainer(schema, models.MLP(hidden=(8,)), TrainConfig(batch_size=512))
+    trainer.fit(trees_small)
+    path = trainer.save(tmp_path / "ckpt")
+    with open(os.path.join(path, "trainer.json")) as f:
+        state = json.load(f)
+    state["version"] = 1
+    for key in ("row_gradients", "dense", "features"):
+        state["config"].pop(key)
+    state["config"]["features"] = {"clicked_cats": {"table": None, "pooling": "mean"}}
+    with open(os.path.join(path, "trainer.json"), "w") as f:
+        json.dump(state, f)
+    restored = Trainer.restore(path)
+    config = restored.config
+    assert config.row_gradients == "mean"
+    assert config.feature("clicked_cats").pooling == "mean"  # what it said stays
+    assert config.feature("clicked_items").pooling == "sum"
+    price = config.dense_config("price")
+    assert (price.transform, price.standardize) == ("none", False) and price.resolved
+    assert restored.step == trainer.step
