@@ -1,20 +1,31 @@
-"""Checkpoints of a long-running job: numbered directories written atomically, with a LATEST pointer.
+"""Checkpoints of a long-running job: directories written atomically, never overwritten.
 
     run_dir/checkpoints/
         ckpt-0000000120/      <- everything one restore needs (dense weights, store, state.json)
         ckpt-0000000240/
-        LATEST                <- "ckpt-0000000240"
+        ckpt-0000000240-1/    <- step 240 saved again (e.g. new offsets, no step trained)
+        LATEST                <- "ckpt-0000000240-1"
 
-A checkpoint is written into a temporary directory, every file fsynced, renamed into place,
-and only then named by LATEST (itself replaced atomically). A crash at any moment leaves either
-the previous checkpoint or the new one as LATEST, never a partial one; leftover temporary
+A checkpoint is written into a temporary directory, every file fsynced, and renamed to a name
+no other checkpoint has had in this directory (the step, plus a revision when the step was
+saved before); only then does LATEST name it (itself replaced atomically), and only after that
+are older checkpoints removed (each renamed to a temporary name first, so a half-removed one
+never looks like a checkpoint). A crash at any moment therefore leaves every checkpoint LATEST
+ever named until then complete, or removed by name. The checkpoint to restore is the newest
+complete one, ordered by (step, revision): normally the one LATEST names; after a crash between
+the rename and the LATEST update, the new one, which is complete too. Leftover temporary
 directories are removed on the next start.
+
+Tests may set ``PREFIXREC_CHECKPOINT_CRASH`` to a point of :meth:`CheckpointManager.save`
+(``written``, ``renamed``, ``pointed``, ``removing``; ``POINT:again`` only when the step was
+saved before): the process then dies there with ``os._exit(CRASH_EXIT_CODE)``, as if killed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -22,6 +33,9 @@ from typing import Callable
 
 STATE_FILE = "state.json"
 LATEST_FILE = "LATEST"
+CRASH_ENV = "PREFIXREC_CHECKPOINT_CRASH"
+CRASH_EXIT_CODE = 86
+_NAME = re.compile(r"^ckpt-(\d{10,})(?:-(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,20 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.state["step"])
+
+
+def _order(name: str) -> tuple[int, int] | None:
+    """``(step, revision)`` of a checkpoint directory name; None for any other name."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def _crash_point(point: str, again: bool) -> None:
+    wanted = os.environ.get(CRASH_ENV)
+    if wanted and wanted in (point, f"{point}:again" if again else None):
+        os._exit(CRASH_EXIT_CODE)
 
 
 class CheckpointManager:
@@ -47,37 +75,46 @@ class CheckpointManager:
             if name.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
+    def _names(self) -> list[str]:
+        """The checkpoint directory names, oldest first by (step, revision)."""
+        names = [n for n in os.listdir(self.directory) if _order(n) is not None]
+        return sorted(names, key=_order)
+
     def latest(self) -> Checkpoint | None:
-        """The checkpoint LATEST names, or None before the first one."""
+        """The newest complete checkpoint (normally the one LATEST names), or None before the
+        first one."""
+        complete = self.all()
+        if complete:
+            return complete[-1]
         try:
             with open(os.path.join(self.directory, LATEST_FILE)) as f:
                 name = f.read().strip()
         except FileNotFoundError:
             return None
-        path = os.path.join(self.directory, name)
-        try:
-            with open(os.path.join(path, STATE_FILE)) as f:
-                state = json.load(f)
-        except (OSError, ValueError) as e:
-            raise RuntimeError(f"{path}: LATEST names a checkpoint that cannot be read ({e}); "
-                               "the run directory was changed by hand?") from None
-        return Checkpoint(path, state)
+        raise RuntimeError(f"{os.path.join(self.directory, name)}: LATEST names a checkpoint "
+                           "that cannot be read and no other complete checkpoint is left; "
+                           "the run directory was changed by hand?")
 
     def all(self) -> list[Checkpoint]:
         """Every complete checkpoint still on disk, oldest first."""
         out = []
-        for name in sorted(os.listdir(self.directory)):
-            state_path = os.path.join(self.directory, name, STATE_FILE)
-            if name.startswith("ckpt-") and os.path.exists(state_path):
-                with open(state_path) as f:
-                    out.append(Checkpoint(os.path.join(self.directory, name), json.load(f)))
+        for name in self._names():
+            path = os.path.join(self.directory, name)
+            try:
+                with open(os.path.join(path, STATE_FILE)) as f:
+                    out.append(Checkpoint(path, json.load(f)))
+            except (OSError, ValueError):
+                continue  # not a checkpoint this class wrote (they are complete when named)
         return out
 
     def save(self, write: Callable[[str], None], state: dict) -> Checkpoint:
         """Call ``write(tmp_dir)`` to fill a new checkpoint, add ``state`` (must hold ``step``),
-        make it durable and point LATEST at it."""
+        make it durable and point LATEST at it. Saving a step that has a checkpoint already
+        writes a new revision of it; the older one is removed only after LATEST moved."""
         step = int(state["step"])
-        name = f"ckpt-{step:010d}"
+        revisions = [r for s, r in map(_order, self._names()) if s == step]
+        again = bool(revisions)
+        name = f"ckpt-{step:010d}" + (f"-{max(revisions) + 1}" if again else "")
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
         os.makedirs(tmp)
@@ -86,13 +123,13 @@ class CheckpointManager:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=2, sort_keys=True)
             _fsync_tree(tmp)
-            if os.path.exists(final):  # same step again (nothing trained since): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            _crash_point("written", again)
+            os.rename(tmp, final)  # a new name: nothing is replaced
             _fsync_dir(self.directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        _crash_point("renamed", again)
         pointer = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
         with open(pointer, "w") as f:
             f.write(name + "\n")
@@ -100,14 +137,27 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(pointer, os.path.join(self.directory, LATEST_FILE))
         _fsync_dir(self.directory)
-        self._prune(keep_name=name)
+        _crash_point("pointed", again)
+        self._prune(keep_name=name, again=again)
         return Checkpoint(final, state)
 
-    def _prune(self, keep_name: str):
-        names = sorted(n for n in os.listdir(self.directory) if n.startswith("ckpt-"))
-        for name in names[:-self.keep]:
-            if name != keep_name:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    def _prune(self, keep_name: str, again: bool = False):
+        """Remove the checkpoints older than the newest ``keep`` and older revisions of
+        ``keep_name``'s step (it supersedes them)."""
+        step = _order(keep_name)[0]
+        names = [n for n in self._names() if n != keep_name]
+        superseded = [n for n in names if _order(n)[0] == step]
+        others = [n for n in names if _order(n)[0] != step]
+        kept = sorted(others + [keep_name], key=_order)[-self.keep:]
+        for name in superseded + [n for n in others if n not in kept]:
+            # rename first: a crash mid-removal leaves a temporary directory, not a checkpoint
+            doomed = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
+            try:
+                os.rename(os.path.join(self.directory, name), doomed)
+            except OSError:
+                continue
+            _crash_point("removing", again)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _fsync_tree(root: str):

@@ -64,11 +64,15 @@ class KafkaSampleSource:
         self.positions: dict[int, int] = dict(self.start_offsets)
         self.assigned: set[int] = set()
         self.rebalances = 0
+        # partition -> offset the broker confirmed as committed (by this source's commits)
+        self.committed: dict[int, int] = {}
+        self.commits_in_flight = 0  # asynchronous commits not answered yet
         self._decode_tree = compression.TreeMessageDecoder(schema.tree_arrow_schema(),
                                                            schema.name)
         settings = {"bootstrap.servers": bootstrap_servers, "group.id": group,
                     "enable.auto.commit": False, "enable.auto.offset.store": False,
-                    "auto.offset.reset": "earliest", **GROUP_DEFAULTS}
+                    "auto.offset.reset": "earliest", **GROUP_DEFAULTS,
+                    "on_commit": self._on_commit}
         settings.update(config or {})
         self.consumer = Consumer(settings)
         self.producer = Producer({"bootstrap.servers": bootstrap_servers,
@@ -218,19 +222,28 @@ class KafkaSampleSource:
             log.warning("%d dead letters to %s not delivered yet", remaining, self.dlq_topic)
         return remaining == 0
 
-    def commit(self, offsets: dict[int, int] | None = None) -> bool:
+    def commit(self, offsets: dict[int, int] | None = None, asynchronous: bool = False) -> bool:
         """Commit ``offsets`` (default: :attr:`positions`) of the partitions this member owns.
 
         Call it only once a checkpoint holding these offsets is on disk. Returns False when the
         commit failed (broker unreachable, a rebalance in progress): the checkpoint, not Kafka,
         is where a restart resumes, so the next checkpoint simply commits again. Offsets of
-        partitions another member took over are not committed, so its commits stand."""
+        partitions another member took over are not committed, so its commits stand.
+
+        A synchronous commit can wait for as long as the group coordinator is unreachable
+        (measured: minutes, until the broker came back). ``asynchronous=True`` only sends it:
+        the broker's answer arrives in a later :meth:`poll` and updates :attr:`committed`
+        (``commits_in_flight`` counts the unanswered ones)."""
         offsets = self.positions if offsets is None else offsets
         owned = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())
                  if p in self.assigned]
         if not owned:
             return True
         try:
+            if asynchronous:
+                self.consumer.commit(offsets=owned, asynchronous=True)
+                self.commits_in_flight += 1
+                return True
             self.consumer.commit(offsets=owned, asynchronous=False)
         except KafkaException as e:
             error = e.args[0] if e.args else e
@@ -239,6 +252,34 @@ class KafkaSampleSource:
             log.warning("commit of %s offsets failed, retrying at the next checkpoint: %s",
                         self.topic, error)
             return False
+        return True
+
+    def _on_commit(self, err, partitions):
+        """The broker's answer to a commit (served by ``consume``, or by the commit call)."""
+        self.commits_in_flight = max(0, self.commits_in_flight - 1)
+        if err is not None:
+            log.warning("commit of %s offsets failed, retrying at the next checkpoint: %s",
+                        self.topic, err)
+            return
+        for tp in partitions:
+            if tp.topic == self.topic and tp.error is None and tp.offset >= 0:
+                self.committed[tp.partition] = tp.offset
+
+    def reachable(self, timeout: float) -> bool:
+        """Whether the leader of every assigned partition answers a request within ``timeout``
+        s (a ListOffsets round trip each; a metadata answer from some other broker would not
+        show that these partitions can be read). False with no partition assigned.
+
+        An empty :meth:`poll` cannot tell "nothing to read" from "the broker is gone": the
+        client retries unreachable brokers silently. This is what tells them apart."""
+        if not self.assigned:
+            return False
+        for p in sorted(self.assigned):
+            try:
+                self.consumer.get_watermark_offsets(TopicPartition(self.topic, p),
+                                                    timeout=timeout, cached=False)
+            except KafkaException:
+                return False
         return True
 
     def lag(self) -> int | None:

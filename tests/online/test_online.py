@@ -99,51 +99,94 @@ def test_kill_9_at_random_moments_trains_every_sample_exactly_once(kafka_broker,
 
 class _Stream:
     """A producer thread streaming unique sample ids (0, 1, 2, ...) to both partitions until
-    :meth:`stop`, which returns how many it produced."""
+    :meth:`stop`, which returns how many it produced (every chunk is delivered before the next
+    one starts). :meth:`hold` parks it between two delivered chunks; :meth:`resume` restarts
+    it."""
 
     def __init__(self, broker, topic, chunk=300, pause=0.3):
         self.produced = 0
         self._running = threading.Event()
         self._running.set()
+        self._go = threading.Event()
+        self._go.set()
+        self._parked = threading.Event()
+        self._errors = []
 
         def stream():
-            while self._running.is_set():
-                start = self.produced
-                broker.produce(topic, [_sample(i) for i in range(start, start + chunk)])
-                self.produced += chunk
-                time.sleep(pause)
+            try:
+                while self._running.is_set():
+                    if not self._go.is_set():
+                        self._parked.set()
+                        self._go.wait()
+                        self._parked.clear()
+                        continue
+                    start = self.produced
+                    broker.produce(topic, [_sample(i) for i in range(start, start + chunk)])
+                    self.produced += chunk
+                    time.sleep(pause)  # the stream's pace
+            except BaseException as e:  # surfaced by stop()
+                self._errors.append(e)
 
         self._thread = threading.Thread(target=stream)
         self._thread.start()
 
+    def hold(self) -> int:
+        """Park the thread once its current chunk is delivered; returns how many it produced."""
+        self._go.clear()
+        while not self._parked.wait(timeout=0.1):
+            assert self._thread.is_alive(), f"the producer died: {self._errors}"
+        return self.produced
+
+    def resume(self):
+        self._go.set()
+
     def stop(self) -> int:
         self._running.clear()
+        self._go.set()
         self._thread.join()
+        assert not self._errors, f"the producer failed: {self._errors}"
         return self.produced
 
 
-def _run_while_streaming(broker, files, tmp_path, group, *extra):
+def _run_while_streaming(broker, files, tmp_path, group, *extra, idle_exit="8"):
     """A fresh 2-partition topic with a producer streaming into it, and a trainer process on
-    it that checkpoints every 0.5 s and exits after 8 idle seconds."""
+    it that checkpoints every 0.5 s and exits after ``idle_exit`` idle seconds."""
     schema_path, config_path = files
     topic = broker.create_topic(partitions=2)
     run_dir = str(tmp_path / "run")
     producer = _Stream(broker, topic)
     process = subprocess.Popen(
         _online(schema_path, config_path, broker, topic, group, run_dir, "--checkpoint-every",
-                "0.5", "--idle-exit", "8", *extra),
+                "0.5", "--idle-exit", idle_exit, *extra),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return topic, run_dir, producer, process
 
 
-def _wait_until_training(process, run_dir, timeout=180):
-    status = os.path.join(run_dir, "status.json")
+def _status(run_dir) -> dict | None:
+    """The trainer's status.json (replaced atomically), or None before the first one."""
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _wait_for_status(process, run_dir, condition, what, timeout=180) -> dict:
+    """Poll status.json until ``condition(status)`` holds; fail if the trainer exits first."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if os.path.exists(status) and json.load(open(status))["samples"] > 0:
-            return
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the trainer exited (code {process.returncode}) before {what}")
+        status = _status(run_dir)
+        if status is not None and condition(status):
+            return status
         time.sleep(0.1)
-    raise AssertionError(f"the trainer did not start training (exit code {process.poll()})")
+    raise AssertionError(f"timed out waiting until {what}: {_status(run_dir)}")
+
+
+def _wait_until_training(process, run_dir, timeout=180):
+    return _wait_for_status(process, run_dir, lambda s: s["samples"] > 0,
+                            "the trainer trained", timeout)
 
 
 def _assert_trained_exactly_once(broker, topic, group, run_dir, stdout, total):
@@ -182,24 +225,43 @@ def broker_behind_proxy():
 
 def test_a_broker_outage_is_survived_without_losing_or_repeating_a_sample(
         broker_behind_proxy, files, tmp_path):
+    # --idle-exit 3 is far shorter than the outage: the outage lasts until the trainer has
+    # lost its partitions (the 6 s group session expired), so a trainer that counted an
+    # outage as idle time would give up in the middle of it, every time.
     broker, proxy = broker_behind_proxy
-    topic, run_dir, producer, process = _run_while_streaming(broker, files, tmp_path,
-                                                             "g-outage", "--report-every", "1")
+    topic, run_dir, producer, process = _run_while_streaming(
+        broker, files, tmp_path, "g-outage", "--report-every", "1", idle_exit="3")
     try:
-        _wait_until_training(process, run_dir)
-        time.sleep(1.0)
-        before = json.load(open(os.path.join(run_dir, "status.json")))["samples"]
-        proxy.cut()       # every connection reset, reconnects refused: the broker is gone,
-        time.sleep(8.0)   # longer than the group session (6 s): the member is evicted too
-        proxy.restore()   # and back
-        time.sleep(4.0)   # the producer's buffered and new samples flow again
+        before = _wait_until_training(process, run_dir)["samples"]
+        # no produce request in flight when the broker goes: a retried one could be written
+        # twice, and this test is about the trainer, not about the producer
+        produced = producer.hold()
+        proxy.cut()  # every connection reset, reconnects refused: the broker is gone
+        cut_at = time.monotonic()
+        during = _wait_for_status(
+            process, run_dir,
+            lambda s: s["broker_reachable"] is False and not s["assigned"],
+            "the trainer saw the broker go and lost its partitions (group session expired)")
+        assert time.monotonic() - cut_at > 3  # longer than --idle-exit, and still running
+        assert during["idle_s"] == 0
+        proxy.restore()  # and back
+        producer.resume()
+        # trains again: past everything produced before the outage
+        _wait_for_status(process, run_dir, lambda s: s["samples"] > produced,
+                         "the trainer trained again after the outage")
+    except BaseException:
+        process.kill()
+        raise
     finally:
+        if not proxy.up:
+            proxy.restore()
         total = producer.stop()
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
     summary = _assert_trained_exactly_once(broker, topic, "g-outage", run_dir, out, total)
-    assert 0 < before < summary["samples"] == total  # trained before and after the outage
+    assert 0 < before <= produced < summary["samples"] == total  # before and after the outage
     assert "Connection refused" in err or "Disconnected" in err  # the outage was seen
+    assert "revoked partitions" in err  # the member lost its partitions
 
 
 def test_a_rebalance_mid_run_loses_and_repeats_nothing(kafka_broker, files, tmp_path):

@@ -36,6 +36,11 @@ class TcpProxy:
     def __exit__(self, *exc):
         self.cut()
 
+    @property
+    def up(self) -> bool:
+        """Whether the proxy is listening (restored, not cut)."""
+        return self._listener is not None
+
     def restore(self):
         """Listen (again) on :attr:`port` and forward every connection to the target."""
         listener = socket.socket()
