@@ -67,7 +67,10 @@ def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
     fmt = raw_format(path, format)
     first = 0
     if fmt == "parquet":
-        file = pq.ParquetFile(path)
+        try:
+            file = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:  # e.g. "Parquet file size is 0 bytes"
+            raise RawDataError(f"{path}: cannot read the file as parquet: {e}") from None
         for batch in file.iter_batches(batch_size=chunk_rows):
             yield pa.Table.from_batches([batch]), first
             first += batch.num_rows
@@ -103,7 +106,7 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
         table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
             column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False))
     except pa.ArrowInvalid as e:
-        raise RawDataError(f"{path}: {e}") from None
+        raise RawDataError(f"{path}: {_csv_conversion_error(path, e, types)}") from None
     list_features = {f.name: f for f in schema.features if f.kind != "id"}
     columns = []
     for name in table.column_names:
@@ -122,6 +125,36 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
             column = _parse_timestamps(column, name, path)
         columns.append(column)
     return pa.Table.from_arrays(columns, names=table.column_names)
+
+
+def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str:
+    """Arrow's "In CSV column #20: CSV conversion error to int64: invalid value 'ten'" with the
+    column's name and the 1-based line of the first bad cell (as editors count, header = 1)."""
+    import csv
+    import re
+
+    text = str(error)
+    match = re.match(r"In CSV column #(\d+): (.*)", text, re.S)
+    if not match:
+        return text
+    try:
+        with pa.input_stream(path, compression="detect") as f:  # .csv.gz too
+            first = f.read(1 << 20).decode("utf-8", "replace").splitlines()[0]
+        header = next(csv.reader([first]))
+        name = header[int(match.group(1))]
+        cells = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+            include_columns=[name], column_types={name: pa.string()})).column(name)
+    except (pa.ArrowException, IndexError, OSError, StopIteration, ValueError):
+        return text
+    kind = types.get(name)
+    parse = float if kind is not None and pa.types.is_floating(kind) else int
+    for i, cell in enumerate(cells.to_pylist()):
+        try:
+            parse(cell)
+        except (TypeError, ValueError):
+            return (f"column {name!r} line {i + 2}: invalid value {cell!r}, expected "
+                    f"{'a number' if parse is float else 'an integer'} ({match.group(2)})")
+    return f"column {name!r}: {match.group(2)}"
 
 
 def _parse_timestamps(column: pa.ChunkedArray, name: str, path: str) -> pa.ChunkedArray:

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 import uuid
@@ -53,7 +54,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 import compression
 import schemas
-from compression import RawDataError, TreeStats
+from compression import RawDataError, TreeStats, cli
 from compression.stats import format_summary
 from pipelines._runner import with_default_runner
 from pipelines._coders import ShardPart  # registers the Arrow table and part coders
@@ -295,9 +296,10 @@ class _FinishFn(beam.DoFn):
     """
 
     def __init__(self, schema_yaml: str, output: str, shards: int, input_files: int,
-                 max_bad_rows: int):
+                 max_bad_rows: int, rejected_dir: str | None = None):
         self._schema_yaml = schema_yaml
         self._output = output
+        self._rejected_dir = rejected_dir or os.path.join(output, DEAD_LETTER_DIR)
         self._shards = shards
         self._input_files = input_files
         self._max_bad_rows = max_bad_rows
@@ -309,7 +311,7 @@ class _FinishFn(beam.DoFn):
             raise TooManyBadRows(
                 f"{bad_rows:,} rows failed validation, more than --max-bad-rows "
                 f"{self._max_bad_rows:,}; their reasons are in "
-                f"{os.path.join(self._output, DEAD_LETTER_DIR)}/ (fix the data, or raise "
+                f"{self._rejected_dir}/ (fix the data, or raise "
                 "--max-bad-rows to drop them)")
         total = TreeStats(schema)
         built = set()
@@ -337,13 +339,16 @@ class CompressFiles(beam.PTransform):
     """PCollection of raw file paths -> trees in ``output``; outputs the ``_stats.json`` dict.
 
     ``schema_yaml`` is the schema's YAML text (what DoFns carry to the workers).
+    ``rejected_dir`` is where the error of a failed job says the rejected rows are (default
+    ``output/_dead_letter``).
     """
 
     def __init__(self, schema_yaml: str, output: str, shards: int = DEFAULT_SHARDS,
                  format: str | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                  max_bad_rows: int = 0, input_files: int = 0,
-                 threads: int = DEFAULT_THREADS):
+                 threads: int = DEFAULT_THREADS, rejected_dir: str | None = None):
         super().__init__()
+        self._rejected_dir = rejected_dir
         self._threads = threads
         self._schema_yaml = schema_yaml
         self._output = output
@@ -371,14 +376,18 @@ class CompressFiles(beam.PTransform):
                 | "Finish" >> beam.Create([None])
                 | "WriteStats" >> beam.ParDo(
                     _FinishFn(self._schema_yaml, self._output, self._shards,
-                              self._input_files, self._max_bad_rows),
+                              self._input_files, self._max_bad_rows, self._rejected_dir),
                     shard_stats=beam.pvalue.AsList(shard_stats),
                     bad_counts=beam.pvalue.AsList(bad_counts)))
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pipelines.compress",
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=cli.epilog(f"{PROG} --schema schemas/examples/taobao_like.yaml --input "
+                          "'raw/*.parquet' --output trees/ --shards 16",
+                          f"{PROG} ... --runner=DataflowRunner --project P --region R "
+                          "--setup_file ./setup.py"),
         description="Compress raw samples (Parquet, CSV or JSON lines) into multi-prefix-tree "
                     "Parquet shards with Apache Beam. Flags not listed here are Beam pipeline "
                     "options (--runner, --project, --flink_master, ...); without --runner the "
@@ -387,9 +396,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, action="append",
                    help="raw files: a path, directory or glob (repeat for more)")
     p.add_argument("--output", required=True,
-                   help="output directory: part-SSSSS-of-NNNNN.parquet, _stats.json (written "
-                        "last, on success), _dead_letter/; what an earlier run of this job "
-                        "wrote there is replaced")
+                   help="output directory: part-SSSSS-of-NNNNN.parquet, _stats.json, "
+                        "_dead_letter/; written through a temporary directory next to it and "
+                        "renamed into place on success (a failed job leaves no output; its "
+                        "rejected rows go to OUTPUT.dead_letter/)")
+    cli.add_overwrite_flag(p)
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                    help=f"number of output files; each is built in one worker's memory "
                         f"(default {DEFAULT_SHARDS})")
@@ -404,22 +415,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bad-rows", type=int, default=0,
                    help="rows that may fail validation (they go to OUTPUT/_dead_letter/ with "
                         "the reason) before the job fails (default 0: any bad row fails it)")
+    cli.add_debug_flag(p)
     return p
-
-
-def _clear_previous_output(output: str):
-    """Remove what an earlier run wrote here (only files this job writes), so the directory
-    never mixes two runs' shards."""
-    if not os.path.isdir(output):
-        return
-    for name in os.listdir(output):
-        if _PART.match(name) or name == STATS_FILE:
-            os.remove(os.path.join(output, name))
-    dead = os.path.join(output, DEAD_LETTER_DIR)
-    if os.path.isdir(dead):
-        for name in os.listdir(dead):
-            if name.endswith(".jsonl"):
-                os.remove(os.path.join(dead, name))
 
 
 def _job_error(e: BaseException) -> BaseException | None:
@@ -427,7 +424,7 @@ def _job_error(e: BaseException) -> BaseException | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, RawDataError):
+        if isinstance(e, (RawDataError, KeyboardInterrupt)):
             return e
         e = e.__cause__ or e.__context__
     return None
@@ -437,22 +434,47 @@ def run(argv=None) -> dict:
     """Run the job; returns the ``_stats.json`` summary.
 
     Raises :class:`compression.RawDataError` (bad files, or more bad rows than allowed),
-    ``FileNotFoundError`` (no input) or ``schemas.SchemaError``.
+    :class:`compression.cli.UsageError` (no input, empty input, a non-empty output without
+    ``--overwrite``) or ``schemas.SchemaError``. The output is written through a temporary
+    directory next to it, renamed into place on success; a failed job leaves no output (its
+    rejected rows, if any, go to ``OUTPUT.dead_letter/``).
     """
     args, beam_args = _parser().parse_known_args(argv)
     if args.shards < 1:
-        raise ValueError(f"--shards: expected a positive number, got {args.shards}")
+        raise cli.UsageError(f"--shards: expected a positive number, got {args.shards}")
     if args.threads < 1:
-        raise ValueError(f"--threads: expected a positive number, got {args.threads}")
+        raise cli.UsageError(f"--threads: expected a positive number, got {args.threads}")
     schema = schemas.load(args.schema)
-    files = compression.expand_paths(args.input)
+    files = cli.check_inputs(args.input, "--input", args.format)
     for path in files:
         compression.raw_format(path, args.format)  # fail now, not in a worker
-    output = os.path.abspath(args.output)
-    os.makedirs(output, exist_ok=True)
-    _clear_previous_output(output)
     options = PipelineOptions(with_default_runner(beam_args))
-    log.info("compressing %d file(s) into %d shard(s) -> %s", len(files), args.shards, output)
+    staged = cli.StagedOutput(args.output, args.overwrite, inputs=files)
+    rejected = f"{staged.path}.dead_letter"
+    try:
+        log.info("compressing %d file(s) into %d shard(s) -> %s", len(files), args.shards,
+                 staged.path)
+        _run_pipeline(options, files, schema, staged.tmp, args, rejected)
+        with open(os.path.join(staged.tmp, STATS_FILE)) as f:
+            summary = json.load(f)
+        staged.commit()
+    except BaseException:
+        _keep_dead_letter(staged.tmp, rejected)
+        staged.discard()
+        raise
+    shutil.rmtree(rejected, ignore_errors=True)  # an earlier failed run's rejected rows
+    return summary
+
+
+def _keep_dead_letter(tmp: str, rejected: str) -> None:
+    """Move a failed run's rejected rows out of its temporary output, to ``rejected``."""
+    dead = os.path.join(tmp, DEAD_LETTER_DIR)
+    if os.path.isdir(dead) and os.listdir(dead):
+        shutil.rmtree(rejected, ignore_errors=True)
+        os.rename(dead, rejected)
+
+
+def _run_pipeline(options, files, schema, output: str, args, rejected: str) -> None:
     try:
         with beam.Pipeline(options=options) as p:
             _ = (p
@@ -460,32 +482,41 @@ def run(argv=None) -> dict:
                  | "Compress" >> CompressFiles(schema.to_yaml(), output, args.shards,
                                                args.format, args.chunk_rows,
                                                args.max_bad_rows, len(files),
-                                               args.threads))
+                                               args.threads, rejected))
     except Exception as e:
         ours = _job_error(e)
         if ours is None:
             # Some runners only keep the message text of a worker's exception.
             text = str(e)
+            # Ctrl-C / SIGTERM inside a DoFn run on this thread (the local runners)
+            for cls in (cli.Terminated, KeyboardInterrupt):
+                if re.match(rf"(?:[\w.]+\.)?{cls.__name__} \[while running", text):
+                    raise cls() from None
             for cls in (TooManyBadRows, RawDataError):
                 match = re.search(rf"{cls.__name__}: (.+?)(?: \[while running|\n|$)", text)
                 if match:
                     raise cls(match.group(1)) from e
             raise
+        if isinstance(ours, KeyboardInterrupt):
+            raise ours from None
         raise type(ours)(str(ours).split(" [while running")[0]) from e
-    with open(os.path.join(output, STATS_FILE)) as f:
-        return json.load(f)
+
+
+PROG = "python -m pipelines.compress"
 
 
 def main(argv=None) -> int:
+    return cli.run_command(PROG, _main, argv)
+
+
+def _main(argv) -> int:
     # force: importing Beam has already given the root logger a handler.
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     log.setLevel(logging.INFO)
+    if "--debug" not in argv:
+        cli.hide_logged_tracebacks("apache_beam")  # the error is reported once, below
     started = time.perf_counter()
-    try:
-        summary = run(argv)
-    except (RawDataError, FileNotFoundError, schemas.SchemaError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    summary = run(argv)
     seconds = time.perf_counter() - started
     print(format_summary(summary))
     print(f"bad rows              {summary['bad_rows']:,}")

@@ -10,10 +10,28 @@ The only package that imports TensorFlow; it reads data through ``compression`` 
 sparse parameters in ``native`` stores.
 """
 
-from trainer import models
-from trainer.config import (ConfigError, DenseOptimizerConfig, ExpiryConfig, FeatureConfig,
-                            TableConfig, TrainConfig)
-from trainer.trainer import Trainer
+import importlib
+
+# Imported on first use (PEP 562), so ``python -m trainer.train --help`` and argument errors do
+# not pay for importing TensorFlow.
+_LAZY = {"models": "trainer.models", "Trainer": "trainer.trainer",
+         **{name: "trainer.config" for name in ("ConfigError", "DenseOptimizerConfig",
+                                                "ExpiryConfig", "FeatureConfig", "TableConfig",
+                                                "TrainConfig")}}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    module = importlib.import_module(module)
+    value = module if module.__name__ == f"trainer.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["ConfigError", "DenseOptimizerConfig", "ExpiryConfig", "FeatureConfig",
            "TableConfig", "TrainConfig", "Trainer", "models"]

@@ -13,25 +13,34 @@ import json
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from compression import cli
+from trainer.train import _json_number, load_tensorflow
 
-from trainer.train import _json_number  # noqa: E402
-from trainer.trainer import Trainer  # noqa: E402
+PROG = "python -m trainer.evaluate"
 
 
 def run(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=cli.epilog(f"{PROG} --run runs/mlp --data 'test/*.parquet'"))
     parser.add_argument("--run", required=True, help="run directory of python -m trainer.train")
     parser.add_argument("--data", required=True,
                         help="tree Parquet or raw Parquet/CSV/JSON lines files (path or glob)")
     parser.add_argument("--batch-size", type=int, help="default: the run's batch size")
     parser.add_argument("--no-progress", action="store_true")
+    cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size: expected a number >= 1, got {args.batch_size}")
     checkpoint = os.path.join(args.run, "checkpoint")
     if not os.path.exists(os.path.join(checkpoint, "trainer.json")):
         parser.error(f"--run {args.run}: no checkpoint in {checkpoint}; train with "
                      "python -m trainer.train --out RUN_DIR first")
+    cli.check_inputs(args.data, "--data")  # before any work: missing, unreadable, empty
+    load_tensorflow(args.debug)
+    from trainer.trainer import Trainer
+
     trainer = Trainer.restore(checkpoint)
     if args.batch_size:
         trainer.config = trainer.config.replace(batch_size=args.batch_size)
@@ -42,8 +51,7 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    print(json.dumps(run(argv)), flush=True)
-    return 0
+    return cli.run_command(PROG, lambda a: print(json.dumps(run(a)), flush=True), argv)
 
 
 if __name__ == "__main__":

@@ -15,28 +15,55 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
+import signal
 import sys
+import threading
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter quiet
+import compression  # noqa: F401
+import schemas
+from compression import cli
+from trainer.config import ConfigError, TrainConfig
 
-import compression  # noqa: E402
-import schemas  # noqa: E402
-from trainer import models  # noqa: E402
-from trainer.config import ConfigError, TrainConfig  # noqa: E402
-from trainer.trainer import Trainer  # noqa: E402
+PROG = "python -m trainer.train"
+# the built-in models (trainer.models.MODELS, checked by a test): listed here so that --help
+# and argument errors do not import TensorFlow
+MODEL_NAMES = ("dcn", "deepfm", "din", "esmm", "mlp")
+
+
+def load_tensorflow(debug: bool = False):
+    """Import TensorFlow and Keras without their start-up lines on the console (TensorFlow
+    writes its absl lines to file descriptor 2 before any setting reaches them); with
+    ``debug`` they are shown. Called after the arguments are parsed."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if "tensorflow" not in sys.modules and not debug:
+        with cli.quiet_stderr():
+            import keras  # noqa: F401
+            import tensorflow  # noqa: F401
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=cli.epilog(
+            f"{PROG} --schema schemas/examples/taobao_like.yaml --train-data 'trees/*.parquet' "
+            "--eval-data test.parquet --out runs/mlp",
+            "Ctrl-C (SIGINT) or SIGTERM: the current step finishes, RUN_DIR/checkpoint is "
+            "written, exit 130/143"))
     p.add_argument("--schema", required=True, help="schema YAML file")
     p.add_argument("--train-data", required=True,
                    help="training files: tree Parquet or raw Parquet/CSV/JSON lines; a path, "
                         "directory or glob")
     p.add_argument("--eval-data", help="evaluation files, same kinds as --train-data")
     p.add_argument("--config", help="TrainConfig YAML (see trainer/examples/mlp.yaml)")
-    p.add_argument("--model", choices=sorted(models.MODELS), default="mlp",
+    p.add_argument("--model", choices=MODEL_NAMES, default="mlp",
                    help="the dense network (default mlp, the paper's 200-80-1)")
     p.add_argument("--hidden", help="hidden layer sizes, e.g. 200,80 (default: the model's)")
     p.add_argument("--compute", choices=["structured", "flat"],
@@ -54,8 +81,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=_positive, default=None, metavar="STEPS",
                    help="with --eval-data: also evaluate every STEPS steps")
     p.add_argument("--seed", type=int, help="overrides the config's seed")
-    p.add_argument("--out", required=True, help="run directory (created)")
+    p.add_argument("--out", required=True,
+                   help="run directory; written through a temporary directory next to it and "
+                        "renamed into place at the end (or on an interrupt, with the "
+                        "checkpoint); a directory holding another run is refused")
+    cli.add_overwrite_flag(p, "the run directory")
+    cli.add_debug_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--workers", type=_positive, default=1,
+                   help="data-parallel workers on Ray (default 1: in process, no Ray)")
+    p.add_argument("--shards", type=_positive, default=1,
+                   help="embedding store shards on Ray (default 1: in process, no Ray)")
+    p.add_argument("--ray-address", metavar="HOST:PORT",
+                   help="a running Ray cluster's head (default with --workers/--shards: a local "
+                        "cluster started and stopped by this run)")
     return p
 
 
@@ -85,6 +124,7 @@ def run(argv=None) -> dict:
         overrides = {k: v for k, v in (("compute", args.compute), ("batch_size", args.batch_size),
                                        ("seed", args.seed)) if v is not None}
         config = config.replace(**overrides)
+        config.check(schema)  # the config against the schema, before TensorFlow is imported
     except (schemas.SchemaError, ConfigError) as e:
         parser.error(str(e))
     model_args = {}
@@ -93,28 +133,124 @@ def run(argv=None) -> dict:
             model_args["hidden"] = tuple(int(x) for x in args.hidden.split(","))
         except ValueError:
             parser.error(f"--hidden: expected sizes like 200,80, got {args.hidden!r}")
+    if args.eval_every and not args.eval_data:
+        parser.error("--eval-every needs --eval-data")
+    # Every input and the run directory are checked before any work (and before TensorFlow
+    # is imported): globs that match nothing, unreadable or empty files, another run.
+    inputs = cli.check_inputs(args.train_data, "--train-data")
+    if args.eval_data:
+        inputs += cli.check_inputs(args.eval_data, "--eval-data")
+    cli.check_output(args.out, args.overwrite, "--out", inputs)
+    load_tensorflow(args.debug)
+    from trainer import models
+    from trainer.trainer import Trainer
+
+    if args.workers > 1 or args.shards > 1 or args.ray_address:
+        from trainer import distributed
+
+        result = distributed.run_cli(args, parser, schema, config,
+                                     models.MODELS[args.model](**model_args))
+        result = {k: _json_number(v) for k, v in result.items()}
+        with open(os.path.join(result["run_dir"], "result.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return result
     try:
         trainer = Trainer(schema, models.MODELS[args.model](**model_args), config)
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
-    if args.eval_data:
-        try:
-            compression.expand_paths(args.eval_data)
-        except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--eval-data: {e}")
-    elif args.eval_every:
-        parser.error("--eval-every needs --eval-data")
     epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
-    os.makedirs(args.out, exist_ok=True)
     progress = not args.no_progress
-    checkpoint = os.path.join(args.out, "checkpoint")
     keep_best = bool(args.eval_data) and args.patience > 0
-    history = trainer.fit(args.train_data, epochs=epochs, progress=progress, log_dir=args.out,
-                          eval_data=args.eval_data, eval_every=args.eval_every,
-                          patience=args.patience if keep_best else None,
-                          best_dir=checkpoint if keep_best else None)
-    if not keep_best:
-        trainer.save(checkpoint)
+    # Written through a temporary directory next to --out, renamed into place at the end: a
+    # failed run leaves no run directory. The best checkpoint is kept there during training.
+    with cli.StagedOutput(args.out, args.overwrite, "--out", inputs) as staged, \
+            _StopOnSignal() as stop:
+        run_dir = staged.tmp
+        checkpoint = os.path.join(run_dir, "checkpoint")
+        try:
+            history = trainer.fit(args.train_data, epochs=epochs, progress=progress,
+                                  log_dir=run_dir, callback=stop.after_step,
+                                  eval_data=args.eval_data, eval_every=args.eval_every,
+                                  patience=args.patience if keep_best else None,
+                                  best_dir=checkpoint if keep_best else None)
+        except _Stop as e:
+            raise _interrupted(trainer, staged, e.signum) from None
+        if not keep_best:
+            trainer.save(checkpoint)
+        result = _result(args, config, trainer, history, keep_best, epochs)
+        with open(os.path.join(run_dir, "result.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        staged.commit()
+    return result
+
+
+class _Stop(Exception):
+    """Raised after a training step once SIGINT or SIGTERM arrived."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Interrupted(Exception):
+    """Training stopped by a signal; the checkpoint is written. ``exit_code`` 130 or 143."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _StopOnSignal:
+    """While active, SIGINT and SIGTERM ask training to stop after the current step
+    (:meth:`after_step` is ``fit``'s callback); a second signal stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt  # the second signal: stop now, no checkpoint
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing the current step, then writing a "
+              "checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def after_step(self, *_):
+        if self.signum is not None:
+            raise _Stop(self.signum)
+
+
+def _interrupted(trainer, staged, signum: int) -> Interrupted:
+    """Write the checkpoint of an interrupted run, put the run directory in place."""
+    trainer.save(os.path.join(staged.tmp, "checkpoint"))
+    name = signal.Signals(signum).name
+    with open(os.path.join(staged.tmp, "interrupted.json"), "w") as f:
+        json.dump({"signal": name, "step": trainer.step, "samples": trainer.samples}, f,
+                  indent=1)
+    run_dir = staged.commit()
+    checkpoint = os.path.join(run_dir, "checkpoint")
+    return Interrupted(
+        f"{name}: stopped after step {trainer.step:,} ({trainer.samples:,} samples); "
+        f"checkpoint written to {checkpoint}. Score it with python -m trainer.evaluate --run "
+        f"{run_dir} --data DATA; continue training from it in Python with "
+        f"trainer.Trainer.restore({checkpoint!r}).fit(...) (trainer.train --resume is not "
+        "available yet)", 128 + signum)
+
+
+def _result(args, config, trainer, history, keep_best: bool, epochs: int) -> dict:
     stats = trainer.store_stats()
     result = {"samples": history["samples"], "samples_per_sec": history["samples_per_sec"],
               "steps": history["steps"], "train_seconds": history["seconds"],
@@ -138,10 +274,7 @@ def run(argv=None) -> dict:
                   rejected=stats.get("rejected", 0), expired=stats.get("expired", 0),
                   model=args.model, compute=config.compute, batch_size=config.batch_size,
                   epochs=epochs, run_dir=os.path.abspath(args.out))
-    result = {k: _json_number(v) for k, v in result.items()}
-    with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return {k: _json_number(v) for k, v in result.items()}
 
 
 def _json_number(v):
@@ -149,7 +282,15 @@ def _json_number(v):
 
 
 def main(argv=None) -> int:
-    result = run(argv)
+    return cli.run_command(PROG, _main, argv)
+
+
+def _main(argv) -> int:
+    try:
+        result = run(argv)
+    except Interrupted as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
     if result["eval_samples"]:
         auc = f"eval AUC {result['auc']:.4f} (epoch {result['checkpoint_epoch']}, kept)"
     else:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import compression
 import schemas
-from compression import RawDataError
+from compression import RawDataError, cli
 from compression.compress import compress_files
 from pipelines import compress as job
 from pipelines._coders import ShardPart, ShardPartCoder
@@ -177,14 +177,18 @@ def test_bad_rows_go_to_the_dead_letter_and_fail_the_job_past_the_limit(tmp_path
 
     with pytest.raises(job.TooManyBadRows,
                        match=r"^3 rows failed validation, more than --max-bad-rows 2; their "
-                             r"reasons are in .*_dead_letter/ \(fix the data, or raise "
+                             r"reasons are in .*/out\.dead_letter/ \(fix the data, or raise "
                              r"--max-bad-rows to drop them\)$"):
         _run(TAOBAO_PATH, str(raw), tmp_path / "out", "--max-bad-rows", 2, "--chunk-rows", 128)
-    assert not (tmp_path / "out" / "_stats.json").exists()  # no completion marker
+    # a failed job leaves no output, only its rejected rows beside it
+    assert sorted(os.listdir(tmp_path)) == ["out.dead_letter", "raw"]
+    assert sum(len(f.read_text().splitlines())
+               for f in (tmp_path / "out.dead_letter").iterdir()) == 3
 
     summary = _run(TAOBAO_PATH, str(raw), tmp_path / "out", "--max-bad-rows", 3,
                    "--chunk-rows", 128, "--shards", 2)
     assert summary["bad_rows"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["out", "raw"]  # the failed run's rows are gone
     assert summary["samples"] == 397
     dead = list(json.loads(line) for f in sorted((tmp_path / "out" / "_dead_letter").iterdir())
                   for line in f.read_text().splitlines())
@@ -245,10 +249,14 @@ def test_shard_split_keeps_every_row_and_each_root_key_in_one_shard(data):
             assert owner.setdefault(repr(key), shard) == shard
 
 
-def test_a_rerun_replaces_the_previous_shards(tmp_path):
+def test_a_rerun_replaces_the_previous_shards_only_with_overwrite(tmp_path):
     pq.write_table(taobao_table(200), tmp_path / "raw.parquet")
     _run(TAOBAO_PATH, tmp_path / "raw.parquet", tmp_path / "out", "--shards", 4)
-    _run(TAOBAO_PATH, tmp_path / "raw.parquet", tmp_path / "out", "--shards", 2)
+    with pytest.raises(cli.OutputExistsError, match=r"out: the directory is not empty \(5 "
+                                                    r"entries\); pass --overwrite"):
+        _run(TAOBAO_PATH, tmp_path / "raw.parquet", tmp_path / "out", "--shards", 2)
+    assert len(os.listdir(tmp_path / "out")) == 5
+    _run(TAOBAO_PATH, tmp_path / "raw.parquet", tmp_path / "out", "--shards", 2, "--overwrite")
     assert sorted(os.listdir(tmp_path / "out")) == [
         "_stats.json", "part-00000-of-00002.parquet", "part-00001-of-00002.parquet"]
     assert compression.read_trees(str(tmp_path / "out")).num_rows == compression.build_trees(
@@ -278,8 +286,9 @@ def test_command_line_help_and_errors():
                               TAOBAO_PATH, "--input", "/nonexistent/*.parquet", "--output",
                               "/tmp/unused"], cwd=ROOT, capture_output=True, text=True, env=env,
                              timeout=120)
-    assert missing.returncode == 1
-    assert "error: no input files match '/nonexistent/*.parquet'" in missing.stderr
+    assert missing.returncode == 2
+    assert missing.stderr == ("python -m pipelines.compress: error: --input: no input files "
+                              "match '/nonexistent/*.parquet'\n")
 
 
 def test_command_line_run_prints_progress_and_summary(tmp_path):

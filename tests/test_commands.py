@@ -1,0 +1,389 @@
+"""The ``python -m`` commands as their users expect (issue 19), each driven in a child process:
+the output policy (refuse a non-empty output, ``--overwrite`` replaces it whole, a failure
+leaves nothing), interrupts of ``trainer.train``, one error path (one line, exit code 2, the
+traceback only under ``--debug``), quiet start-up and a ``--help`` without TensorFlow."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sample_data import taobao_table
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = str(ROOT / "schemas" / "examples" / "taobao_like.yaml")
+COMMANDS = ("compression.compress", "compression.inspect", "pipelines.compress",
+            "trainer.train", "trainer.evaluate")
+TF_NOISE = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS")
+
+
+def command(module: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def one_error_line(out: subprocess.CompletedProcess, module: str, after_progress=False) -> str:
+    """The command failed with exit code 2 and printed one error line, without a traceback;
+    only that line, unless the job had started (``after_progress``: its progress lines
+    first)."""
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 or after_progress, out.stderr
+    assert lines[-1].startswith(f"python -m {module}: error: ")
+    assert not any("error" in line for line in lines[:-1]), out.stderr
+    return lines[-1]
+
+
+def entries(directory: Path) -> list[str]:
+    """Everything below a directory, relative paths, sorted."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("data")
+    table = taobao_table(600, seed=1)
+    pq.write_table(table, base / "raw.parquet")
+    pq.write_table(table.slice(0, 0), base / "zero_rows.parquet")
+    (base / "zero_bytes.parquet").write_bytes(b"")
+    click = table.column("click").to_pylist()
+    click[7] = 3.0  # out of [0, 1]: a bad row
+    bad = table.set_column(table.schema.get_field_index("click"), "click",
+                           pa.array(click, pa.float32()))
+    pq.write_table(bad, base / "bad_row.parquet")
+    return base
+
+
+# -- output policy ------------------------------------------------------------------------------
+
+def test_compression_compress_refuses_a_non_empty_output_and_overwrite_replaces_it(data,
+                                                                                   tmp_path):
+    out = tmp_path / "trees"
+    first = command("compression.compress", "--schema", SCHEMA, "--input",
+                    data / "raw.parquet", "--output", out)
+    assert first.returncode == 0, first.stderr
+    assert entries(out) == ["_stats.json", "part-00000.parquet"]
+    (out / "notes.txt").write_text("mine")
+
+    again = command("compression.compress", "--schema", SCHEMA, "--input",
+                    data / "raw.parquet", "--output", out, "--roots-per-file", "7")
+    assert one_error_line(again, "compression.compress") == (
+        f"python -m compression.compress: error: --output {out}: the directory is not empty "
+        "(3 entries); pass --overwrite to replace it whole, or choose another directory")
+    assert entries(out) == ["_stats.json", "notes.txt", "part-00000.parquet"]
+
+    replaced = command("compression.compress", "--schema", SCHEMA, "--input",
+                       data / "raw.parquet", "--output", out, "--roots-per-file", "7",
+                       "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    names = entries(out)
+    assert "notes.txt" not in names and len(names) > 2  # replaced whole, several files now
+    inspected = command("compression.inspect", out, "--json")
+    assert json.loads(inspected.stdout)["samples"] == 600  # not old + new
+    assert entries(tmp_path) == ["trees"] + [f"trees/{n}" for n in names]  # no temp dirs
+
+
+def test_compression_compress_failure_leaves_no_output(data, tmp_path):
+    (tmp_path / "in").mkdir()
+    pq.write_table(taobao_table(100), tmp_path / "in" / "a.parquet")
+    pq.write_table(taobao_table(100).drop_columns(["gender"]), tmp_path / "in" / "b.parquet")
+    out = command("compression.compress", "--schema", SCHEMA, "--input", tmp_path / "in",
+                  "--output", tmp_path / "trees")
+    assert "b.parquet: missing column(s) 'gender'" in one_error_line(out,
+                                                                      "compression.compress")
+    assert entries(tmp_path) == ["in", "in/a.parquet", "in/b.parquet"]
+
+
+def test_pipelines_compress_output_policy(data, tmp_path):
+    out = tmp_path / "trees"
+    failed = command("pipelines.compress", "--schema", SCHEMA, "--input", data / "bad_row.parquet",
+                     "--input", data / "raw.parquet", "--output", out, "--shards", "2")
+    line = one_error_line(failed, "pipelines.compress", after_progress=True)
+    assert line == (f"python -m pipelines.compress: error: 1 rows failed validation, more than "
+                    f"--max-bad-rows 0; their reasons are in {out}.dead_letter/ (fix the data, "
+                    "or raise --max-bad-rows to drop them)")
+    # nothing that looks like output: no part file, no temporary directory; the reasons beside
+    assert sorted(os.listdir(tmp_path)) == ["trees.dead_letter"]
+    reasons = [json.loads(line) for f in (tmp_path / "trees.dead_letter").iterdir()
+               for line in f.read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in reasons] == [
+        (7, "label 'click' row 7: value out of range, labels must be in [0, 1]")]
+
+    done = command("pipelines.compress", "--schema", SCHEMA, "--input", data / "raw.parquet",
+                   "--output", out, "--shards", "3")
+    assert done.returncode == 0, done.stderr
+    assert "apitools" not in done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["trees"]  # the failed run's reasons went with it
+    assert entries(out) == ["_stats.json"] + [f"part-0000{i}-of-00003.parquet" for i in range(3)]
+
+    refused = command("pipelines.compress", "--schema", SCHEMA, "--input", data / "raw.parquet",
+                      "--output", out, "--shards", "2")
+    assert "the directory is not empty (4 entries); pass --overwrite" in one_error_line(
+        refused, "pipelines.compress")
+    assert len(os.listdir(out)) == 4
+
+    overwritten = command("pipelines.compress", "--schema", SCHEMA, "--input",
+                          data / "raw.parquet", "--output", out, "--shards", "2", "--overwrite")
+    assert overwritten.returncode == 0, overwritten.stderr
+    assert entries(out) == ["_stats.json"] + [f"part-0000{i}-of-00002.parquet" for i in range(2)]
+    assert json.loads((out / "_stats.json").read_text())["samples"] == 600
+
+
+def test_trainer_train_output_policy(data, tmp_path):
+    run = tmp_path / "run"
+    train = ("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+             "--batch-size", "200", "--no-progress", "--out", run)
+    first = command(*train)
+    assert first.returncode == 0, first.stderr
+    assert entries(run)[:3] == ["checkpoint", "checkpoint/dense.npz", "checkpoint/stores"]
+    assert "result.json" in os.listdir(run)
+    for noise in TF_NOISE:  # quiet by default
+        assert noise not in first.stderr
+    (run / "train" / "old-run.tfevents").write_text("another run's events")
+    before = entries(run)
+
+    refused = command(*train)
+    assert one_error_line(refused, "trainer.train") == (
+        f"python -m trainer.train: error: --out {run}: the directory is not empty (3 entries); "
+        "pass --overwrite to replace it whole, or choose another directory")
+    assert entries(run) == before
+
+    replaced = command(*train, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "train/old-run.tfevents" not in entries(run)  # replaced whole
+    assert json.loads((run / "result.json").read_text())["run_dir"] == str(run)
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no temporary directory left
+
+    # a failure midway (a bad row in the eval data, found at the first evaluation): no run dir
+    failed = command("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+                     "--eval-data", data / "bad_row.parquet", "--batch-size", "200",
+                     "--no-progress", "--out", tmp_path / "failed")
+    line = one_error_line(failed, "trainer.train")
+    assert "bad_row.parquet" in line and "label 'click' row 7" in line
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+# -- interrupts ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_training_with_a_checkpoint(data, tmp_path, signum, code):
+    run = tmp_path / "run"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trainer.train", "--schema", SCHEMA, "--train-data",
+         str(data / "raw.parquet"), "--batch-size", "100", "--epochs", "1000000", "--out",
+         str(run)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # the progress bar appears once training has started (signal handlers in place)
+        seen = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(child.stderr, selectors.EVENT_READ)
+            while b"train:" not in seen:
+                assert sel.select(timeout=300), "no progress bar within 300 s"
+                chunk = os.read(child.stderr.fileno(), 65536)
+                assert chunk, f"the child ended early: {seen.decode()}"
+                seen += chunk
+        child.send_signal(signum)
+        stdout, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stderr = (seen + stderr).decode()
+    assert child.returncode == code, stderr
+    assert "Traceback" not in stderr
+    name = signal.Signals(signum).name
+    assert f"{name}: finishing the current step, then writing a checkpoint" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{name}: stopped after step ")
+    assert f"checkpoint written to {run}/checkpoint. Score it with python -m trainer.evaluate " \
+           f"--run {run} --data DATA" in last
+    assert stdout == b""
+    state = json.loads((run / "interrupted.json").read_text())
+    assert state["signal"] == name and state["step"] >= 1
+    assert json.loads((run / "checkpoint" / "trainer.json").read_text())["step"] == state["step"]
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+    if signum == signal.SIGINT:  # the checkpoint is usable
+        scored = command("trainer.evaluate", "--run", run, "--data", data / "raw.parquet",
+                         "--no-progress")
+        assert scored.returncode == 0, scored.stderr
+        result = json.loads(scored.stdout)
+        assert result["step"] == state["step"] and result["samples"] == 600
+        for noise in TF_NOISE:
+            assert noise not in scored.stderr
+
+
+# -- one error path -----------------------------------------------------------------------------
+
+def test_bad_inputs_give_one_line_and_exit_code_2(data, tmp_path):
+    zero_bytes, zero_rows = data / "zero_bytes.parquet", data / "zero_rows.parquet"
+    arrow_message = "Parquet file size is 0 bytes"
+
+    line = one_error_line(command("compression.compress", "--schema", SCHEMA, "--input",
+                                  zero_bytes, "--output", tmp_path / "a"),
+                          "compression.compress")
+    assert f"{zero_bytes}: cannot read the file as parquet: " in line and arrow_message in line
+
+    line = one_error_line(command("compression.inspect", data / "raw.parquet", "--schema",
+                                  SCHEMA), "compression.inspect")
+    assert line == (f"python -m compression.inspect: error: {data / 'raw.parquet'}: not a tree "
+                    "file of schema 'taobao_like' (no 'ad' column): it looks like raw samples; "
+                    "compress it first with python -m compression.compress (or "
+                    "pipelines.compress) and inspect the output")
+
+    line = one_error_line(command("pipelines.compress", "--schema", SCHEMA, "--input",
+                                  zero_rows, "--output", tmp_path / "b"), "pipelines.compress")
+    assert line == (f"python -m pipelines.compress: error: --input '{zero_rows}': the 1 input "
+                    "file(s) hold no samples; nothing to do")
+
+    line = one_error_line(command("trainer.train", "--schema", SCHEMA, "--train-data",
+                                  data / "raw.parquet", "--eval-data", tmp_path / "nope*.parquet",
+                                  "--out", tmp_path / "c"), "trainer.train")
+    assert line == (f"python -m trainer.train: error: --eval-data: no input files match "
+                    f"'{tmp_path / 'nope*.parquet'}'")
+
+    line = one_error_line(command("trainer.train", "--schema", SCHEMA, "--train-data",
+                                  zero_rows, "--out", tmp_path / "d"), "trainer.train")
+    assert "hold no samples" in line
+
+    # a run directory for trainer.evaluate: a checkpoint written by an interrupted run would do,
+    # a missing one is the usage error
+    out = command("trainer.evaluate", "--run", tmp_path / "e", "--data", zero_bytes)
+    assert out.returncode == 2 and "no checkpoint in" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written by any of them
+
+    out = command("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+                  "--epochs", "-1", "--out", tmp_path / "f")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "argument --epochs: expected a number >= 1, got -1" in out.stderr
+
+
+def test_trainer_evaluate_checks_its_data_before_work(data, tmp_path):
+    run = tmp_path / "run"
+    trained = command("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+                      "--batch-size", "300", "--no-progress", "--out", run)
+    assert trained.returncode == 0, trained.stderr
+    line = one_error_line(command("trainer.evaluate", "--run", run, "--data",
+                                  data / "zero_bytes.parquet"), "trainer.evaluate")
+    assert f"{data / 'zero_bytes.parquet'}: cannot read the file as parquet" in line
+    assert "Parquet file size is 0 bytes" in line
+
+
+def test_debug_adds_the_traceback(data, tmp_path):
+    out = command("compression.compress", "--schema", SCHEMA, "--input",
+                  data / "zero_bytes.parquet", "--output", tmp_path / "a", "--debug")
+    assert out.returncode == 2
+    assert "Traceback" in out.stderr and "RawDataError" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "python -m compression.compress: error: ")
+
+
+# -- help and start-up --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_help_shows_an_example_and_the_exit_codes(module):
+    out = command(module, "--help")
+    assert out.returncode == 0
+    assert "examples:\n  python -m " + module in out.stdout
+    assert "exit status: 0 done; 2 usage or input error" in out.stdout
+    assert "--debug" in out.stdout
+    assert out.stderr == ""  # no TensorFlow start-up lines, no Beam apitools warning
+
+
+@pytest.mark.parametrize("module", ["trainer.train", "trainer.evaluate"])
+def test_trainer_help_does_not_import_tensorflow(module):
+    code = ("import runpy, sys\n"
+            f"sys.argv = [{module!r}, '--help']\n"
+            "try:\n"
+            f"    runpy.run_module({module!r}, run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules), "
+            "file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "[]"
+
+
+def test_model_names_listed_without_tensorflow_are_the_built_in_models():
+    from trainer import models
+    from trainer.train import MODEL_NAMES
+
+    assert MODEL_NAMES == tuple(sorted(models.MODELS))
+
+
+def test_a_bad_csv_cell_names_the_column_and_the_line(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(
+        "name: tiny\nlabels: [click]\nlayers:\n"
+        "  - {name: user, key: [uid], features: [{name: uid, kind: id}, {name: hist, kind: ids}]}\n"
+        "  - {name: ad, key: [aid], features: [{name: aid, kind: id}]}\n")
+    (tmp_path / "raw.csv").write_text("uid,hist,aid,click\n1,2|3,5,0\n2,,ten,1\n")
+    out = command("compression.compress", "--schema", tmp_path / "tiny.yaml", "--input",
+                  tmp_path / "raw.csv", "--output", tmp_path / "trees")
+    assert one_error_line(out, "compression.compress") == (
+        f"python -m compression.compress: error: {tmp_path / 'raw.csv'}: column 'aid' line 3: "
+        "invalid value 'ten', expected an integer (CSV conversion error to int64: invalid "
+        "value 'ten')")
+    assert not (tmp_path / "trees").exists()
+
+
+def test_an_interrupted_beam_job_leaves_no_output(tmp_path):
+    """SIGINT once the job has read its input: exit 130 and no output, no temporary directory
+    (or, had the job finished first, a complete output; either way nothing half-written)."""
+    pq.write_table(taobao_table(100_000, seed=5), tmp_path / "raw.parquet")
+    out = tmp_path / "trees"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.compress", "--schema", SCHEMA, "--input",
+         str(tmp_path / "raw.parquet"), "--output", str(out), "--shards", "2",
+         "--chunk-rows", "5000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(child.stderr, selectors.EVENT_READ)
+            while b"read " not in seen:
+                assert sel.select(timeout=300), "the job read nothing within 300 s"
+                chunk = os.read(child.stderr.fileno(), 65536)
+                assert chunk, f"the child ended early: {seen.decode()}"
+                seen += chunk
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stderr = (seen + stderr).decode()
+    assert "Traceback" not in stderr
+    if child.returncode == 130:
+        assert stderr.strip().splitlines()[-1] == (
+            "python -m pipelines.compress: interrupted")
+        assert sorted(os.listdir(tmp_path)) == ["raw.parquet"]
+    else:
+        assert child.returncode == 0, stderr
+        assert sorted(os.listdir(tmp_path)) == ["raw.parquet", "trees"]
+        assert json.loads((out / "_stats.json").read_text())["samples"] == 100_000
+
+
+def test_overwrite_never_replaces_a_directory_holding_an_input(data, tmp_path):
+    (tmp_path / "dir").mkdir()
+    raw = tmp_path / "dir" / "raw.parquet"
+    raw.write_bytes((data / "raw.parquet").read_bytes())
+    for module, args in (("compression.compress", ["--input", raw, "--output"]),
+                         ("pipelines.compress", ["--input", raw, "--output"]),
+                         ("trainer.train", ["--train-data", raw, "--out"])):
+        out = command(module, "--schema", SCHEMA, *args, tmp_path / "dir", "--overwrite")
+        assert one_error_line(out, module).endswith(
+            f"{tmp_path / 'dir'}: holds the input {raw}, which writing the output there would "
+            "replace; choose another directory")
+        assert entries(tmp_path) == ["dir", "dir/raw.parquet"]
