@@ -56,6 +56,8 @@ import yaml
 import compression
 import schemas
 from benchmarks import datasets
+from benchmarks.trainer import keras_input_spec
+from pipelines._shards import _mix  # splitmix64's finaliser
 from schemas.hashing import stable_hash, stable_hash_strings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,18 +238,6 @@ class DenseScaler:
         return ((self._log(x) - mean) / std).astype(np.float32)
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
-
-
 def hashed_matrix(cols: dict, schema, bits: int, scaler: DenseScaler):
     """CSR matrix: a 1 per (feature, value) token hashed into 2^bits columns, 1/length per
     (feature, list item) token, then the standardized dense features."""
@@ -392,14 +382,7 @@ class KerasBaseline:
         self.dense = [keras.layers.Dense(u, activation="relu") for u in hidden]
         self.dense.append(keras.layers.Dense(1))
         self.optimizer = keras.optimizers.Adam(lr)
-        spec = {}
-        for f in schema.features:
-            if f.kind == "id":
-                spec[f.name] = tf.TensorSpec([None], tf.int64)
-            elif f.kind == "ids":
-                spec[f.name] = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64))
-            else:
-                spec[f.name] = tf.TensorSpec([None, f.dim], tf.float32)
+        spec = keras_input_spec(schema)
         self.train_step = tf.function(self._train_step,
                                       input_signature=[spec, tf.TensorSpec([None], tf.float32)])
         self.predict_step = tf.function(self._logits, input_signature=[spec])

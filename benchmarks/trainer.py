@@ -84,6 +84,22 @@ def all_upper_shared(batch):
     return shared
 
 
+
+def keras_input_spec(schema) -> dict:
+    """The ``tf.TensorSpec`` of a plain Keras baseline's inputs: per feature int64 ids,
+    (values, offsets) of an ids list, or float32 dense values."""
+    import tensorflow as tf
+
+    spec = {}
+    for f in schema.features:
+        if f.kind == "id":
+            spec[f.name] = tf.TensorSpec([None], tf.int64)
+        elif f.kind == "ids":
+            spec[f.name] = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64))
+        else:
+            spec[f.name] = tf.TensorSpec([None, f.dim], tf.float32)
+    return spec
+
 class TrainerRun:
     """One Trainer (structured or flat) and its timed passes."""
 
@@ -127,18 +143,11 @@ class KerasBaseline:
         self.table = tf.Variable(tf.random.normal([rows, dim], stddev=0.01), name="table")
         layers = [keras.layers.Dense(u, activation="relu") for u in hidden]
         self.model = keras.Sequential(layers + [keras.layers.Dense(1)])
-        # the trainer's defaults: Adam(0.003) on the dense layers, Adam(0.01) on the table
+        # Adam(0.003) on the dense layers, Adam(0.01) on the table (a plain Keras setup)
         self.dense_optimizer = keras.optimizers.Adam(0.003)
         self.table_optimizer = keras.optimizers.Adam(0.01)
         self.salts = {f.name: (i + 1) * 0x9E3779B1 for i, f in enumerate(schema.features)}
-        spec = {}
-        for f in schema.features:
-            if f.kind == "id":
-                spec[f.name] = tf.TensorSpec([None], tf.int64)
-            elif f.kind == "ids":
-                spec[f.name] = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64))
-            else:
-                spec[f.name] = tf.TensorSpec([None, f.dim], tf.float32)
+        spec = keras_input_spec(schema)
         self.step = tf.function(self._step, input_signature=[spec, tf.TensorSpec([None])])
 
     def inputs(self, batch):
