@@ -113,7 +113,6 @@ def test_quality_benchmark_tiny(capsys, tmp_path):
     assert result["datasets"]["movielens-100k"]["bayes"] is None
 
 
-
 def test_baseline_next_to_a_run(tmp_path):
     """benchmarks.baseline (what make demo ends with) on tiny files, next to a trained run."""
     import json
@@ -151,3 +150,15 @@ def test_baseline_next_to_a_run(tmp_path):
     assert 0.5 < lr["auc"] < 1 and lr["C"] == 0.1
     assert result["run"]["auc"] == trained["auc"]
     assert f"difference {trained['auc'] - lr['auc']:+.4f} AUC on the same 800 samples" in stderr
+
+
+def test_distributed_benchmark_tiny():
+    pytest.importorskip("ray")
+    import benchmarks.distributed
+
+    result = benchmarks.distributed.run(["--samples", "3000", "--batch-size", "500", "--hidden",
+                                         "16", "--warmup", "1", "--rounds", "1"])
+    assert result["inproc"]["steps"] == result["ray_1x1"]["steps"] == 5
+    assert result["overhead_ratio"] > 0 and result["ray_2x2"]["samples_per_sec"] > 0
+    assert result["ray_2x2"]["bytes_per_step_per_worker"] > 0
+    assert result["ray_2x2"]["bytes_per_step_per_shard"] > 0

@@ -1,0 +1,132 @@
+"""Benchmark of distributed training on Ray against the in-process trainer, same batches.
+
+    python -m benchmarks.distributed                       # 100k samples, batch 5000
+    python -m benchmarks.distributed --samples 3000 --batch-size 500 --hidden 16  # CI size
+
+The paper's MLP (taobao_like schema, embedding dim 18, 200-80-1, the trainer's default
+config) on generated data (10 samples per user), on a local Ray cluster:
+- ``overhead``: 1 worker + 1 shard on Ray against ``trainer.Trainer`` in this process on the
+  very same batches (the worker's batches): time per step, and their ratio (target <= 1.3);
+- ``2x2``: 2 workers + 2 shards (each worker half the trees): samples/s, and the bytes each step
+  moves per worker and per shard (ids, rows, row gradients, dense gradients; array payloads).
+Every run trains ``--warmup`` batches first (tracing, actor start) and is then timed.
+Prints a table and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import pyarrow as pa
+
+import compression
+import schemas
+from pipelines.generate import generate_tables
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+
+
+def run(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.distributed",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=100_000)
+    parser.add_argument("--samples-per-user", type=float, default=10.0)
+    parser.add_argument("--batch-size", type=int, default=5000)
+    parser.add_argument("--hidden", default="200,80")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed batches per run")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed passes of the in-process and 1x1 runs, alternating (best)")
+    parser.add_argument("--num-cpus", type=int, default=4,
+                        help="logical CPUs of the local Ray cluster (actors mostly wait)")
+    args = parser.parse_args(argv)
+
+    import ray
+
+    from trainer import TrainConfig, Trainer, models
+    from trainer.distributed import DistributedTrainer, worker_batches
+
+    schema = schemas.load(SCHEMA)
+    raw = pa.concat_tables(list(generate_tables(schema, args.samples, seed=args.seed,
+                                                samples_per_user=args.samples_per_user)))
+    trees = compression.build_trees(raw, schema, validate=False)
+    hidden = tuple(int(x) for x in args.hidden.split(","))
+    config = TrainConfig(batch_size=args.batch_size, seed=args.seed)
+    batches = list(worker_batches(trees, schema, config, 0, 1))
+    warm, timed = batches[:args.warmup], batches[args.warmup:]
+    if not timed:
+        raise SystemExit("--samples too small: no batch left after --warmup")
+    timed_samples = sum(b.num_leaves for b in timed)
+
+    trainer = Trainer(schema, models.MLP(hidden=hidden), config)
+    trainer.fit(warm, shuffle=False)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        inproc, one = float("inf"), None
+        with DistributedTrainer(schema, models.MLP(hidden=hidden), config, workers=1,
+                                shards=1) as dt:
+            dt.fit([warm], shuffle=False)
+            # alternate the two so that both see the same load on a shared machine
+            for _ in range(max(args.rounds, 1)):
+                t0 = time.perf_counter()
+                trainer.fit(timed, shuffle=False)
+                inproc = min(inproc, time.perf_counter() - t0)
+                before = dt.timings()
+                result = dt.fit([timed], shuffle=False)
+                after = dt.timings()
+                if one is None or result["seconds"] < one["seconds"]:
+                    one = result
+                    one_timings = {f"{kind}_{k}": v - before[kind + "s"][0].get(k, 0.0)
+                                   for kind in ("worker", "shard")
+                                   for k, v in after[kind + "s"][0].items()}
+        # 2 x 2: each worker its own half of the trees (by root key)
+        parts = [list(worker_batches(trees, schema, config, w, 2)) for w in range(2)]
+        with DistributedTrainer(schema, models.MLP(hidden=hidden), config, workers=2,
+                                shards=2) as dt:
+            dt.fit([p[:1] for p in parts], shuffle=False)
+            two = dt.fit([p[1:] for p in parts], shuffle=False)
+    finally:
+        if started:
+            ray.shutdown()
+
+    steps = len(timed)
+    result = {
+        "samples": args.samples, "batch_size": args.batch_size, "hidden": list(hidden),
+        "cores": os.cpu_count(),
+        "inproc": {"steps": steps, "seconds": inproc, "step_ms": 1000 * inproc / steps,
+                   "samples_per_sec": timed_samples / inproc},
+        "ray_1x1": {"steps": one["steps"], "seconds": one["seconds"],
+                    "step_ms": 1000 * one["seconds"] / max(one["steps"], 1),
+                    "samples_per_sec": one["samples_per_sec"],
+                    "bytes_per_step": one["bytes_per_step"],
+                    "seconds_by_part": one_timings},
+        "ray_2x2": {"steps": two["steps"], "seconds": two["seconds"],
+                    "samples_per_sec": two["samples_per_sec"],
+                    "bytes_per_step_per_worker": two["bytes_per_step"]["per_worker"],
+                    "bytes_per_step_per_shard": two["bytes_per_step"]["per_shard"]},
+    }
+    result["overhead_ratio"] = result["ray_1x1"]["step_ms"] / result["inproc"]["step_ms"]
+    print(f"in process      {result['inproc']['step_ms']:8.1f} ms/step "
+          f"{result['inproc']['samples_per_sec']:10,.0f} samples/s")
+    print(f"Ray 1w x 1s     {result['ray_1x1']['step_ms']:8.1f} ms/step "
+          f"{result['ray_1x1']['samples_per_sec']:10,.0f} samples/s   "
+          f"ratio {result['overhead_ratio']:.2f} (target <= 1.3)")
+    print(f"Ray 2w x 2s     {'':8s}         {result['ray_2x2']['samples_per_sec']:10,.0f} "
+          f"samples/s   {result['ray_2x2']['bytes_per_step_per_worker'] / 1e6:.2f} MB/step per "
+          f"worker, {result['ray_2x2']['bytes_per_step_per_shard'] / 1e6:.2f} MB/step per shard")
+    return result
+
+
+def main(argv=None) -> int:
+    print(json.dumps(run(argv)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

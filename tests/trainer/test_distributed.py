@@ -1,0 +1,274 @@
+"""Distributed training on a real local Ray cluster (store shards and workers are separate
+processes) equals single-process training on the union of the workers' batches."""
+import os
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import compression  # noqa: E402
+import native  # noqa: E402
+from compression import TreeBatch  # noqa: E402
+from trainer import TrainConfig, Trainer, models  # noqa: E402
+from trainer import distributed  # noqa: E402
+from trainer.distributed import DistributedTrainer, shard_of, tree_workers  # noqa: E402
+from trainer_data import generated  # noqa: E402
+
+W, S = 2, 2
+SAMPLES = 2400
+EPOCHS = 2
+SMALL = dict(hidden=(16, 8))
+MODELS = {"mlp": lambda: models.MLP(**SMALL), "esmm": lambda: models.ESMM(**SMALL)}
+
+
+def config(**changes):
+    base = {"batch_size": 300, "seed": 3,
+            "embedding": {"dim": 4,
+                          # Adagrad: a row's step stays proportional to its gradient, so float
+                          # rounding stays float rounding (see test_exactness.py)
+                          "optimizer": {"name": "adagrad", "lr": 0.05,
+                                        "initial_accumulator": 0.1},
+                          "filter": {"name": "counter", "min_count": 2},
+                          "expire": {"every_steps": 3, "max_idle_steps": 2}},
+            "features": {"clicked_cats": {"table": "cate"}, "cate_id": {"table": "cate"}}}
+    base.update(changes)
+    return TrainConfig.from_dict(base)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trees(schema):
+    raw = generated(schema, SAMPLES, seed=5).drop_columns(["p_click", "p_conversion"])
+    return compression.build_trees(raw, schema)
+
+
+def test_placement_is_stable_and_keeps_trees_whole(schema, trees):
+    ids = np.array([0, 1, 2, -1, 2**62, -(2**63)], np.int64)
+    # the documented function, by hand for id 1: SplitMix64's finalizer mod S
+    x = 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) % 2**64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) % 2**64
+    x ^= x >> 31
+    assert shard_of(ids, 7)[1] == x % 7
+    assert shard_of(ids, 1).tolist() == [0] * 6
+    counts = np.bincount(shard_of(np.arange(10000), 4), minlength=4)
+    assert counts.min() > 2300  # sequential ids spread evenly
+    owner = tree_workers(trees, schema, W)
+    # the Beam job's root-key shard hash: its shard files split whole across workers
+    from pipelines._shards import root_key_hash
+
+    np.testing.assert_array_equal(owner, root_key_hash(trees, schema) % np.uint64(W))
+    users = trees.column("user_id").to_numpy()
+    for user in np.unique(users)[:50]:
+        assert len(set(owner[users == user])) == 1  # all trees of a root key on one worker
+    assert 0.3 < owner.mean() < 0.7
+
+
+def union_batches(schema, cfg, data, epoch):
+    """The single-process reference: batch k is the workers' batches k side by side."""
+    parts = [list(distributed.worker_batches(data, schema, cfg, w, W, epoch, shuffle=True))
+             for w in range(W)]
+    steps = max(len(p) for p in parts)
+    return [TreeBatch.concat([p[k] for p in parts if k < len(p)]) for k in range(steps)]
+
+
+def sorted_rows(rows):
+    order = np.argsort(rows["ids"])
+    return {k: v[order] for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("model", ["mlp", "esmm"])
+def test_two_shards_two_workers_equal_single_process(cluster, schema, trees, model, tmp_path):
+    """For the MLP the distributed run also stops after the first pass, writes a checkpoint,
+    and a new set of actors restored from it trains the second pass; ESMM (two heads) runs
+    with row gradients of the batch mean, the MLP with per-sample sums (the default)."""
+    cfg = config() if model == "mlp" else config(row_gradients="mean")
+    single = Trainer(schema, MODELS[model](), cfg)
+    single_losses = []
+    for epoch in range(1, EPOCHS + 1):
+        single.fit(union_batches(schema, cfg, trees, epoch), shuffle=False,
+                   callback=lambda t, loss, p, y: single_losses.append(loss))
+
+    dt = DistributedTrainer(schema, MODELS[model](), cfg, workers=W, shards=S)
+    try:
+        # equal initial dense weights in every worker and the single trainer
+        fresh = Trainer(schema, MODELS[model](), cfg)
+        for a, b, c in zip(dt.dense_weights(0), dt.dense_weights(1), fresh.network.variables):
+            np.testing.assert_array_equal(a, c.numpy())
+            np.testing.assert_array_equal(b, c.numpy())
+        if model == "mlp":
+            dt.fit(trees, epochs=1)
+            losses = list(dt.losses)
+            checkpoint = tmp_path / "ckpt"
+            dt.save(checkpoint)
+            dt.close()
+            check_manifest(checkpoint, dt.step)
+            dt = DistributedTrainer.restore(checkpoint)
+            assert dt.config == single.config  # the resolved dense statistics came back
+            dt.fit(trees, epochs=EPOCHS - 1)
+            losses += dt.losses
+        else:
+            dt.fit(trees, epochs=EPOCHS)
+            losses = dt.losses
+        assert dt.step == single.step == len(single_losses)
+        assert dt.samples == single.samples == EPOCHS * SAMPLES
+        np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+        # the dense resolution the driver shipped equals the single trainer's
+        assert dt.config.dense == single.config.dense
+        for w in range(W):
+            for a, b in zip(dt.dense_weights(w), single.network.variables):
+                np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-7)
+
+        tables = dt.table_rows()
+        per_shard = ray.get([s.rows.remote() for s in dt._shards])
+        for table, store in single.stores.items():
+            for s, rows in enumerate(per_shard):  # every id on its own shard
+                assert (shard_of(rows[table]["ids"], S) == s).all()
+            got, want = sorted_rows(tables[table]), sorted_rows(store.to_numpy())
+            np.testing.assert_array_equal(got["ids"], want["ids"], err_msg=table)
+            np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5, atol=1e-7,
+                                       err_msg=table)
+            np.testing.assert_allclose(got["state"], want["state"], rtol=1e-5, atol=1e-7,
+                                       err_msg=table)
+            np.testing.assert_array_equal(got["update_counts"], want["update_counts"])
+            np.testing.assert_array_equal(got["last_steps"], want["last_steps"])
+        stats, want = dt.store_stats(), single.store_stats()
+        for key in ("rows", "admitted", "rejected", "expired"):
+            assert stats[key] == want[key], key
+        assert stats["updates"] == sum(s.stats().updates for s in single.stores.values())
+        assert want["rejected"] > 0 and want["expired"] > 0  # filter and expiry did work
+        assert dt.expired == single.expired
+
+        if model == "mlp":
+            ev, want_ev = dt.evaluate(trees), single.evaluate(trees)
+            assert ev["samples"] == want_ev["samples"]
+            np.testing.assert_allclose(ev["auc"], want_ev["auc"], rtol=1e-5)
+            np.testing.assert_allclose(ev["loss"], want_ev["loss"], rtol=1e-5)
+    finally:
+        dt.close()
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        DistributedTrainer.restore(tmp_path / "nothing")
+
+
+def check_manifest(checkpoint, step):
+    """The shards' snapshots and the dense weights, then the manifest, all in one directory
+    put in place atomically."""
+    import json
+
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["shards"] == S and manifest["passes"] == 1 and manifest["step"] == step
+    assert sorted(os.listdir(checkpoint)) == ["dense.npz", "manifest.json", "shard-0000",
+                                              "shard-0001"]
+    assert sorted(os.listdir(checkpoint / "shard-0000")) == sorted(manifest["tables"])
+    assert not [p for p in os.listdir(checkpoint.parent) if ".tmp-" in p]
+
+def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_path, capsys):
+    from trainer import train
+
+    compression.write_trees(trees, str(tmp_path / "trees" / "part-00000.parquet"))
+    (tmp_path / "cfg.yaml").write_text("embedding: {dim: 4}\nbatch_size: 400\nlog_every: 2\n")
+    base = ["--schema", os.path.join(os.path.dirname(__file__), "..", "..", "schemas",
+                                     "examples", "taobao_like.yaml"),
+            "--train-data", str(tmp_path / "trees" / "*.parquet"),
+            "--config", str(tmp_path / "cfg.yaml"), "--hidden", "8", "--no-progress"]
+
+    def error(args):
+        with pytest.raises(SystemExit) as e:
+            train.run(base + args)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    with socket_closed() as port:  # nothing listens there
+        err = error(["--out", str(tmp_path / "a"), "--workers", "2",
+                     "--ray-address", f"127.0.0.1:{port}"])
+    assert f"127.0.0.1:{port}" in err and "does not answer" in err
+    assert "expected a number >= 1" in error(["--out", str(tmp_path / "b"), "--shards", "0"])
+    assert "HOST:PORT" in error(["--out", str(tmp_path / "c"), "--ray-address", "nonsense"])
+
+    result = train.run(base + ["--out", str(tmp_path / "run"), "--workers", "2",
+                               "--shards", "2", "--eval-data", str(tmp_path / "trees")])
+    assert result["samples"] == SAMPLES and result["eval_samples"] == SAMPLES
+    assert result["workers"] == 2 and result["shards"] == 2 and result["store_rows"] > 0
+    assert 0 <= result["auc"] <= 1 and result["id_compression"] > 1.5
+    assert (tmp_path / "run" / "result.json").exists()
+    assert [p for p in os.listdir(tmp_path / "run" / "train") if p.startswith("events.")]
+
+    # the CLI's 2-shard checkpoint restored into 3 shards: every id looks up the same row
+    checkpoint = tmp_path / "run" / "checkpoint"
+    saved = {}
+    for shard in ("shard-0000", "shard-0001"):
+        for table in os.listdir(checkpoint / shard):
+            rows = native.EmbeddingStore.load(checkpoint / shard / table).to_numpy()
+            ids, values = saved.get(table, (np.zeros(0, np.int64), np.zeros((0, 4))))
+            saved[table] = (np.concatenate([ids, rows["ids"]]),
+                            np.concatenate([values, rows["values"]]))
+    with DistributedTrainer.restore(checkpoint, shards=3, workers=1) as dt:
+        assert dt.step == result["steps"]
+        for table, (ids, values) in saved.items():
+            unseen = -(2**62) + np.arange(10) * 1_000_003  # no row: zeros
+            got = dt.lookup(table, np.concatenate([ids, unseen]))
+            np.testing.assert_array_equal(got[:len(ids)], values, err_msg=table)
+            assert not got[len(ids):].any()
+
+
+def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
+    """The shard class itself (no Ray): rows, optimizer state, counts and steps move."""
+    shard_class = distributed._shard_class()
+    store = native.StoreConfig(dim=3, optimizer=native.Adagrad(0.1),
+                               entry_filter=native.CounterFilter(2))
+    specs = {"a": {"store": store, "expire": None}, "b": {"store": store, "expire": None}}
+    old = [shard_class(i, 2, specs) for i in range(2)]
+    ids = np.arange(-400, 400) * 7919
+    for step in range(1, 4):
+        for shard in old:
+            own = ids[shard_of(ids, 2) == shard.index]
+            for table in specs:
+                shard.stores[table].lookup_unique(own[:200 + 60 * step])
+                shard.stores[table].apply_gradients(
+                    own, np.full((len(own), 3), 0.1 * step, np.float32), step)
+    dirs = [str(tmp_path / f"shard-{s.index}") for s in old]
+    for shard, directory in zip(old, dirs):
+        shard.save(directory)
+    for shards in (1, 3):
+        new = [shard_class(j, shards, specs, dirs) for j in range(shards)]
+        for table in specs:
+            want = sorted_rows({k: np.concatenate([s.stores[table].to_numpy()[k] for s in old])
+                                for k in ("ids", "values", "state", "update_counts",
+                                          "last_steps")})
+            parts = [s.stores[table].to_numpy() for s in new]
+            for j, part in enumerate(parts):
+                assert (shard_of(part["ids"], shards) == j).all()
+            got = sorted_rows({k: np.concatenate([p[k] for p in parts]) for k in want})
+            assert len(want["ids"]) > 100
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+            assert {s.stores[table].stats().global_step for s in new} == {3}
+
+
+class socket_closed:
+    """A loopback port with nothing listening on it."""
+
+    def __enter__(self):
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc):
+        return False
+
