@@ -90,7 +90,8 @@ def taobao_table(n: int = 300, seed: int = 0) -> pa.Table:
         level = schema.layer_index(f.name)
         base = users if level == 0 else ads if level == 1 else rng.integers(0, 1000, n)
         if f.kind == "id":
-            values = base * 7 + hash(f.name) % 5 if f.name not in ("user_id", "ad_id") else base
+            values = (base * 7 + schemas.stable_hash(f.name) % 5
+                      if f.name not in ("user_id", "ad_id") else base)
             cols[f.name] = (pa.array([f"{v}_x" for v in values]) if f.dtype == "string"
                             else pa.array(values.astype(np.int64)))
         elif f.kind == "ids":
