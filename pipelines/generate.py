@@ -42,6 +42,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -932,9 +933,14 @@ def _progress_bar(total: int, enabled: bool):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.generate",
-        description="Write realistic synthetic ads logs (flat samples of a schema) as Parquet "
-                    "shards, labelled by a planted logistic model, plus _truth.json with the "
-                    "data's statistics and its Bayes-optimal AUC.")
+        description=textwrap.fill(
+            "Write realistic synthetic ads logs (flat samples of a schema) as Parquet "
+            "shards, labelled by a planted logistic model, plus _truth.json with the "
+            "data's statistics and its Bayes-optimal AUC."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m pipelines.generate "
+               "--schema schemas/examples/taobao_like.yaml --samples 2000000 --out /tmp/raw "
+               "--seed 7")
     p.add_argument("--schema", required=True,
                    help="schema YAML file, e.g. schemas/examples/taobao_like.yaml")
     p.add_argument("--samples", required=True, type=int,

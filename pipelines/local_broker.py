@@ -92,7 +92,9 @@ def _read(path: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.local_broker",
-        description="Run a local Kafka-protocol broker (Tansu, memory storage) until Ctrl-C.")
+        description="Run a local Kafka-protocol broker (Tansu, memory storage) until Ctrl-C.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m pipelines.local_broker --port 9092")
     parser.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
     args = parser.parse_args(argv)
     with tansu(args.port) as (bootstrap, process, _):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from typing import Iterable, Iterator
 
@@ -182,8 +183,13 @@ def _kafka_option(text: str) -> tuple[str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.replay",
-        description="Replay raw sample files (Parquet, CSV, JSON lines) into a Kafka topic as "
-                    "JSON, one sample per message, keyed by the root key.")
+        description=textwrap.fill(
+            "Replay raw sample files (Parquet, CSV, JSON lines) into a Kafka topic as "
+            "JSON, one sample per message, keyed by the root key."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m pipelines.replay --schema schemas/examples/taobao_like.yaml "
+               "--input 'raw/*.parquet' --bootstrap-servers localhost:9092 --topic samples "
+               "--rate 50000")
     parser.add_argument("--schema", required=True, help="schema YAML")
     parser.add_argument("--input", required=True, help="raw files: path, directory or glob")
     parser.add_argument("--bootstrap-servers", required=True, help="Kafka HOST:PORT[,...]")

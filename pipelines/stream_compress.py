@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import sys
+import textwrap
 import time
 from typing import Tuple
 
@@ -252,11 +253,16 @@ class CompressWindows(beam.PTransform):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.stream_compress",
-        description="Compress raw samples from Kafka (one JSON object per message) into "
-                    "multi-prefix trees per root key and event-time window, written to Kafka "
-                    "as Arrow IPC messages. Flags not listed here are Beam pipeline options; "
-                    "without --runner the job runs locally on the FnApiRunner, where only "
-                    "--bounded runs produce output.")
+        description=textwrap.fill(
+            "Compress raw samples from Kafka (one JSON object per message) into "
+            "multi-prefix trees per root key and event-time window, written to Kafka "
+            "as Arrow IPC messages. Flags not listed here are Beam pipeline options; "
+            "without --runner the job runs locally on the FnApiRunner, where only "
+            "--bounded runs produce output."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m pipelines.stream_compress "
+               "--schema schemas/examples/taobao_like.yaml --bootstrap-servers localhost:9092 "
+               "--input-topic raw --output-topic trees --window-seconds 60 --bounded")
     p.add_argument("--schema", required=True, help="schema YAML file")
     p.add_argument("--bootstrap-servers", required=True, help="Kafka brokers, HOST:PORT[,...]")
     p.add_argument("--input-topic", required=True, help="topic of raw JSON samples")

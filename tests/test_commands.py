@@ -387,3 +387,129 @@ def test_overwrite_never_replaces_a_directory_holding_an_input(data, tmp_path):
             f"{tmp_path / 'dir'}: holds the input {raw}, which writing the output there would "
             "replace; choose another directory")
         assert entries(tmp_path) == ["dir", "dir/raw.parquet"]
+
+
+# -- small things users notice (issue 19, point 6) ----------------------------------------------
+
+def bar_states(stderr: str, desc: str) -> list[str]:
+    """The states a tqdm bar drew on a non-terminal stderr, in order (split at carriage
+    returns and newlines)."""
+    return [part.strip() for line in stderr.split("\n") for part in line.split("\r")
+            if part.strip().startswith(f"{desc}:")]
+
+
+@pytest.fixture(scope="module")
+def short_run(data, tmp_path_factory):
+    """A run of 6 steps (600 tree samples, batch 200, 2 epochs), fewer than log_every (20), with
+    the progress bar on: (tree file, run directory, result, stderr)."""
+    import compression
+    import schemas
+
+    base = tmp_path_factory.mktemp("short_run")
+    trees = base / "trees.parquet"
+    compression.write_trees(compression.build_trees(pq.read_table(data / "raw.parquet"),
+                                                    schemas.load(SCHEMA)), str(trees),
+                            row_group_rows=16)  # several row groups
+    run = base / "run"
+    out = command("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--batch-size",
+                  "200", "--epochs", "2", "--out", run)
+    assert out.returncode == 0, out.stderr
+    return trees, run, json.loads(out.stdout), out.stderr
+
+
+def test_train_progress_bar_has_a_total_for_tree_files(short_run):
+    _, _, result, stderr = short_run
+    assert result["samples"] == 1200 and result["steps"] == 6
+    states = bar_states(stderr, "train")
+    assert states and all("/1.20k [" in s for s in states), states  # 600 samples x 2 epochs
+    assert states[-1].startswith("train: 100%|") and " 1.20k/1.20k [" in states[-1]
+
+
+def test_without_eval_data_auc_is_none(short_run):
+    _, run, result, stderr = short_run
+    assert result["auc"] is None and result["logloss"] is None and result["eval_samples"] == 0
+    assert 0 <= result["train_auc"] <= 1
+    assert stderr.strip().splitlines()[-1].startswith(f"train AUC {result['train_auc']:.4f} | ")
+    assert json.loads((run / "result.json").read_text())["auc"] is None
+
+
+def event_accumulator(directory: Path):
+    """TensorBoard's own reader of a directory's event files, loaded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return EventAccumulator(str(directory)).Reload()
+
+
+def test_a_run_shorter_than_log_every_writes_its_last_step_scalars(short_run):
+    _, run, result, _ = short_run
+    events = event_accumulator(run / "train")
+    for tag in ("loss", "samples_per_sec", "store/rows"):
+        assert [e.step for e in events.Tensors(tag)] == [result["steps"]]  # step 6 only
+
+
+def test_tensorboard_reads_the_run_scalars(short_run):
+    """What ``tensorboard --logdir RUN_DIR`` shows: scalars-plugin tags with float values."""
+    from tensorboard.util import tensor_util
+
+    _, run, result, _ = short_run
+    events = event_accumulator(run / "train")
+    tags = {"loss", "auc", "samples_per_sec", "store/rows", "store/admitted", "store/rejected",
+            "store/expired"}
+    assert set(events.PluginTagToContent("scalars")) == tags
+    assert set(events.Tags()["tensors"]) == tags
+    rows = tensor_util.make_ndarray(events.Tensors("store/rows")[-1].tensor_proto)
+    assert rows.shape == () and float(rows) == result["store_rows"]
+    loss = tensor_util.make_ndarray(events.Tensors("loss")[-1].tensor_proto)
+    assert float(loss) == pytest.approx(result["loss"], rel=1e-6)
+
+
+def test_trainer_evaluate_prints_a_summary_line(short_run):
+    trees, run, result, _ = short_run
+    out = command("trainer.evaluate", "--run", run, "--data", trees)
+    assert out.returncode == 0, out.stderr
+    evaluation = json.loads(out.stdout)
+    assert evaluation["samples"] == 600 and evaluation["step"] == result["steps"]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"eval AUC {evaluation['auc']:.4f} | logloss {evaluation['logloss']:.5f} | 600 samples | "
+        f"{evaluation['samples_per_sec']:,.0f} samples/s | checkpoint step 6")
+    assert bar_states(out.stderr, "eval")[-1].startswith("eval: 100%|")  # a total here too
+    assert set(event_accumulator(run / "eval").PluginTagToContent("scalars")) == {
+        "auc", "logloss", "loss"}
+
+
+def test_train_progress_bar_ends_cleanly_when_training_stops_early(data, short_run, tmp_path):
+    """Eval labels of one class: every eval AUC is undefined, never better than the first, so
+    --patience 1 stops after epoch 2 of 4; the bar's total (4 x 600) becomes what it counted."""
+    trees = short_run[0]
+    table = pq.read_table(data / "raw.parquet")
+    column = table.schema.get_field_index("click")
+    pq.write_table(table.set_column(column, "click", pa.array([0.0] * table.num_rows,
+                                                               pa.float32())),
+                   tmp_path / "no_clicks.parquet")
+    out = command("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--eval-data",
+                  tmp_path / "no_clicks.parquet", "--batch-size", "200", "--epochs", "4",
+                  "--out", tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["stopped_early"] and result["samples"] == 1200 and result["auc"] is None
+    states = bar_states(out.stderr, "train")
+    assert states[-1].startswith("train: 100%|") and " 1.20k/1.20k [" in states[-1], states
+    assert states[0].startswith("train:   0%|") and " 0.00/2.40k [" in states[0], states
+    assert all("/2.40k [" in s or " 1.20k/1.20k [" in s for s in states), states
+    assert out.stderr.strip().splitlines()[-1].startswith("eval AUC n/a (epoch 1, kept) | ")
+
+
+def test_model_and_epochs_have_help_text():
+    out = command("trainer.train", "--help")
+    text = " ".join(out.stdout.split())
+    assert "--model {dcn,deepfm,din,esmm,mlp} the dense network (default mlp" in text
+    assert "--epochs EPOCHS passes over the training data at most; default 1" in text
+
+
+@pytest.mark.parametrize("module", ["pipelines.generate", "pipelines.replay",
+                                    "pipelines.stream_compress", "pipelines.local_broker",
+                                    "trainer.online"])
+def test_every_other_help_shows_an_example(module):
+    out = command(module, "--help")
+    assert out.returncode == 0, out.stderr
+    assert f"\nexamples:\n  python -m {module} --" in out.stdout

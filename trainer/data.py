@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import compression
@@ -89,9 +90,13 @@ def batch_source(data, schema: Schema, batch_size: int, split_trees: bool = True
 
 
 def count_samples(data, schema: Schema) -> int | None:
-    """Samples in the data if cheap to know (raw Parquet row counts, tables), else None."""
+    """Samples in the data if cheap to know, else None: the row count of raw Parquet files and
+    raw tables, the leaves of tree tables, and the leaves of tree Parquet files from their
+    footers (:func:`tree_file_samples`); None for CSV and JSON lines."""
     if isinstance(data, pa.Table):
-        return None if is_tree_table(data.schema, schema) else data.num_rows
+        if not is_tree_table(data.schema, schema):
+            return data.num_rows
+        return _tree_table_samples(data, schema)
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], TreeBatch):
         return sum(b.num_leaves for b in data)
     if isinstance(data, (str, os.PathLike, list, tuple)):
@@ -106,10 +111,54 @@ def count_samples(data, schema: Schema) -> int | None:
                 return None
             meta = pq.ParquetFile(path).metadata
             if is_tree_table(meta.schema.to_arrow_schema(), schema):
-                return None
-            total += meta.num_rows
+                samples = tree_file_samples(meta, schema)
+                if samples is None:
+                    return None
+                total += samples
+            else:
+                total += meta.num_rows
         return total
     return None
+
+
+# how writers spell a list's repeated group and its element in Parquet column paths
+_LIST_SPELLINGS = (("list", "element"), ("list", "item"))
+
+
+def tree_file_samples(metadata: pq.FileMetaData, schema: Schema) -> int | None:
+    """The samples (leaves) of a tree Parquet file from its footer alone, or None if the file
+    does not have the expected leaf column.
+
+    The first label lives once per leaf, in the leaf layer's list nested in every upper
+    layer's list (``ad.list.element.creative.list.element.click``). A column chunk's
+    ``num_values`` counts its value slots, nulls and empty lists included; in a tree no node's
+    child list is empty or null and labels are never null, so the slots of the label column
+    are exactly the leaves."""
+    if len(schema.layers) == 1:
+        return metadata.num_rows
+    names = [layer.name for layer in schema.layers[1:]]
+    label = schema.labels[0]
+    wanted = {".".join([part for name in names for part in (name, *spelling)] + [label])
+              for spelling in _LIST_SPELLINGS}
+    for i in range(metadata.num_columns):
+        column = metadata.schema.column(i)
+        if column.path in wanted and column.max_repetition_level == len(names):
+            return sum(metadata.row_group(g).column(i).num_values
+                       for g in range(metadata.num_row_groups))
+    return None
+
+
+def _tree_table_samples(table: pa.Table, schema: Schema) -> int | None:
+    """The leaves of an in-memory tree table: the length of its leaf lists, flattened."""
+    if len(schema.layers) == 1:
+        return table.num_rows
+    names = [layer.name for layer in schema.layers[1:]]
+    if names[0] not in table.column_names:
+        return None
+    lists = table.column(names[0])
+    for name in names[1:]:
+        lists = pc.struct_field(pc.list_flatten(lists), name)
+    return len(pc.list_flatten(lists))
 
 
 def _file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:

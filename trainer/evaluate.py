@@ -3,7 +3,8 @@
     python -m trainer.evaluate --run runs/mlp --data 'test/*.parquet'
 
 Restores ``RUN_DIR/checkpoint`` (written by ``python -m trainer.train``), shows a progress bar on
-stderr, adds the scalars to ``RUN_DIR/eval`` and prints the result as one JSON line on stdout.
+stderr, adds the scalars to ``RUN_DIR/eval``, prints a summary line on stderr and the result as
+one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -50,8 +51,25 @@ def run(argv=None) -> dict:
     return {k: _json_number(v) for k, v in result.items()}
 
 
+def summary_line(result: dict) -> str:
+    """The human summary on stderr, e.g. ``eval AUC 0.6312 | logloss 0.45120 | 20,000 samples |
+    81,503 samples/s | checkpoint step 400``."""
+    auc, logloss = result.get("auc"), result.get("logloss")
+    return (f"eval AUC {'n/a' if auc is None else f'{auc:.4f}'} | "
+            f"logloss {'n/a' if logloss is None else f'{logloss:.5f}'} | "
+            f"{result['samples']:,} samples | {result['samples_per_sec']:,.0f} samples/s | "
+            f"checkpoint step {result['step']:,}")
+
+
+def _main(argv) -> int:
+    result = run(argv)
+    print(summary_line(result), file=sys.stderr, flush=True)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
-    return cli.run_command(PROG, lambda a: print(json.dumps(run(a)), flush=True), argv)
+    return cli.run_command(PROG, _main, argv)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import os
 import queue
 import signal
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -612,9 +613,14 @@ def _kafka_option(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.online",
-        description="Train continuously from a Kafka topic of samples with crash-exact "
-                    "recovery: checkpoints hold the consumed offsets, which are committed to "
-                    "Kafka only after the checkpoint is durable.")
+        description=textwrap.fill(
+            "Train continuously from a Kafka topic of samples with crash-exact "
+            "recovery: checkpoints hold the consumed offsets, which are committed to "
+            "Kafka only after the checkpoint is durable."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m trainer.online --schema schemas/examples/taobao_like.yaml "
+               "--bootstrap-servers localhost:9092 --topic samples --group ctr-online "
+               "--run-dir runs/online --export-dir export/ --export-every 10")
     parser.add_argument("--schema", required=True, help="schema YAML")
     parser.add_argument("--bootstrap-servers", required=True, help="Kafka HOST:PORT[,...]")
     parser.add_argument("--topic", required=True, help="topic of samples")

@@ -281,6 +281,10 @@ def _json_number(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def _format_auc(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
 def main(argv=None) -> int:
     return cli.run_command(PROG, _main, argv)
 
@@ -291,11 +295,11 @@ def _main(argv) -> int:
     except Interrupted as e:
         print(str(e), file=sys.stderr, flush=True)
         return e.exit_code
-    if result["eval_samples"]:
-        auc = f"eval AUC {result['auc']:.4f} (epoch {result['checkpoint_epoch']}, kept)"
+    if result["eval_samples"]:  # an AUC is None (n/a) when the labels hold one class only
+        auc = (f"eval AUC {_format_auc(result['auc'])} (epoch {result['checkpoint_epoch']}, "
+               "kept)")
     else:
-        auc = "train AUC " + ("n/a" if result["train_auc"] is None
-                              else f"{result['train_auc']:.4f}")
+        auc = f"train AUC {_format_auc(result['train_auc'])}"
     print(f"{auc} | "
           f"{result['samples_per_sec']:,.0f} samples/s | {result['id_compression']:.2f}x fewer "
           f"ids looked up than flat samples hold | {result['store_rows']:,} store rows",

@@ -147,6 +147,21 @@ class Trainer:
             return patience is not None and stale >= patience
 
         stopped = False
+        logged_step = self.step  # the last step whose scalars went to the bar and TensorBoard
+
+        def log_scalars():
+            nonlocal mark_time, mark_samples, logged_step
+            now = time.perf_counter()
+            rate = (self.samples - mark_samples) / max(now - mark_time, 1e-9)
+            mark_time, mark_samples = now, self.samples
+            bar.set_postfix(loss=f"{loss:.4f}", auc=f"{window_auc.result():.4f}",
+                            rows=self.store_rows(), refresh=False)
+            if writer is not None:
+                self._write_scalars(writer, loss, window_auc.result(), rate)
+            window_auc.reset()
+            logged_step = self.step
+
+        completed = False
         try:
             for epoch in range(1, epochs + 1):
                 for feed in self._pipeline(source, train=True):
@@ -159,14 +174,7 @@ class Trainer:
                     if callback is not None:
                         callback(self, loss, probabilities, feed.labels)
                     if self.step % self.config.log_every == 0:
-                        now = time.perf_counter()
-                        rate = (self.samples - mark_samples) / max(now - mark_time, 1e-9)
-                        mark_time, mark_samples = now, self.samples
-                        bar.set_postfix(loss=f"{loss:.4f}", auc=f"{window_auc.result():.4f}",
-                                        rows=self.store_rows(), refresh=False)
-                        if writer is not None:
-                            self._write_scalars(writer, loss, window_auc.result(), rate)
-                        window_auc.reset()
+                        log_scalars()
                     if eval_every and self.step % eval_every == 0 and evaluate(epoch):
                         stopped = True
                         break
@@ -174,11 +182,21 @@ class Trainer:
                         not evaluations or evaluations[-1]["step"] != self.step)
                         and evaluate(epoch)):
                     break
+            completed = True
         finally:
-            bar.close()
-            if writer is not None:
-                writer.flush()
-                writer.close()
+            try:
+                if self.step != logged_step:
+                    # the last step's scalars, so a run shorter than log_every has some too
+                    try:
+                        log_scalars()
+                    except Exception:
+                        if completed:
+                            raise  # otherwise the error that stopped training is the one shown
+            finally:
+                _close_bar(bar, completed)
+                if writer is not None:
+                    writer.flush()
+                    writer.close()
         seconds = time.perf_counter() - started
         samples = self.samples - samples0
         out = {"samples": samples, "steps": self.step - steps0, "seconds": seconds,
@@ -645,6 +663,15 @@ class _NoBar:
 
     def close(self):
         pass
+
+
+def _close_bar(bar, completed: bool) -> None:
+    """Close a progress bar; after a pass that completed, first make its total what it counted
+    (training that stopped early, before ``samples x epochs``, ends the bar at 100%)."""
+    if completed and getattr(bar, "total", None) is not None and bar.n != bar.total:
+        bar.total = bar.n
+        bar.refresh()
+    bar.close()
 
 
 def _progress_bar(enabled: bool, total, desc: str):

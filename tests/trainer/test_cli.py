@@ -80,3 +80,40 @@ def test_bad_config_is_a_usage_error(tmp_path):
     assert out.returncode == 2
     assert "features.nope: the schema 'taobao_like' has no feature 'nope'" in out.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_count_samples_of_tree_files_from_their_footers(schema, raw_small, trees_small,
+                                                        tmp_path):
+    """The progress bar's total for tree data: the leaves, exact, without reading the data."""
+    from trainer.data import count_samples
+
+    n = raw_small.num_rows
+    path = str(tmp_path / "trees.parquet")
+    compression.write_trees(trees_small, path, row_group_rows=7)  # many row groups
+    assert pq.ParquetFile(path).metadata.num_row_groups > 1
+    assert count_samples(path, schema) == n
+    assert count_samples([path, path], schema) == 2 * n
+    legacy = str(tmp_path / "legacy.parquet")  # lists spelled list.item (older writers)
+    pq.write_table(trees_small.cast(_items_lists(trees_small.schema)), legacy,
+                   use_compliant_nested_type=False)
+    assert pq.ParquetFile(legacy).metadata.schema.column(
+        pq.ParquetFile(legacy).metadata.num_columns - 1).path.startswith("ad.list.item.")
+    assert count_samples(legacy, schema) == n
+    assert count_samples(trees_small, schema) == n  # in-memory tree tables too
+    part = trees_small.slice(5, 20)
+    assert count_samples(part, schema) == sum(
+        len(ad["creative"]) for row in part.column("ad").to_pylist() for ad in row)
+
+
+def _items_lists(schema):
+    """``schema`` with every list's value field named ``item``."""
+    import pyarrow as pa
+
+    def rename(t):
+        if pa.types.is_list(t):
+            return pa.list_(pa.field("item", rename(t.value_type)))
+        if pa.types.is_struct(t):
+            return pa.struct([pa.field(f.name, rename(f.type), f.nullable) for f in t])
+        return t
+    return pa.schema([pa.field(f.name, rename(f.type), f.nullable) for f in schema],
+                     metadata=schema.metadata)
