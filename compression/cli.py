@@ -251,15 +251,8 @@ class StagedOutput:
 
     def commit(self) -> str:
         check_output(self.path, self.overwrite, self.flag)  # another job may have written it
-        parent, name = os.path.split(self.path)
-        old = None
-        if os.path.isdir(self.path):
-            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(self.path, old)
-        os.rename(self.tmp, self.path)
+        replace_directory(self.tmp, self.path)
         self.committed = True
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         return self.path
 
     def discard(self) -> None:
@@ -273,6 +266,22 @@ class StagedOutput:
         if exc_type is not None or not self.committed:
             self.discard()
         return False
+
+
+def replace_directory(new: str, path: str) -> str:
+    """Put the complete directory ``new`` at ``path``: an existing ``path`` is renamed aside
+    first and removed only after ``new`` took its place, so ``path`` is never half-written (a
+    crash in between leaves the old one beside it, named ``.NAME.old-*``)."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    old = None
+    if os.path.isdir(path):
+        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(path, old)
+    os.rename(new, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
 
 
 # -- quiet start-up -------------------------------------------------------------------------

@@ -88,6 +88,7 @@ import pyarrow.compute as pc
 import ray
 
 import compression
+from compression.cli import replace_directory
 import native
 import schemas
 from compression import TreeBatch
@@ -1107,12 +1108,7 @@ class DistributedTrainer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(tmp, "manifest.json.tmp"), os.path.join(tmp, "manifest.json"))
-        old = f"{directory}.old-{os.getpid()}"
-        if os.path.exists(directory):
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-        return directory
+        return replace_directory(tmp, directory)
 
     @classmethod
     def restore(cls, directory, model=None, *, workers: int | None = None,

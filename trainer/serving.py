@@ -32,6 +32,7 @@ import pyarrow as pa
 import tensorflow as tf
 
 import compression
+from compression.cli import replace_directory
 import native
 import schemas
 from compression import LayerBatch, TreeBatch
@@ -76,12 +77,7 @@ def export(trainer, directory: str | os.PathLike) -> str:
             "tables": list(trainer.tables), "heads": heads}
     with open(os.path.join(tmp, "export.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    old = f"{directory}.old-{os.getpid()}"
-    if os.path.exists(directory):
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
-    return directory
+    return replace_directory(tmp, directory)
 
 
 def _structured_twin(trainer):

@@ -32,6 +32,7 @@ from tensorflow.core.framework import summary_pb2
 import native
 import schemas
 from compression import TreeBatch
+from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer.config import ConfigError, TrainConfig, resolve_function
@@ -510,12 +511,7 @@ class Trainer:
                  "variables": [v.path for v in self.network.variables]}
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             json.dump(state, f, indent=1)
-        old = f"{directory}.old-{os.getpid()}"
-        if os.path.exists(directory):
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-        return directory
+        return replace_directory(tmp, directory)
 
     def export(self, directory: str | os.PathLike) -> str:
         """Write a SavedModel of the dense network plus every store's snapshot for
