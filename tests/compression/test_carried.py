@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import compression
 import schemas
 from compression import RawDataError
-from sample_data import random_schemas, raw_tables, row_multiset
+from sample_data import carried_samples, random_schemas, raw_tables, row_multiset
 
 PROPERTY = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -40,23 +40,6 @@ def _append_carried(draw, table: pa.Table, schema: schemas.Schema) -> pa.Table:
     return table
 
 
-def _samples(n: int = 500, seed: int = 0) -> pa.Table:
-    """Raw samples of with_row_ids.yaml: ~n/10 users sharing ads, unique row ids."""
-    rng = np.random.default_rng(seed)
-    users = rng.integers(0, max(n // 10, 1), n)
-    return pa.table({
-        "user_id": pa.array(users, pa.int64()),
-        "clicked_cats": pa.array([[int(u) % 5, 3] for u in users], pa.list_(pa.int64())),
-        "ad_id": pa.array(rng.integers(0, 6, n), pa.int64()),
-        "price": pa.array([[float(a)] for a in rng.integers(0, 6, n)], pa.list_(pa.float32())),
-        "click": pa.array(rng.integers(0, 2, n).astype(np.float32)),
-        "request_id": pa.array([f"req-{i}" if i % 7 else None for i in range(n)], pa.string()),
-        "row_id": pa.array(np.arange(n, dtype=np.int64) * 3 + 1),
-        "event_time": pa.array(1_714_564_800_000_000 + np.arange(n, dtype=np.int64) * 1000,
-                               pa.int64()).cast(pa.timestamp("us", tz="UTC")),
-    })
-
-
 @PROPERTY
 @given(st.data())
 def test_flatten_of_build_trees_keeps_every_carried_value(data):
@@ -80,7 +63,7 @@ def test_flatten_of_build_trees_keeps_every_carried_value(data):
 
 
 def test_batches_carry_the_leaves_values_in_leaf_order():
-    raw = _samples(700)
+    raw = carried_samples(700)
     trees = compression.build_trees(raw, SCHEMA)
     flat = compression.flatten(trees, SCHEMA)
     for split in (True, False):
@@ -110,7 +93,7 @@ def test_batches_carry_the_leaves_values_in_leaf_order():
 
 
 def test_carried_columns_do_not_change_the_trees_or_their_statistics():
-    raw = _samples(600, seed=3)
+    raw = carried_samples(600, seed=3)
     data = SCHEMA.to_dict()
     data["layers"][-1].pop("carried")
     plain = schemas.from_dict(data)
@@ -126,7 +109,7 @@ def test_carried_columns_do_not_change_the_trees_or_their_statistics():
 
 
 def test_validation_casts_carried_columns_without_loss_and_keeps_nulls():
-    raw = _samples(4)
+    raw = carried_samples(4)
     table = raw.set_column(raw.schema.get_field_index("row_id"), "row_id",
                            pa.array([1, 2, None, 4], pa.int32()))
     table = table.set_column(table.schema.get_field_index("request_id"), "request_id",
@@ -160,7 +143,7 @@ def test_validation_casts_carried_columns_without_loss_and_keeps_nulls():
      "carried column 'row_id': cannot convert uint64 to int64 without loss"),
 ])
 def test_a_carried_column_of_the_wrong_type_is_refused_naming_it(name, column, message):
-    raw = _samples(4)
+    raw = carried_samples(4)
     table = raw.set_column(raw.schema.get_field_index(name), name, column)
     with pytest.raises(RawDataError) as err:
         compression.validate_raw(table, SCHEMA)
@@ -168,7 +151,7 @@ def test_a_carried_column_of_the_wrong_type_is_refused_naming_it(name, column, m
 
 
 def test_missing_and_undeclared_columns_point_at_carried():
-    raw = _samples(4)
+    raw = carried_samples(4)
     with pytest.raises(RawDataError, match="missing column.*'row_id'.*and carried columns"):
         compression.validate_raw(raw.drop_columns(["row_id"]), SCHEMA)
     with pytest.raises(RawDataError, match="under the leaf layer's `carried:`"):
@@ -179,7 +162,7 @@ def test_float64_carried_values_stay_bit_exact():
     data = SCHEMA.to_dict()
     data["layers"][-1]["carried"].append({"name": "c0", "dtype": "float64"})
     schema = schemas.from_dict(data)
-    raw = _samples(5).append_column("c0", pa.array([0.1, -0.0, 1e300, float("nan"), None]))
+    raw = carried_samples(5).append_column("c0", pa.array([0.1, -0.0, 1e300, float("nan"), None]))
     back = compression.flatten(compression.build_trees(raw, schema), schema)
     got = back.sort_by("row_id").column("c0").to_pylist()
     assert got[:3] == [0.1, -0.0, 1e300] and np.signbit(got[1]) and np.isnan(got[3])
@@ -187,7 +170,7 @@ def test_float64_carried_values_stay_bit_exact():
 
 
 def test_parquet_files_and_tree_messages_keep_carried_columns(tmp_path):
-    raw = _samples(400)
+    raw = carried_samples(400)
     trees = compression.build_trees(raw, SCHEMA)
     path = compression.write_trees(trees, str(tmp_path / "part-0.parquet"))
     read = compression.read_trees(path)

@@ -24,7 +24,7 @@ from pipelines import compress as job
 from pipelines import stream_compress
 from pipelines.generate import generate_tables
 from pipelines.replay import json_lines
-from sample_data import row_multiset
+from sample_data import carried_samples, row_multiset
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = str(ROOT / "schemas" / "examples" / "with_row_ids.yaml")
@@ -32,25 +32,8 @@ SCHEMA = schemas.load(SCHEMA_PATH)
 UTC = dt.timezone.utc
 
 
-def _samples(n: int, seed: int = 0) -> pa.Table:
-    """Raw samples of with_row_ids.yaml with unique row ids, some null request ids."""
-    rng = np.random.default_rng(seed)
-    users = rng.integers(0, max(n // 10, 1), n)
-    return pa.table({
-        "user_id": pa.array(users, pa.int64()),
-        "clicked_cats": pa.array([[int(u) % 5, 3] for u in users], pa.list_(pa.int64())),
-        "ad_id": pa.array(rng.integers(0, 6, n), pa.int64()),
-        "price": pa.array([[float(a)] for a in rng.integers(0, 6, n)], pa.list_(pa.float32())),
-        "click": pa.array(rng.integers(0, 2, n).astype(np.float32)),
-        "request_id": pa.array([f"req-{seed}-{i}" if i % 7 else None for i in range(n)]),
-        "row_id": pa.array(np.arange(n, dtype=np.int64) + seed * 1_000_000),
-        "event_time": pa.array(1_714_564_800_000_000 + np.arange(n, dtype=np.int64) * 1001,
-                               pa.int64()).cast(pa.timestamp("us", tz="UTC")),
-    })
-
-
 def test_the_batch_job_keeps_carried_columns(tmp_path):
-    tables = [_samples(600, seed=s) for s in range(2)]
+    tables = [carried_samples(600, seed=s) for s in range(2)]
     (tmp_path / "raw").mkdir()
     for i, t in enumerate(tables):
         pq.write_table(t, tmp_path / "raw" / f"part-{i}.parquet")
@@ -84,7 +67,7 @@ def _tree_messages(record) -> tuple:
 
 
 def test_the_streaming_job_tree_messages_keep_carried_columns():
-    table = _samples(300, seed=4)
+    table = carried_samples(300, seed=4)
     lines = json_lines(table, SCHEMA).to_pylist()
     assert json.loads(lines[0])["event_time"] == "2024-05-01 12:00:00.000000Z"
     stream = (EventStream()
@@ -107,7 +90,7 @@ def test_replayed_json_decodes_back_to_the_same_carried_values():
     data = SCHEMA.to_dict()
     data["layers"][-1]["carried"].append({"name": "weight", "dtype": "float64"})
     schema = schemas.from_dict(data)
-    table = _samples(6).append_column("weight", pa.array(
+    table = carried_samples(6).append_column("weight", pa.array(
         [0.1, -0.0, float("nan"), float("inf"), float("-inf"), None], pa.float64()))
     table = table.set_column(table.schema.get_field_index("request_id"), "request_id",
                              pa.array(['quo"te', None, "tab\there", "", "é", "x"]))

@@ -103,3 +103,21 @@ def taobao_table(n: int = 300, seed: int = 0) -> pa.Table:
     for label in schema.labels:
         cols[label] = pa.array((rng.random(n) < 0.1).astype(np.float32))
     return pa.table(cols).cast(schema.raw_arrow_schema())
+
+
+def carried_samples(n: int = 500, seed: int = 0) -> pa.Table:
+    """Raw samples of schemas/examples/with_row_ids.yaml: ~n/10 users sharing ads, row ids unique
+    across seeds, every seventh request id null."""
+    rng = np.random.default_rng(seed)
+    users = rng.integers(0, max(n // 10, 1), n)
+    return pa.table({
+        "user_id": pa.array(users, pa.int64()),
+        "clicked_cats": pa.array([[int(u) % 5, 3] for u in users], pa.list_(pa.int64())),
+        "ad_id": pa.array(rng.integers(0, 6, n), pa.int64()),
+        "price": pa.array([[float(a)] for a in rng.integers(0, 6, n)], pa.list_(pa.float32())),
+        "click": pa.array(rng.integers(0, 2, n).astype(np.float32)),
+        "request_id": pa.array([f"req-{seed}-{i}" if i % 7 else None for i in range(n)]),
+        "row_id": pa.array(np.arange(n, dtype=np.int64) + seed * 1_000_000),
+        "event_time": pa.array(1_714_564_800_000_000 + np.arange(n, dtype=np.int64) * 1001,
+                               pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+    })
