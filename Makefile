@@ -57,7 +57,8 @@ online-demo: $(STAMP)
 	        --config trainer/examples/mlp.yaml --bootstrap-servers 127.0.0.1:$(ONLINE_PORT) \
 	        --topic samples --group demo --run-dir $(ONLINE_DIR)/run \
 	        --export-dir $(ONLINE_DIR)/export --export-every 5 --checkpoint-every 10 \
-	        --max-samples $(ONLINE_SAMPLES) 2> $(ONLINE_DIR)/trainer.log
+	        --max-samples $(ONLINE_SAMPLES) -X session.timeout.ms=6000 \
+	        -X heartbeat.interval.ms=500 2> $(ONLINE_DIR)/trainer.log
 
 # Rebuild the native embedding store extension in place (native/_store*.so) after editing C++.
 native:

@@ -145,7 +145,8 @@ def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, threads
 
     trainer = Trainer(schema, models.MLP(), _config(threads))
     source = KafkaSampleSource(schema, bootstrap, topic, group_id(), format=format,
-                               config={"fetch.max.bytes": 64 << 20})
+                               config={"fetch.max.bytes": 64 << 20,
+                                       **local_broker.CLIENT_OPTIONS})
     online = OnlineTrainer(schema, trainer, source, CheckpointManager(run_dir),
                            checkpoint_every=1e9, export_dir=export_dir,
                            export_every=export_every, **kwargs)
@@ -164,7 +165,7 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
     update. At 100k samples/s a 2-core machine has 2.0 CPU seconds per 100k samples for all of
     them together."""
     from trainer import models
-    from trainer.json_decode import decode_json_samples
+    from compression import decode_json_samples
     from trainer.kafka_source import KafkaSampleSource, group_id
     from trainer.online import default_unit_samples
     from trainer.trainer import Trainer
@@ -172,7 +173,8 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
     trainer = Trainer(schema, models.MLP(), _config(threads))
     unit = unit_samples or default_unit_samples(trainer.config.batch_size)
     source = KafkaSampleSource(schema, bootstrap, topic, group_id(),
-                               config={"fetch.max.bytes": 64 << 20})
+                               config={"fetch.max.bytes": 64 << 20,
+                                       **local_broker.CLIENT_OPTIONS})
     try:
         while not source.poll(unit, 1.0).messages:  # the group join, not measured
             pass

@@ -5,7 +5,9 @@
     for batch in compression.iter_batches(trees, schema, batch_size=5000):
         batch.layers[1].parent                            # indicator: ad node -> user node
 
-Pure pyarrow/numpy: importable anywhere (Beam workers, the trainer, notebooks).
+Pure pyarrow/numpy (and ``native``'s JSON decoder, for Kafka messages): importable anywhere
+(Beam workers, the trainer, notebooks). Kafka clients live in ``compression.kafka``, imported
+only by the code that talks to a broker.
 """
 
 from compression.batches import LayerBatch, TreeBatch, iter_batches
@@ -21,7 +23,7 @@ from compression.io import (
     read_trees,
     write_trees,
 )
-from compression.messages import decode_json_samples
+from compression.messages import DeadLetter, dead_letter_topic, decode_json_samples
 from compression.stats import TreeStats
 from compression.trees import (
     ROOT_NODE,
@@ -40,6 +42,8 @@ __all__ = [
     "LayerNodes",
     "TreeBatch",
     "TreeStats",
+    "DeadLetter",
+    "dead_letter_topic",
     "decode_json_samples",
     "TreeMessageDecoder",
     "decode_trees",

@@ -1,121 +1,194 @@
-"""Raw samples sent as JSON messages (one sample per message), decoded in bulk into Arrow rows.
+"""The messages prefixrec's Kafka jobs exchange: raw samples as JSON (one sample per message),
+decoded in bulk by the native decoder, and the dead-letter record of a rejected message.
 
-All messages of a batch are parsed by one ``pyarrow.json`` call over the values joined by
-newlines (about 4x faster than ``json.loads`` per message). When a batch fails to parse, it is
-bisected until the failing messages stand alone, so one bad message costs O(log n) re-parses and
-every message gets its own verdict. Row-level problems (nulls, dense dims, label range) come from
-``compression.split_bad_rows``. A rejected message gets a reason.
+:func:`decode_json_samples` parses every message in C++ (``native.json_samples``) without
+holding the GIL; the Arrow columns are built on the decoder's buffers without a copy. The one
+JSON sample decoder of the project: the streaming Beam job and the online trainer both use it.
+
+Verdicts (those of the file readers: pyarrow's JSON reader with the schema + the row checks of
+``compression.split_bad_rows``): integers must be JSON integers in int64 range (``1.0``, ``1e3``
+or ``"1"`` are rejected for an int64 id), strings must be strings, dense values and labels are
+numbers (``NaN``, ``Inf``, ``Infinity``, optionally negative, are read and then rejected by the
+row checks), floats are rounded once from their decimal text to float32, unknown and repeated
+fields are rejected (silently dropping them would lose data the schema does not know about;
+field names are compared after unescaping, so ``"user\\u005fid"`` is ``user_id``), missing or
+null values get split_bad_rows' reasons, in its order; a number too big for a double
+(``1e400``) is rejected, one that only overflows float32 (``1e39``) becomes infinity and fails
+the row checks; a leading UTF-8 BOM is skipped. Carried columns (``schema.carried``: row ids,
+timestamps, never trained) are read as pyarrow reads them for their Arrow type: int64 as ids
+are, float64 correctly rounded from the text (NaN and Infinity accepted, overflow to infinity),
+strings as strings, timestamps from an ISO-8601 string with pyarrow's exact grammar
+(``YYYY-MM-DD``, then ``[ T]hh``, ``hh:mm``, ``hh:mm:ss`` or ``hh:mm:ss.ffffff``, then an
+optional ``Z`` or ``+-hh[[:]mm]`` offset; naive ones are UTC); a null or missing carried field
+is a null, never a reason to reject. Every rejected message gets a reason: row problems,
+unknown fields (quoted as Python's repr), empty messages and non-objects have the file
+readers' texts; syntax and type errors start with ``not a valid sample:``. The verdict order:
+not JSON, then not an object, then unknown fields, then a value of the wrong type, then the
+row checks.
+
+Rejected where pyarrow's JSON reader is wrong: a string with invalid UTF-8 (pyarrow builds an
+invalid string array), a raw CR or LF inside a string (JSON forbids it), the message ``null``
+(``pyarrow.json.read_json`` crashes the process on it: a segmentation fault), and a message
+over ``max_message_bytes``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import re
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.json as pajson
 
-from compression.validate import split_bad_rows
+from native.json_samples import (DEFAULT_MAX_MESSAGE_BYTES, DecodedChunk, JsonColumn,
+                                 JsonSampleDecoder)
 from schemas import Schema
 
-_ROW = re.compile(r" row \d+:")
 MESSAGE_INDEX = "__message"
+DEAD_LETTER_SUFFIX = ".dlq"
+
+__all__ = ["DEAD_LETTER_SUFFIX", "DEFAULT_MAX_MESSAGE_BYTES", "DeadLetter", "MESSAGE_INDEX",
+           "dead_letter_topic", "decode_json_samples", "json_columns", "oversized_reason"]
 
 
-def decode_json_samples(values: list[bytes], schema: Schema, with_index: bool = False):
+# -- the dead-letter record -------------------------------------------------------------------
+
+def dead_letter_topic(topic: str, given: str | None = None) -> str:
+    """Where rejected messages of ``topic`` go: ``given``, else ``<topic>.dlq``."""
+    return given if given else f"{topic}{DEAD_LETTER_SUFFIX}"
+
+
+def oversized_reason(size: int, limit: int) -> str:
+    return f"oversized: {size} bytes, the limit is {limit} (max_message_bytes)"
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A rejected message: its value and key unchanged, why, and where it was read.
+
+    On Kafka it is the original value and key with the headers ``reason``, ``source.topic``,
+    ``source.partition`` and ``source.offset`` (text; the last three only when known)::
+
+        value b'{"user_id": 1, "click": 3}'
+        headers reason=b"label 'click': value out of range, labels must be in [0, 1]"
+                source.topic=b"samples" source.partition=b"0" source.offset=b"1234"
+
+    For a writer without headers (Beam's Java KafkaIO) :meth:`json_value` puts all of it in the
+    value instead.
+    """
+
+    value: bytes | None
+    reason: str
+    key: bytes | None = None
+    topic: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+
+    def headers(self) -> tuple[tuple[str, bytes], ...]:
+        headers = [("reason", self.reason.encode())]
+        for name, field in (("source.topic", self.topic), ("source.partition", self.partition),
+                            ("source.offset", self.offset)):
+            if field is not None:
+                headers.append((name, str(field).encode()))
+        return tuple(headers)
+
+    def record(self) -> tuple[bytes | None, bytes | None, tuple]:
+        """``(key, value, headers)``, as Kafka writers take it."""
+        return self.key, self.value, self.headers()
+
+    def json_value(self) -> bytes:
+        """The record as one JSON object (the message as text, invalid UTF-8 replaced)."""
+        message = None if self.value is None else self.value.decode("utf-8", "replace")
+        return json.dumps({"reason": self.reason, "topic": self.topic,
+                           "partition": self.partition, "offset": self.offset,
+                           "message": message}).encode()
+
+    @classmethod
+    def from_message(cls, value: bytes | None, headers, key: bytes | None = None
+                     ) -> "DeadLetter":
+        """Read a dead letter back from a consumed message's value, headers and key."""
+        h = {name: v.decode() for name, v in headers or ()}
+        return cls(value, h.get("reason", ""), key, h.get("source.topic"),
+                   int(h["source.partition"]) if "source.partition" in h else None,
+                   int(h["source.offset"]) if "source.offset" in h else None)
+
+
+# -- the JSON sample codec --------------------------------------------------------------------
+
+def json_columns(schema: Schema) -> list[JsonColumn]:
+    """The decoder's columns for the raw samples of ``schema`` (raw_arrow_schema() order)."""
+    keys = {k for layer in schema.layers for k in layer.key}
+    columns = [JsonColumn(f.name, f.kind, dtype=f.dtype if f.kind != "dense" else "float32",
+                          dim=f.dim or 0, key=f.name in keys) for f in schema.features]
+    columns += [JsonColumn(label, "label") for label in schema.labels]
+    return columns + [JsonColumn(c.name, "carried", dtype=c.dtype) for c in schema.carried]
+
+
+@functools.lru_cache(maxsize=16)
+def decoder_for(schema: Schema, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+                ) -> JsonSampleDecoder:
+    return JsonSampleDecoder(json_columns(schema), max_message_bytes)
+
+
+def decode_json_samples(values: list[bytes | None], schema: Schema, with_index: bool = False,
+                        *, threads: int | None = 1,
+                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     """Decode JSON sample messages: ``(good rows, [(message, reason)])``.
 
     Good rows come in ``schema.raw_arrow_schema()``, in message order. With ``with_index`` the
     table gets an int64 column ``__message`` (the index of each row's message in ``values``) and
-    rejected messages are given by index: ``[(index, reason)]``.
+    rejected messages are given by index: ``[(index, reason)]``, sorted. A value may be None
+    (a Kafka tombstone): it is rejected as empty. Passing anything but bytes or None raises
+    ``native.InvalidInputError``. The Table may have several chunks (one per thread).
 
-    Unknown fields are rejected (as extra columns are in files): silently dropping them would
-    lose data the schema does not know about.
+    ``threads``: decoding threads. 1 by default: in the online trainer the other core runs the
+    TensorFlow step, and on a busy machine a second thread gains little (benchmarks/RESULTS.md);
+    None lets the decoder pick (2 for batches of 256 KiB or more on a multi-core machine).
+    The whole decode runs without the GIL either way.
     """
+    decoder = decoder_for(schema, max_message_bytes)
     raw_schema = schema.raw_arrow_schema()
-    dead: list[tuple[int, str]] = []
-    lines: list[bytes] = []
-    line_message: list[int] = []
-    for index, value in enumerate(values):
-        if value is None or not value.strip():
-            dead.append((index, "empty message; expected one JSON object"))
-            continue
-        # A raw newline in valid JSON can only be whitespace between tokens (inside strings it
-        # must be escaped), so replacing it keeps the value and one message per line.
-        if b"\n" in value or b"\r" in value:
-            value = value.replace(b"\r", b" ").replace(b"\n", b" ")
-        lines.append(value)
-        line_message.append(index)
-    tables: list[pa.Table] = []
-    parsed: list[np.ndarray] = []  # line numbers of the rows of each parsed table
-    if lines:
-        _decode(lines, np.arange(len(lines)), raw_schema, tables, parsed, dead, line_message)
-    if tables:
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        message = np.asarray(line_message, np.int64)[np.concatenate(parsed)]
-        good, rejected = _split(table, schema, message)
-        for row, reason in rejected:
-            # Row numbers of a decode batch mean nothing to whoever reads the dead letters.
-            dead.append((int(message[row]), _ROW.sub(":", reason, count=1)))
-    else:
-        good = raw_schema.empty_table().append_column(MESSAGE_INDEX, pa.array([], pa.int64()))
-    dead.sort()
+    indexed = raw_schema.append(pa.field(MESSAGE_INDEX, pa.int64()))
+    out = decoder.decode(values, threads=threads)
+    batches = [_record_batch(chunk, decoder.columns, raw_schema, indexed)
+               for chunk in out.chunks if chunk.num_rows]
+    table = pa.Table.from_batches(batches, schema=indexed)
+    dead = list(zip(out.rejected_index.tolist(), out.rejected_reason))
     if with_index:
-        return good, dead
-    return good.drop_columns([MESSAGE_INDEX]), [(values[i], reason) for i, reason in dead]
+        return table, dead
+    return table.drop_columns([MESSAGE_INDEX]), [(values[i], reason) for i, reason in dead]
 
 
-def _split(table: pa.Table, schema: Schema, message: np.ndarray):
-    good, rejected = split_bad_rows(table, schema)
-    keep = np.ones(table.num_rows, bool)
-    rows = rejected.column("row").to_numpy()
-    keep[rows] = False
-    good = good.append_column(MESSAGE_INDEX, pa.array(message[keep]))
-    return good, list(zip(rows.tolist(), rejected.column("reason").to_pylist()))
+def _record_batch(chunk: DecodedChunk, columns: tuple[JsonColumn, ...],
+                  raw_schema: pa.Schema, indexed: pa.Schema) -> pa.RecordBatch:
+    rows = chunk.num_rows
+    arrays = [_carried_array(field.type, rows, buffers) if column.kind == "carried"
+              else _array(field.type, rows, buffers)
+              for column, field, buffers in zip(columns, raw_schema, chunk.columns)]
+    arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(chunk.message)]))
+    return pa.RecordBatch.from_arrays(arrays, schema=indexed)
 
 
-def _parse(lines: list[bytes], schema: pa.Schema) -> pa.Table:
-    data = b"\n".join(lines)
-    # Blocks of ~0.5 MiB parse on all cores (measured ~2x one block of everything on 2 cores);
-    # a block must still hold the longest message.
-    block = max(1 << 19, max(map(len, lines)) + 1)
-    table = pajson.read_json(
-        pa.BufferReader(data),
-        read_options=pajson.ReadOptions(use_threads=True, block_size=block),
-        parse_options=pajson.ParseOptions(explicit_schema=schema,
-                                          unexpected_field_behavior="error"))
-    if table.num_rows != len(lines):
-        raise pa.ArrowInvalid(f"expected one JSON object per message, found {table.num_rows} "
-                              f"in {len(lines)} message(s)")
-    return table
+def _array(type_: pa.DataType, rows: int, buffers: tuple[np.ndarray, ...]) -> pa.Array:
+    buf = [pa.py_buffer(b) for b in buffers]
+    if pa.types.is_list(type_):
+        item = type_.value_type
+        items = int(buffers[0][-1])
+        if pa.types.is_string(item):
+            child = pa.Array.from_buffers(item, items, [None, buf[1], buf[2]])
+        else:
+            child = pa.Array.from_buffers(item, items, [None, buf[1]])
+        return pa.Array.from_buffers(type_, rows, [None, buf[0]], children=[child])
+    if pa.types.is_string(type_):
+        return pa.Array.from_buffers(type_, rows, [None, buf[0], buf[1]])
+    return pa.Array.from_buffers(type_, rows, [None, buf[0]])
 
 
-def _decode(lines: list[bytes], numbers: np.ndarray, schema: pa.Schema, tables: list,
-            parsed: list, dead: list, line_message: list):
-    try:
-        tables.append(_parse([lines[i] for i in numbers], schema))
-        parsed.append(numbers)
-        return
-    except pa.ArrowInvalid as e:
-        if len(numbers) == 1:
-            dead.append((line_message[numbers[0]], _diagnose(lines[numbers[0]], schema, e)))
-            return
-    middle = len(numbers) // 2
-    _decode(lines, numbers[:middle], schema, tables, parsed, dead, line_message)
-    _decode(lines, numbers[middle:], schema, tables, parsed, dead, line_message)
-
-
-def _diagnose(line: bytes, schema: pa.Schema, error: Exception) -> str:
-    """A reason for one message that failed to parse, naming the field when it can."""
-    try:
-        value = json.loads(line)
-    except ValueError as e:
-        return f"not a valid sample: not JSON ({e})"
-    if not isinstance(value, dict):
-        return f"not a valid sample: expected a JSON object, got {type(value).__name__}"
-    unknown = [k for k in value if k not in schema.names]
-    if unknown:
-        return (f"not a valid sample: unexpected field(s) {', '.join(map(repr, unknown))}; "
-                "the schema has no such column")
-    return f"not a valid sample: {error}"
+def _carried_array(type_: pa.DataType, rows: int, buffers: tuple) -> pa.Array:
+    """A carried column: (validity bitmap or None, values...) in the schema's Arrow type
+    (int64, float64, string, or timestamp[us, tz=UTC] over int64 microseconds)."""
+    validity, *values = buffers
+    buf = [None if validity is None else pa.py_buffer(validity)]
+    buf += [pa.py_buffer(b) for b in values]
+    return pa.Array.from_buffers(type_, rows, buf, null_count=0 if validity is None else -1)

@@ -10,7 +10,8 @@
 The whole decode runs in C++ without the GIL (optionally on several threads). The accepted rows
 come back as Arrow-layout numpy buffers (:class:`DecodedChunk`, one or more chunks in message
 order), every rejected message as its index and a reason. This module depends on numpy only;
-``trainer.json_decode`` turns the buffers into a pyarrow Table of a schema (zero copy).
+``compression.decode_json_samples`` (compression/messages.py) turns the buffers into a pyarrow
+Table of a schema (zero copy).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Python IO (``ReadKafkaPython`` / ``WriteKafkaPython``), works offline and on any
 * one splittable DoFn element per partition; its restriction is an offset range from the
   group's committed offset (or the partition's first offset) on; each poll's messages become one
   :class:`MessageBatch` element, claimed by the poll's last offset, each message keeping its
-  Kafka timestamp as event time;
+  Kafka timestamp as event time, its key and where it was read (for dead letters);
 * unbounded: after 0.5 s without messages, or 5 s of reading, the DoFn defers the rest of the
   range and sets the watermark (max event time seen minus ``max_out_of_orderness``, or
   processing time minus it when idle); offsets are committed in bundle finalization, after the
@@ -26,6 +26,9 @@ Cross-language IO (``xlang_read`` / ``xlang_write``): Beam's ``ReadFromKafka`` a
 ``WriteToKafka``, expanded by the Java expansion service (needs Java and the
 ``beam-sdks-java-io-expansion-service`` jar, which Beam downloads from Maven Central, or
 ``expansion_service='host:port'``); what Dataflow and Flink run natively.
+
+Clients and their settings come from ``compression.kafka`` (the one module that imports the
+Kafka client); the DoFns hold plain settings dicts and build their clients in ``setup``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable, Tuple
+from typing import Tuple
 
 import apache_beam as beam
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
@@ -41,6 +44,9 @@ from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
 from apache_beam.transforms.core import RestrictionProvider
 from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
+
+from compression import kafka
+from compression import messages as kafka_messages
 
 log = logging.getLogger(__name__)
 
@@ -56,35 +62,10 @@ _EOF_GRACE = 0.5
 _MAX_BUNDLE_SECONDS = 5.0
 
 
-def consumer_config(bootstrap_servers: str, group_id: str, extra: dict | None = None) -> dict:
-    return {"bootstrap.servers": bootstrap_servers, "group.id": group_id,
-            "enable.auto.commit": False, "auto.offset.reset": "earliest",
-            "enable.partition.eof": False, **(extra or {})}
-
-
-def producer_config(bootstrap_servers: str, extra: dict | None = None) -> dict:
-    return {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "acks": "all",
-            "linger.ms": 20, **(extra or {})}
-
-
-def list_partitions(config: dict, topic: str, timeout: float = 30.0) -> list[int]:
-    """The partition numbers of ``topic``; raises ``ValueError`` naming the topic if missing."""
-    from confluent_kafka import Consumer
-
-    consumer = Consumer({**config, "group.id": config.get("group.id", "prefixrec-metadata")})
-    try:
-        metadata = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
-    finally:
-        consumer.close()
-    if metadata is None or metadata.error is not None or not metadata.partitions:
-        reason = metadata.error if metadata is not None else "no metadata"
-        raise ValueError(f"topic {topic!r} on {config['bootstrap.servers']}: cannot read its "
-                         f"partitions ({reason}); create the topic first")
-    return sorted(metadata.partitions)
-
-
 class MessageBatch:
-    """Message values read by one poll, with their Kafka timestamps (epoch milliseconds).
+    """Messages read by one poll: values, Kafka timestamps (epoch milliseconds), keys, and
+    where they were read (``topic``, ``partition``, one offset per message), so that a
+    rejected message's dead letter can say where it came from.
 
     One Beam element per poll instead of one per message: per-element overhead in the Python
     SDK (~50-100 us) would otherwise cost more than decoding. The element's own timestamp is
@@ -92,11 +73,29 @@ class MessageBatch:
     ``CompressWindows`` splits a batch by window before windowing.
     """
 
-    __slots__ = ("values", "timestamps_ms")
+    __slots__ = ("values", "timestamps_ms", "keys", "topic", "partition", "offsets")
 
-    def __init__(self, values: list[bytes], timestamps_ms: list[int]):
+    def __init__(self, values: list[bytes], timestamps_ms: list[int],
+                 keys: list | None = None, topic: str | None = None,
+                 partition: int | None = None, offsets: list | None = None):
         self.values = values
         self.timestamps_ms = timestamps_ms
+        self.keys = keys if keys is not None else [None] * len(values)
+        self.topic = topic
+        self.partition = partition
+        self.offsets = offsets if offsets is not None else [None] * len(values)
+
+    def take(self, indices) -> "MessageBatch":
+        """The messages at ``indices``, in that order."""
+        return MessageBatch([self.values[i] for i in indices],
+                            [self.timestamps_ms[i] for i in indices],
+                            [self.keys[i] for i in indices], self.topic, self.partition,
+                            [self.offsets[i] for i in indices])
+
+    def dead_letter(self, index: int, reason: str) -> kafka_messages.DeadLetter:
+        """The dead letter of message ``index``."""
+        return kafka_messages.DeadLetter(self.values[index], reason, self.keys[index],
+                                         self.topic, self.partition, self.offsets[index])
 
     def min_timestamp(self) -> Timestamp:
         return Timestamp(micros=min(self.timestamps_ms) * 1000)
@@ -108,7 +107,8 @@ class MessageBatch:
         return len(self.values)
 
     def __reduce__(self):
-        return MessageBatch, (self.values, self.timestamps_ms)
+        return MessageBatch, (self.values, self.timestamps_ms, self.keys, self.topic,
+                              self.partition, self.offsets)
 
 
 class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
@@ -128,9 +128,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         self._messages = beam.metrics.Metrics.counter(_METRICS, "messages_read")
 
     def setup(self):
-        from confluent_kafka import Consumer
-
-        self._consumer = Consumer(self._config)
+        self._consumer = kafka.consumer(self._config)
 
     def teardown(self):
         consumer = getattr(self, "_consumer", None)
@@ -140,13 +138,12 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
     # -- restrictions --
 
     def initial_restriction(self, element):
-        from confluent_kafka import Consumer, TopicPartition
-
         topic, partition = element
-        consumer = Consumer(self._config)
+        consumer = kafka.consumer(self._config)
         try:
-            committed = consumer.committed([TopicPartition(topic, partition)], timeout=30)[0]
-            low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+            committed = consumer.committed([kafka.TopicPartition(topic, partition)],
+                                           timeout=30)[0]
+            low, _ = consumer.get_watermark_offsets(kafka.TopicPartition(topic, partition),
                                                     timeout=30)
         finally:
             consumer.close()
@@ -167,9 +164,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
     # -- reading --
 
     def _end_offset(self, topic: str, partition: int) -> int:
-        from confluent_kafka import TopicPartition
-
-        return self._consumer.get_watermark_offsets(TopicPartition(topic, partition),
+        return self._consumer.get_watermark_offsets(kafka.TopicPartition(topic, partition),
                                                     timeout=30)[1]
 
     # Beam passes the bundle finalizer positionally: it must come before the tracker.
@@ -177,17 +172,15 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                 tracker=beam.DoFn.RestrictionParam(),
                 watermark=beam.DoFn.WatermarkEstimatorParam(
                     ManualWatermarkEstimator.default_provider())):
-        from confluent_kafka import TopicPartition
-
         topic, partition = element
         start = tracker.current_restriction().start
-        self._consumer.assign([TopicPartition(topic, partition, start)])
+        self._consumer.assign([kafka.TopicPartition(topic, partition, start)])
         end_at_start = self._end_offset(topic, partition) if self._bounded else None
         next_offset = start
         began = last_message = time.monotonic()
         try:
             while True:
-                values, stamps, last_offset = [], [], None
+                values, stamps, keys, offsets, last_offset = [], [], [], [], None
                 for msg in self._consumer.consume(_POLL_MESSAGES, timeout=_POLL_SECONDS):
                     if msg.error():
                         log.warning("kafka %s[%d]: %s", topic, partition, msg.error())
@@ -195,7 +188,9 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                     kind, ms = msg.timestamp()
                     values.append(msg.value())
                     stamps.append(ms if kind and ms >= 0 else int(time.time() * 1000))
+                    keys.append(msg.key())
                     last_offset = msg.offset()
+                    offsets.append(last_offset)
                 now = time.monotonic()
                 if values:
                     # Claiming the last offset claims the whole poll (offsets only increase).
@@ -204,7 +199,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                     next_offset = last_offset + 1
                     last_message = now
                     self._messages.inc(len(values))
-                    batch = MessageBatch(values, stamps)
+                    batch = MessageBatch(values, stamps, keys, topic, partition, offsets)
                     yield beam.window.TimestampedValue(batch, batch.min_timestamp())
                     _advance(watermark, batch.max_timestamp() - self._skew)
                 quiet = now - last_message
@@ -239,11 +234,9 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         config = self._config
 
         def commit():
-            from confluent_kafka import Consumer, TopicPartition
-
-            consumer = Consumer(config)
+            consumer = kafka.consumer(config)
             try:
-                consumer.commit(offsets=[TopicPartition(topic, partition, next_offset)],
+                consumer.commit(offsets=[kafka.TopicPartition(topic, partition, next_offset)],
                                 asynchronous=False)
             finally:
                 consumer.close()
@@ -286,7 +279,7 @@ class ReadKafkaPython(beam.PTransform):
         self._skew = max_out_of_orderness
 
     def expand(self, pbegin):
-        partitions = list_partitions(self._config, self._topic)
+        partitions = kafka.list_partitions(self._config, self._topic)
         fn_class = _ReadPartitionFn if self._bounded else _UnboundedReadPartitionFn
         fn = fn_class(self._config, self._bounded, self._idle_timeout, self._skew)
         return (pbegin
@@ -303,9 +296,7 @@ class _WriteFn(beam.DoFn):
         self._written = beam.metrics.Metrics.counter(_METRICS, f"messages_written.{topic}")
 
     def setup(self):
-        from confluent_kafka import Producer
-
-        self._producer = Producer(self._config)
+        self._producer = kafka.producer(self._config)
 
     def start_bundle(self):
         self._errors = []
@@ -363,13 +354,11 @@ class _CommitFn(beam.DoFn):
         self._config = config
 
     def process(self, _, offsets, acknowledged):
-        from confluent_kafka import Consumer, TopicPartition
-
         if not offsets:
             return
-        consumer = Consumer(self._config)
+        consumer = kafka.consumer(self._config)
         try:
-            consumer.commit(offsets=[TopicPartition(t, p, o) for t, p, o in offsets],
+            consumer.commit(offsets=[kafka.TopicPartition(t, p, o) for t, p, o in offsets],
                             asynchronous=False)
         finally:
             consumer.close()
@@ -410,7 +399,7 @@ def xlang_read(config: dict, topic: str, expansion_service: str | None = None):
     from apache_beam.io.kafka import ReadFromKafka
 
     kwargs = {"expansion_service": expansion_service} if expansion_service else {}
-    java_config = {k: str(v) for k, v in config.items()}
+    java_config = kafka.for_java(config)
 
     class _XlangRead(beam.PTransform):
         def expand(self, pbegin):
@@ -430,7 +419,7 @@ def xlang_write(config: dict, topic: str, expansion_service: str | None = None):
     from apache_beam.io.kafka import WriteToKafka
 
     kwargs = {"expansion_service": expansion_service} if expansion_service else {}
-    java_config = {k: str(v) for k, v in config.items()}
+    java_config = kafka.for_java(config)
 
     class _XlangWrite(beam.PTransform):
         def expand(self, records):
@@ -442,14 +431,3 @@ def xlang_write(config: dict, topic: str, expansion_service: str | None = None):
 
     return _XlangWrite()
 
-
-def parse_client_settings(settings: Iterable[str]) -> dict:
-    """``-X key=value`` settings as a librdkafka config dict (``kafka.`` prefix optional)."""
-    out = {}
-    for item in settings or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"-X {item!r}: expected key=value, e.g. -X "
-                             "security.protocol=SASL_SSL")
-        out[key.removeprefix("kafka.")] = value
-    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import textwrap
 import time
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 
 import compression
 import schemas
+from compression import cli, kafka
 
 _CONTROL = r"[\x00-\x1f]"
 
@@ -104,17 +106,19 @@ def iter_messages(paths: Iterable[str], schema: schemas.Schema, format: str | No
 
 def replay(schema: schemas.Schema, inputs, bootstrap_servers: str, topic: str,
            rate: float | None = None, limit: int | None = None, format: str | None = None,
-           producer_config: dict | None = None, progress: bool = False) -> dict:
+           producer_config: dict | None = None, progress: bool = False,
+           broker_timeout: float = kafka.DEFAULT_BROKER_TIMEOUT) -> dict:
     """Send every sample of the files to ``topic``; returns counts and the delivered offsets.
 
     ``rate`` caps the samples per second (None: as fast as the broker takes them).
+    ``producer_config``: the user's librdkafka settings (``-X``). Raises
+    ``compression.kafka.BrokerUnreachable`` when no broker answers within ``broker_timeout`` s.
     """
-    from confluent_kafka import Producer  # the only Kafka dependency; lazy for --help
-
-    config = {"bootstrap.servers": bootstrap_servers, "linger.ms": 20,
-              "enable.idempotence": True, "queue.buffering.max.messages": 500_000}
-    config.update(producer_config or {})
-    producer = Producer(config)
+    paths = compression.expand_paths(inputs)  # a missing input fails before the broker wait
+    config = kafka.producer_settings(bootstrap_servers, producer_config,
+                                     queue_buffering_max_messages=500_000)
+    kafka.check_reachable(config, broker_timeout)
+    producer = kafka.producer(config)
     errors: list[str] = []
     last_offsets: dict[int, int] = {}
 
@@ -128,7 +132,7 @@ def replay(schema: schemas.Schema, inputs, bootstrap_servers: str, topic: str,
     bar = _progress(limit, progress)
     sent = 0
     started = time.monotonic()
-    for keys, values in iter_messages(compression.expand_paths(inputs), schema, format, limit):
+    for keys, values in iter_messages(paths, schema, format, limit):
         for key, value in zip(keys.to_pylist(), values.to_pylist()):
             while True:
                 try:
@@ -173,23 +177,23 @@ def _progress(total, enabled):
     return tqdm(total=total, unit="samples", unit_scale=True, file=sys.stderr)
 
 
-def _kafka_option(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected kafka.key=value, got {text!r}")
-    return key, value
+PROG = "python -m pipelines.replay"
 
 
 def main(argv=None) -> int:
+    return cli.run_command(PROG, _main, argv)
+
+
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pipelines.replay",
+        prog=PROG,
         description=textwrap.fill(
             "Replay raw sample files (Parquet, CSV, JSON lines) into a Kafka topic as "
             "JSON, one sample per message, keyed by the root key."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m pipelines.replay --schema schemas/examples/taobao_like.yaml "
-               "--input 'raw/*.parquet' --bootstrap-servers localhost:9092 --topic samples "
-               "--rate 50000")
+        epilog=cli.epilog("python -m pipelines.replay --schema "
+                          "schemas/examples/taobao_like.yaml --input 'raw/*.parquet' "
+                          "--bootstrap-servers localhost:9092 --topic samples --rate 50000"))
     parser.add_argument("--schema", required=True, help="schema YAML")
     parser.add_argument("--input", required=True, help="raw files: path, directory or glob")
     parser.add_argument("--bootstrap-servers", required=True, help="Kafka HOST:PORT[,...]")
@@ -198,20 +202,18 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, help="stop after this many samples")
     parser.add_argument("--format", choices=["parquet", "csv", "json"],
                         help="input format (default: from the file extension)")
-    parser.add_argument("-X", dest="kafka", action="append", type=_kafka_option, default=[],
-                        metavar="KEY=VALUE", help="extra producer setting (repeatable), e.g. "
-                                                  "-X compression.type=lz4")
+    kafka.add_options(parser, clients="producer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.rate is not None and args.rate <= 0:
         parser.error(f"--rate must be positive, got {args.rate}")
     schema = schemas.load(args.schema)
-    try:
-        result = replay(schema, args.input, args.bootstrap_servers, args.topic, rate=args.rate,
-                        limit=args.limit, format=args.format, producer_config=dict(args.kafka),
-                        progress=not args.no_progress)
-    except FileNotFoundError as e:
-        parser.error(str(e))
+    result = replay(schema, args.input, args.bootstrap_servers, args.topic, rate=args.rate,
+                    limit=args.limit, format=args.format,
+                    producer_config=dict(args.kafka_options), progress=not args.no_progress,
+                    broker_timeout=args.broker_timeout)
     print(f"replayed {result['samples']:,} samples to {args.topic!r} in {result['seconds']} s "
           f"({result['samples_per_sec']:,} samples/s)", file=sys.stderr)
     print(json.dumps(result, sort_keys=True))

@@ -10,10 +10,12 @@ a tree table (``compression.decode_trees`` reads it), the message key the root k
 ``window_start`` and ``window_end`` (epoch milliseconds) and ``pane`` (``ON_TIME``, or
 ``LATE`` for samples that arrived after the window closed, when lateness is allowed). Messages
 of one key and window are additive: a late pane holds only the late samples. Malformed messages
-go to the dead-letter topic unchanged, with a ``reason`` header. Beam's Java writer (xlang)
-writes no headers, so the window start is also in the IPC schema metadata
-(``prefixrec.window_start_ms``), and with xlang a dead letter's value is a JSON object
-``{"reason": ..., "message": ...}``.
+(not JSON, not a valid sample, ``null``, empty, over ``--max-message-bytes``) go to the
+dead-letter topic unchanged, as ``compression.DeadLetter`` records: headers ``reason``,
+``source.topic``, ``source.partition``, ``source.offset``. Beam's Java writer (xlang) writes no
+headers, so the window start is also in the IPC schema metadata
+(``prefixrec.window_start_ms``), and with xlang a dead letter's value is its JSON form
+(``DeadLetter.json_value``: ``{"reason", "topic", "partition", "offset", "message"}``).
 
 The windowing and tree building is :class:`CompressWindows`, which does no IO. Late data:
 with ``--allowed-lateness-seconds 0`` (the default) samples behind the watermark are dropped by
@@ -49,6 +51,9 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 import compression
 import schemas
+from compression import cli, kafka
+from compression.messages import (DEFAULT_MAX_MESSAGE_BYTES, MESSAGE_INDEX, DeadLetter,
+                                  dead_letter_topic)
 from pipelines._runner import with_default_runner
 from pipelines import _coders  # noqa: F401  (registers the Arrow table coder)
 from pipelines import kafka_io
@@ -71,7 +76,8 @@ def _millis(t) -> int:
 
 
 class _SplitByWindowFn(beam.DoFn):
-    """Message batches -> lists of values that fall in one window, timestamped inside it.
+    """Message batches -> :class:`kafka_io.MessageBatch` parts that fall in one window,
+    timestamped inside it.
 
     A single ``bytes`` message keeps its element timestamp. A :class:`kafka_io.MessageBatch`
     is split by each message's own event time; a part's timestamp is its latest message's,
@@ -82,37 +88,40 @@ class _SplitByWindowFn(beam.DoFn):
         self._size_us = Duration(seconds=window_seconds).micros
 
     def process(self, element):
-        if isinstance(element, (bytes, bytearray)):
-            yield [bytes(element)]
+        if element is None or isinstance(element, (bytes, bytearray)):
+            value = None if element is None else bytes(element)
+            yield kafka_io.MessageBatch([value], [0])  # timestamps are not used past here
             return
         stamps = np.asarray(element.timestamps_ms, np.int64) * 1000
         window = stamps // self._size_us
         if len(window) and window.min() == window.max():
-            yield TimestampedValue(element.values, Timestamp(micros=int(stamps.max())))
+            yield TimestampedValue(element, Timestamp(micros=int(stamps.max())))
             return
         order = np.argsort(window, kind="stable")
         bounds = np.flatnonzero(np.diff(window[order])) + 1
-        values = element.values
         for part in np.split(order, bounds):
-            yield TimestampedValue([values[i] for i in part],
+            yield TimestampedValue(element.take(part.tolist()),
                                    Timestamp(micros=int(stamps[part].max())))
 
 
 @beam.typehints.with_output_types(Tuple[int, pa.Table])
 class _DecodeFn(beam.DoFn):
-    """Lists of JSON message values -> (shard, samples) tables, in the same window.
+    """Message batches -> (shard, samples) tables, in the same window.
 
-    Values are buffered per window until ``batch`` of them (or the bundle's end), so
-    ``pyarrow.json`` decodes many messages at once. Rejected messages go to the dead-letter
-    output as ``(None, value, (("reason", ...),))`` records.
+    Messages are buffered per window until ``batch`` of them (or the bundle's end), so the
+    native decoder takes many at once. Rejected messages go to the dead-letter output as
+    ``DeadLetter.record()``: ``(key, value, headers)`` with the reason and where the message
+    was read.
     """
 
     DEAD_LETTER = "dead_letter"
 
-    def __init__(self, schema_yaml: str, shards: int, batch: int):
+    def __init__(self, schema_yaml: str, shards: int, batch: int,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self._schema_yaml = schema_yaml
         self._shards = shards
         self._batch = batch
+        self._max_message_bytes = max_message_bytes
         self._good = beam.metrics.Metrics.counter(_METRICS, "samples_decoded")
         self._bad = beam.metrics.Metrics.counter(_METRICS, "messages_rejected")
 
@@ -122,27 +131,34 @@ class _DecodeFn(beam.DoFn):
     def start_bundle(self):
         self._buffers: dict = {}
 
-    def process(self, values, window=beam.DoFn.WindowParam):
-        buffer = self._buffers.setdefault(window, [])
-        buffer.extend(values)
-        if len(buffer) >= self._batch:
+    def process(self, batch, window=beam.DoFn.WindowParam):
+        buffer = self._buffers.setdefault(window, [[], 0])
+        buffer[0].append(batch)
+        buffer[1] += len(batch)
+        if buffer[1] >= self._batch:
             del self._buffers[window]
-            yield from self._decode(buffer, window)
+            yield from self._decode(buffer[0], window)
 
     def finish_bundle(self):
         buffers, self._buffers = self._buffers, {}
-        for window, buffer in buffers.items():
-            yield from self._decode(buffer, window)
+        for window, (batches, _) in buffers.items():
+            yield from self._decode(batches, window)
 
-    def _decode(self, values, window):
-        good, dead = compression.decode_json_samples(values, self._schema)
+    def _decode(self, batches, window):
+        values = [v for batch in batches for v in batch.values]
+        good, dead = compression.decode_json_samples(
+            values, self._schema, with_index=True, max_message_bytes=self._max_message_bytes)
+        good = good.drop_columns([MESSAGE_INDEX])
         self._good.inc(good.num_rows)
         if dead:
             self._bad.inc(len(dead))
         at = window.max_timestamp()
-        for value, reason in dead:
-            yield beam.pvalue.TaggedOutput(self.DEAD_LETTER, WindowedValue(
-                (None, value, (("reason", reason.encode()),)), at, [window]))
+        starts = np.cumsum([0] + [len(batch) for batch in batches])
+        for index, reason in dead:
+            b = int(np.searchsorted(starts, index, side="right")) - 1
+            letter = batches[b].dead_letter(index - int(starts[b]), reason)
+            yield beam.pvalue.TaggedOutput(self.DEAD_LETTER,
+                                           WindowedValue(letter.record(), at, [window]))
         for shard_rows in split_by_shard(good, self._schema, self._shards):
             yield WindowedValue(shard_rows, at, [window])
 
@@ -204,7 +220,8 @@ def _split_by_root_key(trees: pa.Table, schema: schemas.Schema):
 class CompressWindows(beam.PTransform):
     """Raw JSON samples -> Kafka-ready ``(key, value, headers)`` tree messages, one per root
     key and window pane; tagged output ``dead_letter``: rejected messages as
-    ``(None, value, (("reason", b"..."),))``.
+    ``compression.DeadLetter.record()`` (their key and value, headers ``reason`` and, for
+    messages read from Kafka, ``source.topic``, ``source.partition``, ``source.offset``).
 
     Input elements are either one message value (``bytes``, event time = the element's
     timestamp) or a :class:`kafka_io.MessageBatch` (each value with its own event time).
@@ -217,7 +234,8 @@ class CompressWindows(beam.PTransform):
 
     def __init__(self, schema_yaml: str, window_seconds: float,
                  allowed_lateness_seconds: float = 0, shards: int = DEFAULT_SHARDS,
-                 decode_batch: int = DEFAULT_DECODE_BATCH):
+                 decode_batch: int = DEFAULT_DECODE_BATCH,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         super().__init__()
         if window_seconds <= 0:
             raise ValueError(f"window_seconds: expected a positive duration, got "
@@ -227,6 +245,7 @@ class CompressWindows(beam.PTransform):
         self._lateness = allowed_lateness_seconds
         self._shards = shards
         self._decode_batch = decode_batch
+        self._max_message_bytes = max_message_bytes
 
     def expand(self, messages):
         values = messages | "SplitByWindow" >> beam.ParDo(
@@ -242,7 +261,8 @@ class CompressWindows(beam.PTransform):
                 beam.window.FixedWindows(self._window_seconds))
         decoded = (windowed
                    | "Decode" >> beam.ParDo(_DecodeFn(self._schema_yaml, self._shards,
-                                                      self._decode_batch))
+                                                      self._decode_batch,
+                                                      self._max_message_bytes))
                    .with_outputs(self.DEAD_LETTER, main="samples"))
         trees = (decoded.samples
                  | "GroupByShard" >> beam.GroupByKey()
@@ -260,9 +280,10 @@ def _parser() -> argparse.ArgumentParser:
             "without --runner the job runs locally on the FnApiRunner, where only "
             "--bounded runs produce output."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m pipelines.stream_compress "
-               "--schema schemas/examples/taobao_like.yaml --bootstrap-servers localhost:9092 "
-               "--input-topic raw --output-topic trees --window-seconds 60 --bounded")
+        epilog=cli.epilog("python -m pipelines.stream_compress "
+                          "--schema schemas/examples/taobao_like.yaml --bootstrap-servers "
+                          "localhost:9092 --input-topic raw --output-topic trees "
+                          "--window-seconds 60 --bounded"))
     p.add_argument("--schema", required=True, help="schema YAML file")
     p.add_argument("--bootstrap-servers", required=True, help="Kafka brokers, HOST:PORT[,...]")
     p.add_argument("--input-topic", required=True, help="topic of raw JSON samples")
@@ -296,28 +317,28 @@ def _parser() -> argparse.ArgumentParser:
                         "advances (default prefixrec-stream-compress)")
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                    help=f"tree-building parallelism per window (default {DEFAULT_SHARDS})")
-    p.add_argument("-X", dest="client_settings", action="append", default=[],
-                   metavar="KEY=VALUE",
-                   help="librdkafka setting for the consumer and producers, e.g. "
-                        "-X security.protocol=SASL_SSL (repeatable; a kafka. prefix is "
-                        "allowed)")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="larger messages go to the dead-letter topic "
+                        f"(default {DEFAULT_MAX_MESSAGE_BYTES})")
+    kafka.add_options(p)
+    cli.add_debug_flag(p)
     return p
 
 
 def _dead_letter_as_json(record):
-    """A dead letter for a writer without headers: the reason moves into the value."""
+    """A dead letter for a writer without headers: everything moves into the value."""
     key, value, headers = record
-    reason = dict(headers)["reason"].decode()
-    return key, json.dumps({"reason": reason,
-                            "message": value.decode("utf-8", "replace")}).encode(), ()
+    return key, DeadLetter.from_message(value, headers, key).json_value(), ()
 
 
 def build(p: beam.Pipeline, args, schema: schemas.Schema):
     """The job's graph on ``p``: read, CompressWindows, write trees and dead letters."""
-    extra = kafka_io.parse_client_settings(args.client_settings)
-    consumer = kafka_io.consumer_config(args.bootstrap_servers, args.group_id, extra)
-    producer = kafka_io.producer_config(args.bootstrap_servers, extra)
-    dead_topic = args.dead_letter_topic or f"{args.input_topic}.dlq"
+    options = dict(args.kafka_options)
+    consumer = kafka.consumer_settings(args.bootstrap_servers, args.group_id, options)
+    producer = kafka.producer_settings(args.bootstrap_servers, options)
+    dead_topic = dead_letter_topic(args.input_topic, args.dead_letter_topic)
+    if args.kafka_io == "python":  # the partitions are listed now, so the broker must answer
+        kafka.check_reachable(consumer, args.broker_timeout)
     if args.kafka_io == "xlang":
         values = p | "ReadKafka" >> kafka_io.xlang_read(consumer, args.input_topic,
                                                         args.expansion_service)
@@ -329,7 +350,8 @@ def build(p: beam.Pipeline, args, schema: schemas.Schema):
             max_out_of_orderness=args.max_out_of_orderness_seconds)
         values, offsets = read.values, read[kafka_io._ReadPartitionFn.OFFSETS]
     out = values | "Compress" >> CompressWindows(
-        schema.to_yaml(), args.window_seconds, args.allowed_lateness_seconds, args.shards)
+        schema.to_yaml(), args.window_seconds, args.allowed_lateness_seconds, args.shards,
+        max_message_bytes=args.max_message_bytes)
     if args.kafka_io == "xlang":
         out["trees"] | "WriteTrees" >> kafka_io.xlang_write(producer, args.output_topic,
                                                             args.expansion_service)
@@ -351,10 +373,13 @@ def run(argv=None) -> None:
     """Build and run the job; returns when it finishes (``--bounded``) or is cancelled."""
     args, beam_args = _parser().parse_known_args(argv)
     if args.kafka_io == "xlang" and args.bounded:
-        raise ValueError("--bounded works with --kafka-io python only; the Java reader "
-                         "(xlang) is for unbounded runs on Dataflow or Flink")
+        raise cli.UsageError("--bounded works with --kafka-io python only; the Java reader "
+                             "(xlang) is for unbounded runs on Dataflow or Flink")
     if args.shards < 1:
-        raise ValueError(f"--shards: expected a positive number, got {args.shards}")
+        raise cli.UsageError(f"--shards: expected a positive number, got {args.shards}")
+    if args.max_message_bytes < 1:
+        raise cli.UsageError(f"--max-message-bytes: expected a positive number, got "
+                             f"{args.max_message_bytes}")
     schema = schemas.load(args.schema)
     options = PipelineOptions(with_default_runner(beam_args))
     if not args.bounded:
@@ -379,16 +404,21 @@ def run(argv=None) -> None:
     log.info("finished in %.1f s", time.perf_counter() - started)
 
 
+PROG = "python -m pipelines.stream_compress"
+
+
 def main(argv=None) -> int:
+    return cli.run_command(PROG, _main, argv)
+
+
+def _main(argv) -> int:
     # force: importing Beam has already given the root logger a handler.
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     log.setLevel(logging.INFO)
     logging.getLogger("pipelines.kafka_io").setLevel(logging.INFO)
-    try:
-        run(argv)
-    except (ValueError, schemas.SchemaError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if "--debug" not in argv:
+        cli.hide_logged_tracebacks("apache_beam")  # the error is reported once, by run_command
+    run(argv)
     return 0
 
 

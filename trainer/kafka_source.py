@@ -6,8 +6,10 @@ writes a checkpoint holding :attr:`KafkaSampleSource.positions`, and only then c
 after a crash training resumes exactly after the last checkpointed sample: nothing is lost and
 nothing is trained twice relative to the restored model.
 
-Malformed messages (bad JSON, missing or mistyped fields, a wrong tree schema, oversized) go to
-the dead-letter topic with the reason in a ``reason`` header; they count as consumed.
+Malformed messages (bad JSON, ``null``, empty, missing or mistyped fields, a wrong tree schema,
+oversized) go to the dead-letter topic (``TOPIC.dlq`` unless given) as
+``compression.DeadLetter`` records: the message unchanged, headers ``reason``,
+``source.topic``, ``source.partition`` and ``source.offset``; they count as consumed.
 """
 
 from __future__ import annotations
@@ -18,17 +20,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 import compression
-from native.json_samples import DEFAULT_MAX_MESSAGE_BYTES  # one limit for both formats
+from compression import kafka
+from compression.kafka import KafkaError, KafkaException, TopicPartition
+from compression.messages import (DEFAULT_MAX_MESSAGE_BYTES,  # one limit for both formats
+                                  MESSAGE_INDEX, DeadLetter, dead_letter_topic,
+                                  decode_json_samples, oversized_reason)
 from schemas import Schema
-from trainer.json_decode import decode_json_samples
 
 log = logging.getLogger(__name__)
-
-# Consumers joining a group: short sessions so a restarted trainer rejoins quickly.
-GROUP_DEFAULTS = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
 
 
 @dataclass
@@ -46,7 +47,10 @@ class Polled:
 
 class KafkaSampleSource:
     """Consumes ``topic`` in group ``group``; ``format`` is ``json`` (one raw sample per
-    message) or ``trees`` (one Arrow IPC tree table per message, from the streaming job)."""
+    message) or ``trees`` (one Arrow IPC tree table per message, from the streaming job).
+
+    ``config``: the user's librdkafka settings (``-X``), for the consumer and the dead-letter
+    producer (see ``compression.kafka``)."""
 
     def __init__(self, schema: Schema, bootstrap_servers: str, topic: str, group: str,
                  format: str = "json", start_offsets: dict[int, int] | None = None,
@@ -57,7 +61,7 @@ class KafkaSampleSource:
         self.schema = schema
         self.topic = topic
         self.format = format
-        self.dlq_topic = dlq_topic if dlq_topic is not None else f"{topic}.dlq"
+        self.dlq_topic = dead_letter_topic(topic, dlq_topic)
         self.max_message_bytes = max_message_bytes
         self.start_offsets = {int(p): int(o) for p, o in (start_offsets or {}).items()}
         # partition -> next offset to train; starts at the restored checkpoint's offsets
@@ -69,16 +73,10 @@ class KafkaSampleSource:
         self.commits_in_flight = 0  # asynchronous commits not answered yet
         self._decode_tree = compression.TreeMessageDecoder(schema.tree_arrow_schema(),
                                                            schema.name)
-        settings = {"bootstrap.servers": bootstrap_servers, "group.id": group,
-                    "enable.auto.commit": False, "enable.auto.offset.store": False,
-                    "auto.offset.reset": "earliest", **GROUP_DEFAULTS,
-                    "on_commit": self._on_commit}
-        settings.update(config or {})
-        self.consumer = Consumer(settings)
-        self.producer = Producer({"bootstrap.servers": bootstrap_servers,
-                                  "enable.idempotence": True, "linger.ms": 5,
-                                  **{k: v for k, v in (config or {}).items()
-                                     if k.startswith(("security.", "sasl.", "ssl."))}})
+        self.consumer = kafka.consumer(kafka.consumer_settings(
+            bootstrap_servers, group, config, overrides={"on_commit": self._on_commit}))
+        self.producer = kafka.producer(kafka.producer_settings(bootstrap_servers, config,
+                                                               linger_ms=5))
         self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
     # -- group membership ----------------------------------------------------------------
@@ -125,8 +123,7 @@ class KafkaSampleSource:
             offsets.append(msg.offset())
             value = msg.value()
             if value is not None and len(value) > limit:
-                self._dead(msg, f"oversized: {len(value)} bytes, the limit is "
-                                f"{limit} (max_message_bytes)")
+                self._dead(msg, oversized_reason(len(value), limit))
                 polled.dead += 1
                 continue
             messages.append(msg)
@@ -148,12 +145,13 @@ class KafkaSampleSource:
         return polled
 
     def _decode_json_messages(self, messages, values, polled: Polled):
-        table, dead = decode_json_samples(values, self.schema, with_index=True)
+        table, dead = decode_json_samples(values, self.schema, with_index=True,
+                                          max_message_bytes=self.max_message_bytes)
         for index, reason in dead:
             self._dead(messages[index], reason)
         polled.dead += len(dead)
-        kept = table.column("__message").to_numpy()
-        polled.samples = table.drop_columns(["__message"])
+        kept = table.column(MESSAGE_INDEX).to_numpy()
+        polled.samples = table.drop_columns([MESSAGE_INDEX])
         polled.num_samples = polled.samples.num_rows
         polled.timestamps_ms = np.fromiter((m.timestamp()[1] for m in messages), np.int64,
                                            len(messages))[kept]
@@ -199,13 +197,12 @@ class KafkaSampleSource:
         return kept
 
     def _dead(self, msg, reason: str):
-        headers = [("reason", reason.encode()), ("source.topic", self.topic.encode()),
-                   ("source.partition", str(msg.partition()).encode()),
-                   ("source.offset", str(msg.offset()).encode())]
+        letter = DeadLetter(msg.value(), reason, msg.key(), self.topic, msg.partition(),
+                            msg.offset())
         while True:
             try:
-                self.producer.produce(self.dlq_topic, value=msg.value(), key=msg.key(),
-                                      headers=headers)
+                self.producer.produce(self.dlq_topic, value=letter.value, key=letter.key,
+                                      headers=list(letter.headers()))
                 break
             except BufferError:
                 self.producer.poll(0.1)

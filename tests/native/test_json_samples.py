@@ -3,7 +3,7 @@
 Values are checked against json.loads and an exact float32 rounding of the decimal text;
 hypothesis feeds it random and mutated bytes, which must never crash it and must either be
 rejected with a reason or decode to what json.loads reads. The comparison with the pyarrow
-path (compression.decode_json_samples) is in tests/trainer/test_json_decode.py.
+path (compression.decode_json_samples) is in tests/compression/test_messages.py.
 """
 import datetime as dt
 import json
@@ -503,7 +503,7 @@ def bits(x: float) -> int:
 
 def arrow_iso_micros(text: str):
     """Arrow's ParseTimestampISO8601 (unit us), written again in Python: the reference for the
-    fuzz test (tests/trainer/test_json_decode.py compares the decoder with pyarrow itself)."""
+    fuzz test (tests/compression/test_messages.py compares the decoder with pyarrow itself)."""
     s = text.encode("utf-8")
     n = len(s)
 

@@ -1,5 +1,5 @@
 """pipelines.replay against a real broker: every sample arrives once, as JSON that decodes back
-to the same row."""
+to the same row; the command's error path (an unreachable broker, bad -X options)."""
 
 import json
 import subprocess
@@ -67,7 +67,8 @@ def test_replay_command_with_limit_and_rate(kafka_broker, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pipelines.replay", "--schema", EXAMPLE, "--input",
          str(tmp_path / "raw.parquet"), "--bootstrap-servers", kafka_broker.bootstrap,
-         "--topic", topic, "--limit", "120", "--rate", "100000", "--no-progress"],
+         "--topic", topic, "--limit", "120", "--rate", "100000", "--no-progress",
+         "-X", "kafka.linger.ms=5", "-X", "client.id=replay-test"],
         capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["samples"] == 120
     assert len(kafka_broker.consume_all(topic)) == 120
@@ -82,3 +83,31 @@ def test_replay_refuses_a_bad_file_before_sending(kafka_broker, tmp_path):
                                                        r"'price'"):
         replay(schema, str(tmp_path / "bad.parquet"), kafka_broker.bootstrap, topic)
     assert kafka_broker.consume_all(topic, idle_seconds=1.0) == []
+
+
+def _replay_command(tmp_path, *argv):
+    pq.write_table(taobao_table(20, seed=6), tmp_path / "raw.parquet")
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.replay", "--schema", EXAMPLE, "--input",
+         str(tmp_path / "raw.parquet"), "--topic", "t", "--no-progress", *argv],
+        capture_output=True, text=True, timeout=120)
+
+
+def test_an_unreachable_broker_ends_the_replay_with_one_clear_line(tmp_path):
+    # librdkafka logged a %3|...|FAIL| line per connection attempt and the command never ended
+    out = _replay_command(tmp_path, "--bootstrap-servers", "127.0.0.1:1", "--broker-timeout",
+                          "2")
+    assert out.returncode == 1
+    assert "%3|" not in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "python -m pipelines.replay: error: no Kafka broker at 127.0.0.1:1 answered within 2 s "
+        "(Failed to get metadata: Local: Broker transport failure); check --bootstrap-servers "
+        "and that the broker is up, or wait longer with --broker-timeout SECONDS"]
+
+
+def test_a_malformed_x_option_is_a_usage_error(tmp_path):
+    out = _replay_command(tmp_path, "--bootstrap-servers", "127.0.0.1:1", "-X", "=5")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "python -m pipelines.replay: error: argument -X: -X '=5': expected key=value (or "
+        "kafka.key=value), e.g. -X security.protocol=SASL_SSL")

@@ -1,5 +1,6 @@
 """The streaming compression job: the IO-free windowing transform under TestStream, the JSON
-decoding, and the whole job --bounded against a real Kafka broker (Tansu)."""
+decoding and dead letters, the whole job --bounded against a real Kafka broker (Tansu), and the
+command's error path."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from apache_beam.transforms.window import TimestampedValue
 
 import compression
 import schemas
+from compression.messages import DeadLetter
 from pipelines import stream_compress as job
 from sample_data import row_multiset, taobao_table
 
@@ -119,17 +121,28 @@ def test_late_samples_within_the_allowed_lateness_come_in_a_late_pane():
         assert_that(out["trees"] | beam.Map(_canonical), equal_to(expected))
 
 
+LIMIT = 4000  # --max-message-bytes of these tests
+
+
 def _bad_messages() -> list[tuple[bytes, str]]:
     row = taobao_table(1, seed=5).to_pylist()[0]
     no_key = {k: v for k, v in row.items() if k != "user_id"}
+    oversized = json.dumps({**row, "pad": "x" * LIMIT}).encode()
     return [
-        (b"not json", "not a valid sample: not JSON (Expecting value: line 1 column 1 "
-                      "(char 0))"),
+        (b"not json", "not a valid sample: not JSON (invalid value at byte 0)"),
         (b"[1, 2]", "not a valid sample: expected a JSON object, got list"),
         (b"", "empty message; expected one JSON object"),
+        # pyarrow.json.read_json, the job's former decoder, crashed the worker on this one
+        (b"null", "not a valid sample: expected a JSON object, got null"),
+        (json.dumps(row).encode()[:-5], "not a valid sample: not JSON (the message ends too "
+                                        "early)"),
+        (b"\x00\xff\xfe\x80garbage\xc3", "not a valid sample: not JSON (expected a value at "
+                                         "byte 0)"),
+        (oversized, f"oversized: {len(oversized)} bytes, the limit is {LIMIT} "
+                    "(max_message_bytes)"),
         (json.dumps({**row, "user_id": "abc"}).encode(),
-         "not a valid sample: JSON parse error: Column(/user_id) changed from number to string "
-         "in row 0"),
+         "not a valid sample: field 'user_id': expected an integer (kind id, dtype int64), got "
+         "a string"),
         (json.dumps({**row, "extra": 1}).encode(),
          "not a valid sample: unexpected field(s) 'extra'; the schema has no such column"),
         (json.dumps(no_key).encode(),
@@ -147,7 +160,8 @@ def test_decoding_keeps_good_messages_and_gives_each_bad_one_its_reason():
     pretty = json.dumps(good.to_pylist()[0], indent=2).encode()  # newlines are whitespace
     bad = _bad_messages()
     mixed = messages[:20] + [m for m, _ in bad[:4]] + messages[20:] + [m for m, _ in bad[4:]]
-    table, dead = compression.decode_json_samples(mixed + [pretty], TAOBAO)
+    table, dead = compression.decode_json_samples(mixed + [pretty], TAOBAO,
+                                                  max_message_bytes=LIMIT)
     assert row_multiset(table) == row_multiset(pa.concat_tables([good, good.slice(0, 1)]))
     assert sorted(dead) == sorted(bad)
 
@@ -162,19 +176,22 @@ def test_malformed_messages_go_to_the_dead_letter_output():
                             + [TimestampedValue(m, 3.0) for m in good[15:]])
               .advance_watermark_to_infinity())
     with _streaming_pipeline() as p:
-        out = p | stream | job.CompressWindows(TAOBAO.to_yaml(), WINDOW, decode_batch=7)
-        assert_that(out["dead_letter"],
-                    equal_to([(None, m, (("reason", r.encode()),)) for m, r in bad]),
+        out = p | stream | job.CompressWindows(TAOBAO.to_yaml(), WINDOW, decode_batch=7,
+                                               max_message_bytes=LIMIT)
+        # messages that did not come from Kafka have no topic, partition or offset
+        assert_that(out["dead_letter"], equal_to([DeadLetter(m, r).record() for m, r in bad]),
                     label="dead letters")
         assert_that(out["trees"] | beam.FlatMap(lambda r: row_multiset(compression.flatten(
             compression.decode_trees(r[1]), TAOBAO))), equal_to(row_multiset(table)),
             label="good samples")
 
 
-def test_dead_letters_for_a_writer_without_headers_carry_the_reason_in_the_value():
-    key, value, headers = job._dead_letter_as_json((None, b"{oops\xff", (("reason", b"bad"),)))
-    assert key is None and headers == ()
-    assert json.loads(value) == {"reason": "bad", "message": "{oops\ufffd"}
+def test_dead_letters_for_a_writer_without_headers_carry_everything_in_the_value():
+    record = DeadLetter(b"{oops\xff", "bad", b"k", "raw", 1, 42).record()
+    key, value, headers = job._dead_letter_as_json(record)
+    assert key == b"k" and headers == ()
+    assert json.loads(value) == {"reason": "bad", "topic": "raw", "partition": 1, "offset": 42,
+                                 "message": "{oops\ufffd"}
 
 
 def test_root_key_bytes():
@@ -197,14 +214,17 @@ def test_bounded_job_against_kafka(kafka_broker):
         0, 500, table.num_rows)
     good = [(str(r["user_id"]).encode(), json.dumps(r).encode(), None, int(t))
             for r, t in zip(table.to_pylist(), times)]
-    bad = _bad_messages()
-    messages = good[:1000] + [(None, m, None, base_ms) for m, _ in bad] + good[1000:]
-    kafka_broker.produce(raw, messages)
+    bad = _bad_messages() + [(None, "empty message; expected one JSON object")]  # tombstone
+    # on partition 1, between good samples, each with its own key
+    messages = (good[:1000] + [(f"bad{i}".encode(), m, None, base_ms, 1)
+                               for i, (m, _) in enumerate(bad)] + good[1000:])
+    offsets = kafka_broker.produce(raw, messages)
 
     argv = ["--schema", TAOBAO_PATH, "--bootstrap-servers", kafka_broker.bootstrap,
             "--input-topic", raw, "--output-topic", trees_topic, "--dead-letter-topic", dlq,
             "--window-seconds", str(WINDOW), "--bounded", "--idle-timeout-seconds", "5",
-            "--group-id", f"job-{raw}", "--runner=FnApiRunner", "-X", "client.id=prefixrec-test"]
+            "--group-id", f"job-{raw}", "--runner=FnApiRunner", "-X", "client.id=prefixrec-test",
+            "-X", "kafka.fetch.wait.max.ms=100", "--max-message-bytes", str(LIMIT)]
     job.run(argv)
 
     out = kafka_broker.consume_all(trees_topic, idle_seconds=2)
@@ -226,9 +246,11 @@ def test_bounded_job_against_kafka(kafka_broker):
                                                     (times // (WINDOW * 1000)).tolist())})
     assert len(windows) >= 3
 
-    dead = kafka_broker.consume_all(dlq, idle_seconds=1)
-    assert sorted((m.value() or b"", dict(m.headers())["reason"].decode()) for m in dead) == \
-        sorted(bad)
+    dead = [DeadLetter.from_message(m.value(), m.headers(), m.key())
+            for m in kafka_broker.consume_all(dlq, idle_seconds=1)]
+    expected = [DeadLetter(m, r, f"bad{i}".encode(), raw, 1, offsets[1000 + i])
+                for i, (m, r) in enumerate(bad)]
+    assert sorted(dead, key=lambda d: d.offset) == expected  # a null value stays null
 
     # offsets were committed: a second bounded run finds nothing new and writes nothing
     job.run(argv[:argv.index("--idle-timeout-seconds")] + ["--idle-timeout-seconds", "1"]
@@ -250,3 +272,35 @@ def test_xlang_cannot_be_bounded():
         job.run(["--schema", TAOBAO_PATH, "--bootstrap-servers", "127.0.0.1:1",
                  "--input-topic", "a", "--output-topic", "b", "--kafka-io", "xlang",
                  "--bounded"])
+
+
+def _command(*argv):
+    return subprocess.run([sys.executable, "-m", "pipelines.stream_compress", *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_an_unreachable_broker_ends_the_job_with_one_clear_line():
+    out = _command("--schema", TAOBAO_PATH, "--bootstrap-servers", "127.0.0.1:1",
+                   "--input-topic", "a", "--output-topic", "b", "--bounded",
+                   "--broker-timeout", "2")
+    assert out.returncode == 1
+    assert "%3|" not in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "python -m pipelines.stream_compress: error: no Kafka broker at 127.0.0.1:1 answered "
+        "within 2 s (Failed to get metadata: Local: Broker transport failure); check "
+        "--bootstrap-servers and that the broker is up, or wait longer with --broker-timeout "
+        "SECONDS"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-X", "security.protocol"], "argument -X: -X 'security.protocol': expected key=value (or "
+                                  "kafka.key=value), e.g. -X security.protocol=SASL_SSL"),
+    (["--shards", "0"], "--shards: expected a positive number, got 0"),
+    (["--kafka-io", "xlang", "--bounded"], "--bounded works with --kafka-io python only"),
+])
+def test_usage_errors_give_one_line_and_exit_code_2(argv, message):
+    out = _command("--schema", TAOBAO_PATH, "--bootstrap-servers", "127.0.0.1:1",
+                   "--input-topic", "a", "--output-topic", "b", *argv)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr

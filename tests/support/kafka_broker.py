@@ -7,11 +7,17 @@
 Memory storage, a free port, killed on exit. Tansu 0.6.0 reports a wrong high watermark (the
 base offset of the last record batch + 1): read until idle or use delivery-report offsets, never
 ``get_watermark_offsets``, to know where a partition ends.
+
+Tansu holds a consumer's first group join for half its session timeout (librdkafka's default
+45 s: a 23 s join). While the broker runs, ``PREFIXREC_KAFKA_OPTIONS`` (read by every client
+that ``compression.kafka`` builds, in this process and in the commands tests start) gives
+group consumers a 6 s session instead. This is a test-broker setting, not a production default.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 import uuid
@@ -20,10 +26,26 @@ from typing import Iterator
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from compression import kafka
 from pipelines import local_broker
 
 # Consumers that join a group need these, or Tansu's first join takes ~23 s.
 GROUP_SETTINGS = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
+
+
+@contextlib.contextmanager
+def group_settings_for_tansu() -> Iterator[None]:
+    """Give every prefixrec Kafka client GROUP_SETTINGS (through the environment) meanwhile."""
+    previous = os.environ.get(kafka.ENV_OPTIONS)
+    os.environ[kafka.ENV_OPTIONS] = " ".join(
+        [previous or ""] + [f"{k}={v}" for k, v in GROUP_SETTINGS.items()]).strip()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(kafka.ENV_OPTIONS, None)
+        else:
+            os.environ[kafka.ENV_OPTIONS] = previous
 
 
 class KafkaBroker:
@@ -120,7 +142,8 @@ class KafkaBroker:
 @contextlib.contextmanager
 def tansu_broker(start_timeout: float = 30.0) -> Iterator[KafkaBroker]:
     """Start Tansu on a free loopback port (memory storage), yield it, and kill it on exit."""
-    with local_broker.tansu(start_timeout=start_timeout) as (bootstrap, process, log_path):
+    with local_broker.tansu(start_timeout=start_timeout) as (bootstrap, process, log_path), \
+            group_settings_for_tansu():
         broker = KafkaBroker(bootstrap, process, log_path)
         try:
             broker.admin.list_topics(timeout=start_timeout)
