@@ -225,7 +225,12 @@ class EmbeddingStore:
     # -- persistence -----------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Writes a full snapshot to ``directory/store.snapshot`` atomically; returns its path."""
+        """Writes a full snapshot to ``directory/store.snapshot`` atomically; returns its path.
+
+        A crash at any moment leaves the previous snapshot or the complete new one (crash
+        points ``store.snapshot.written``, ``.synced``, ``.renamed``: see
+        :mod:`native.crash_points`). ``load`` refuses any damaged or cut-short file with
+        CorruptFileError naming it."""
         directory = os.fspath(directory)
         self._native.save(directory)
         return os.path.join(directory, "store.snapshot")
@@ -246,7 +251,10 @@ class EmbeddingStore:
 
     def export_delta(self, directory: str | os.PathLike) -> str:
         """Writes ``directory/delta-NNNNNN.bin`` with the rows admitted or changed since the
-        previous delta and tombstones for rows removed since then; returns its path."""
+        previous delta and tombstones for rows removed since then; returns its path.
+
+        Written like a snapshot (crash points ``store.delta.written``, ``.synced``,
+        ``.renamed``); the delta sequence advances only once the file is in place."""
         path, _ = self._native.export_delta(os.fspath(directory))
         return path
 

@@ -16,13 +16,21 @@ complete one, ordered by (step, revision): normally the one LATEST names; after 
 the rename and the LATEST update, the new one, which is complete too. Leftover temporary
 directories are removed on the next start.
 
-Tests may set ``PREFIXREC_CHECKPOINT_CRASH`` to a point of :meth:`CheckpointManager.save`
-(``written``, ``renamed``, ``pointed``, ``removing``; ``POINT:again`` only when the step was
-saved before): the process then dies there with ``os._exit(CRASH_EXIT_CODE)``, as if killed.
+Damage is refused, never restored from: ``state.json`` carries the sha256 of its own contents
+(``checksum``), and what ``write`` puts in a checkpoint checks itself (``Trainer.save``'s
+``trainer.json`` carries the sha256 of itself and of ``dense.npz``; store snapshots have their
+own checksum). A damaged file raises :class:`CheckpointDamagedError` naming it; the operator
+removes that checkpoint to resume from the previous one. Files written before checksums
+existed (no ``checksum``) are read as they are.
+
+Each step of :meth:`CheckpointManager.save` is a crash point (``checkpoint.written``,
+``checkpoint.renamed``, ``checkpoint.latest``, ``checkpoint.removing``, each also with
+``.same-step`` in a save of a step saved before): see :mod:`native.crash_points`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,10 +39,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from native.crash_points import crash_point
+
 STATE_FILE = "state.json"
 LATEST_FILE = "LATEST"
-CRASH_ENV = "PREFIXREC_CHECKPOINT_CRASH"
-CRASH_EXIT_CODE = 86
+CHECKSUM_KEY = "checksum"
 _NAME = re.compile(r"^ckpt-(\d{10,})(?:-(\d+))?$")
 
 
@@ -57,9 +66,67 @@ def _order(name: str) -> tuple[int, int] | None:
 
 
 def _crash_point(point: str, again: bool) -> None:
-    wanted = os.environ.get(CRASH_ENV)
-    if wanted and wanted in (point, f"{point}:again" if again else None):
-        os._exit(CRASH_EXIT_CODE)
+    crash_point(f"checkpoint.{point}")
+    if again:
+        crash_point(f"checkpoint.{point}.same-step")
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint file is damaged: cut short, unparsable, or not what its checksum says.
+    The message names the file."""
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of the file ``path``, as hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _json_sha256(value: dict) -> str:
+    """The sha256 of ``value``'s canonical JSON: the same for every way of writing it."""
+    value = json.loads(json.dumps(value))  # as read back: int keys become strings, tuples lists
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def sealed(value: dict) -> dict:
+    """``value`` plus ``checksum``, the sha256 of its canonical JSON (see :func:`unsealed`)."""
+    return {**value, CHECKSUM_KEY: _json_sha256(value)}
+
+
+def read_json(path: str) -> dict:
+    """The JSON object in the file ``path``; CheckpointDamagedError naming it when the bytes
+    are not one (cut short, flipped bytes). A missing file raises FileNotFoundError."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointDamagedError(f"{path}: damaged checkpoint file, not valid JSON "
+                                     f"({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointDamagedError(f"{path}: damaged checkpoint file, expected a JSON "
+                                     f"object, found {type(value).__name__}")
+    return value
+
+
+def unsealed(path: str, value: dict, required: bool = True) -> dict:
+    """``value`` (read from ``path``) without its ``checksum``, after checking it: a value
+    without one is accepted only when not ``required`` (written before checksums existed)."""
+    value = dict(value)
+    stored = value.pop(CHECKSUM_KEY, None)
+    if stored is None:
+        if required:
+            raise CheckpointDamagedError(f"{path}: damaged checkpoint file, its checksum is "
+                                         "missing")
+        return value
+    if stored != _json_sha256(value):
+        raise CheckpointDamagedError(f"{path}: damaged checkpoint file, its contents do not "
+                                     "match its checksum")
+    return value
 
 
 class CheckpointManager:
@@ -100,11 +167,18 @@ class CheckpointManager:
         out = []
         for name in self._names():
             path = os.path.join(self.directory, name)
+            state_path = os.path.join(path, STATE_FILE)
+            # Checkpoints are complete when named: one that cannot be read was damaged after.
             try:
-                with open(os.path.join(path, STATE_FILE)) as f:
-                    out.append(Checkpoint(path, json.load(f)))
-            except (OSError, ValueError):
-                continue  # not a checkpoint this class wrote (they are complete when named)
+                state = unsealed(state_path, read_json(state_path), required=False)
+            except OSError as e:
+                raise CheckpointDamagedError(
+                    f"{state_path}: damaged checkpoint, cannot read its state ({e}); remove "
+                    f"{path} to resume from the previous checkpoint") from None
+            except CheckpointDamagedError as e:
+                raise CheckpointDamagedError(
+                    f"{e}; remove {path} to resume from the previous checkpoint") from None
+            out.append(Checkpoint(path, state))
         return out
 
     def save(self, write: Callable[[str], None], state: dict) -> Checkpoint:
@@ -121,7 +195,7 @@ class CheckpointManager:
         try:
             write(tmp)
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump(state, f, indent=2, sort_keys=True)
+                json.dump(sealed(state), f, indent=2, sort_keys=True)
             _fsync_tree(tmp)
             _crash_point("written", again)
             os.rename(tmp, final)  # a new name: nothing is replaced
@@ -137,7 +211,7 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(pointer, os.path.join(self.directory, LATEST_FILE))
         _fsync_dir(self.directory)
-        _crash_point("pointed", again)
+        _crash_point("latest", again)
         self._prune(keep_name=name, again=again)
         return Checkpoint(final, state)
 

@@ -57,6 +57,9 @@ import tensorflow as tf
 
 import compression
 import schemas
+from compression import kafka
+from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
+from native.crash_points import crash_point
 from trainer import models as models_lib
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
@@ -489,7 +492,9 @@ class OnlineTrainer:
         training thread with it (the reader too: they share the lock). The last one of a run
         waits for the broker's answer, so Kafka holds the final offsets when the run ends."""
         with self._lock:
+            crash_point("offsets.commit")  # see native.crash_points
             self.source.commit(positions, asynchronous=not wait)
+            crash_point("offsets.committed")
 
     def export(self):
         """Export store deltas (upserts and tombstones) and the dense weights for serving."""
@@ -603,13 +608,6 @@ def _metric(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def _kafka_option(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected kafka.key=value, got {text!r}")
-    return key, value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.online",
@@ -659,8 +657,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="samples polled, compressed into trees and trained as one unit "
                              "when the topic has them (more of a user's samples share one "
                              f"tree; default {DEFAULT_UNIT_BATCHES} batches)")
-    parser.add_argument("-X", dest="kafka", action="append", type=_kafka_option, default=[],
-                        metavar="KEY=VALUE", help="extra consumer setting (repeatable)")
+    parser.add_argument("--dead-letter-topic",
+                        help="topic for malformed messages (default: TOPIC.dlq)")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="larger messages go to the dead-letter topic "
+                             f"(default {DEFAULT_MAX_MESSAGE_BYTES})")
+    kafka.add_options(parser, clients="consumer and the dead-letter producer")
     return parser
 
 
@@ -671,7 +673,15 @@ def run(argv=None) -> dict:
         parser.error(f"--reader-nice: expected 0 to 19, got {args.reader_nice}")
     if args.unit_samples is not None and args.unit_samples < 1:
         parser.error(f"--unit-samples: expected at least 1, got {args.unit_samples}")
+    if args.max_message_bytes < 1:
+        parser.error(f"--max-message-bytes: expected at least 1, got {args.max_message_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    options = dict(args.kafka_options)
+    try:  # at start only: once running, the trainer retries through outages
+        kafka.check_reachable(kafka.consumer_settings(args.bootstrap_servers, args.group,
+                                                      options), args.broker_timeout)
+    except kafka.BrokerUnreachable as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
     try:
@@ -690,7 +700,8 @@ def run(argv=None) -> dict:
         parser.error(str(e))
     source = KafkaSampleSource(schema, args.bootstrap_servers, args.topic, args.group,
                                format=args.format, start_offsets=offsets,
-                               config=dict(args.kafka))
+                               dlq_topic=args.dead_letter_topic, config=options,
+                               max_message_bytes=args.max_message_bytes)
     online = OnlineTrainer(schema, trainer, source, checkpoints,
                            checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
                            export_every=args.export_every, max_samples=args.max_samples,

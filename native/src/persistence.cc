@@ -7,18 +7,24 @@
 // update count, u32 flags, int64 last step, double last time; rows padded to 8 bytes) are still
 // read, converting every row as it is loaded. Files are written to a temporary name in
 // the target directory, fsynced, renamed into place and the directory fsynced, so a reader sees
-// either the old file or the complete new one.
+// either the old file or the complete new one; a temporary file a crash left behind is removed
+// by the next write of the same file. Each of those steps is a crash point (see
+// native/crash_points.py, which lists every point of the project).
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
+#include <utility>
 
 #include "internal/hash.h"
 #include "internal/parallel.h"
@@ -75,11 +81,62 @@ void MakeDirectory(const std::string& dir) {
   if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) IoError("cannot create directory", dir);
 }
 
-// Buffered writer to a temporary file that becomes `path` on Commit().
+// PREFIXREC_CRASH_POINT=<name>[:<n>] (read once): the n-th arrival (default the first) at the
+// crash point `name` ends the process with _exit(86), as if it were killed there. The names and
+// their meaning are listed in native/crash_points.py.
+constexpr int kCrashExitCode = 86;
+
+void CrashPoint(const std::string& name) {
+  struct Wanted {
+    std::string name;
+    uint64_t n = 0;  // 0: no crash point asked for
+  };
+  static const Wanted wanted = [] {
+    Wanted w;
+    const char* text = std::getenv("PREFIXREC_CRASH_POINT");
+    if (text == nullptr || *text == '\0') return w;
+    std::string value(text);
+    size_t colon = value.find(':');
+    w.name = value.substr(0, colon);
+    w.n = 1;
+    if (colon != std::string::npos) {
+      char* end = nullptr;
+      unsigned long long n = std::strtoull(value.c_str() + colon + 1, &end, 10);
+      w.n = (end != nullptr && *end == '\0' && end != value.c_str() + colon + 1) ? n : 0;
+    }
+    return w;
+  }();
+  static std::atomic<uint64_t> hits{0};
+  if (wanted.n == 0 || name != wanted.name) return;
+  if (hits.fetch_add(1) + 1 == wanted.n) _exit(kCrashExitCode);
+}
+
+// Removes `<name>.tmp.<pid>` files a crashed writer of `path` left in its directory.
+void RemoveStaleTemps(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".tmp.";
+  DIR* handle = opendir(dir.c_str());
+  if (handle == nullptr) return;  // the open of the new temporary file reports why
+  while (const dirent* entry = readdir(handle)) {
+    std::string name = entry->d_name;
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    if (name.find_first_not_of("0123456789", prefix.size()) != std::string::npos) continue;
+    unlink((dir + "/" + name).c_str());  // best effort: a leftover is only wasted space
+  }
+  closedir(handle);
+}
+
+// Buffered writer to a temporary file that becomes `path` on Commit(). `crash_prefix` names its
+// crash points (`<prefix>.written`, `.synced`, `.renamed`).
 class FileWriter {
  public:
-  explicit FileWriter(const std::string& path)
-      : path_(path), temp_(path + ".tmp." + std::to_string(getpid())), buffer_(1 << 20) {
+  FileWriter(const std::string& path, std::string crash_prefix)
+      : path_(path),
+        temp_(path + ".tmp." + std::to_string(getpid())),
+        crash_prefix_(std::move(crash_prefix)),
+        buffer_(1 << 20) {
+    RemoveStaleTemps(path);
     fd_ = open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) IoError("cannot create", temp_);
   }
@@ -113,7 +170,9 @@ class FileWriter {
     Flush();
     WriteAll(reinterpret_cast<const uint8_t*>(&digest), 8);
     WriteAll(reinterpret_cast<const uint8_t*>(kEndMagic), 8);
+    CrashPoint(crash_prefix_ + ".written");
     if (fsync(fd_) != 0) IoError("cannot fsync", temp_);
+    CrashPoint(crash_prefix_ + ".synced");
     if (close(fd_) != 0) {
       fd_ = -1;
       unlink(temp_.c_str());
@@ -124,6 +183,7 @@ class FileWriter {
       unlink(temp_.c_str());
       IoError("cannot rename into", path_);
     }
+    CrashPoint(crash_prefix_ + ".renamed");
     std::string dir = path_.substr(0, path_.find_last_of('/'));
     int dir_fd = open(dir.empty() ? "/" : dir.c_str(), O_RDONLY | O_CLOEXEC);
     if (dir_fd >= 0) {
@@ -151,7 +211,7 @@ class FileWriter {
     }
   }
 
-  std::string path_, temp_;
+  std::string path_, temp_, crash_prefix_;
   int fd_ = -1;
   std::vector<uint8_t> buffer_;
   size_t used_ = 0;
@@ -387,7 +447,7 @@ uint64_t EmbeddingStore::Save(const std::string& dir) const {
   const Impl& s = *impl_;
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
   MakeDirectory(dir);
-  FileWriter w(SnapshotPath(dir));
+  FileWriter w(SnapshotPath(dir), "store.snapshot");
   w.Write(kSnapshotMagic, 8);
   w.Put<uint32_t>(kSnapshotVersion);
   w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
@@ -527,7 +587,7 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
   // What this delta took from each shard, to put back if writing fails.
   std::vector<std::vector<int64_t>> taken_rows(s.shards.size()), taken_tombstones(s.shards.size());
   try {
-    FileWriter w(path);
+    FileWriter w(path, "store.delta");
     w.Write(kDeltaMagic, 8);
     w.Put<uint32_t>(kDeltaVersion);
     w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));

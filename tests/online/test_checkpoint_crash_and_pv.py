@@ -19,7 +19,9 @@ import compression
 import native
 import schemas
 from trainer import models
-from trainer.checkpoints import CRASH_ENV, CRASH_EXIT_CODE, LATEST_FILE, CheckpointManager
+from native.crash_points import ENV as CRASH_ENV
+from native.crash_points import EXIT_CODE as CRASH_EXIT_CODE
+from trainer.checkpoints import LATEST_FILE, CheckpointManager
 from trainer.config import TrainConfig
 from trainer.kafka_source import KafkaSampleSource, group_id
 from trainer.metrics import auc, logloss
@@ -61,15 +63,16 @@ def _payload(checkpoint):
 @pytest.mark.parametrize("point, survivor", [
     ("written", "first"),    # the new one complete but still a temporary directory
     ("renamed", "second"),   # the new one in place, LATEST still names the old one
-    ("pointed", "second"),   # LATEST names the new one, the old one not removed yet
+    ("latest", "second"),    # LATEST names the new one, the old one not removed yet
     ("removing", "second"),  # the old one renamed away, half removed
 ])
 def test_a_crash_anywhere_in_saving_the_same_step_again_leaves_a_checkpoint(tmp_path, point,
                                                                             survivor):
     run_dir = str(tmp_path / "run")
-    # ":again": only in the second save (the same step), as the online loop's
+    # ".same-step": only in the second save (the same step), as the online loop's
     child = subprocess.run([sys.executable, "-c", _CHILD, run_dir], capture_output=True,
-                           text=True, timeout=120, env={**os.environ, CRASH_ENV: f"{point}:again"})
+                           text=True, timeout=120,
+                           env={**os.environ, CRASH_ENV: f"checkpoint.{point}.same-step"})
     assert child.returncode == CRASH_EXIT_CODE, child.stderr  # killed where asked
     manager = CheckpointManager(run_dir)  # the next start: cleans up, then restores
     latest = manager.latest()
@@ -147,7 +150,7 @@ def test_online_checkpoints_only_changes_and_resumes_from_a_crash_in_a_same_step
     command = _online(files, kafka_broker, topic, "g-same-step", run_dir,
                       "--checkpoint-every", "0.1", "--report-every", "0.2")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, CRASH_ENV: "renamed:again"})
+                               text=True, env={**os.environ, CRASH_ENV: "checkpoint.renamed.same-step"})
     manager = CheckpointManager(run_dir)
 
     def covering_all():

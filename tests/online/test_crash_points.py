@@ -1,0 +1,144 @@
+"""An online trainer killed at the crash points of its checkpoint and its Kafka offset commit,
+one run after another on the same topic, then restarted: every sample is trained exactly once
+in the model that comes out, Kafka's committed offsets never run ahead of a checkpoint, and an
+idle run writes no checkpoint at all."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from confluent_kafka import Consumer, TopicPartition
+
+import native
+from native import crash_points
+from trainer.checkpoints import LATEST_FILE, CheckpointManager
+
+SCHEMA = {"name": "crash_test", "labels": ["click"], "layers": [
+    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"}]},
+    {"name": "sample", "key": ["sid"], "features": [{"name": "sid", "kind": "id"}]}]}
+CONFIG = {"batch_size": 100, "seed": 7, "threads": 1,
+          "embedding": {"dim": 2, "optimizer": {"name": "adagrad", "lr": 0.3}}}
+SAMPLES = 1000
+PER_RUN = 200  # samples each killed run trains (about two units of 100) before it checkpoints
+
+
+def _sample(sid):
+    value = {"uid": sid % 37, "sid": sid, "click": float(sid % 3 == 0)}
+    return str(sid % 37).encode(), json.dumps(value).encode()
+
+
+def _committed(broker, topic, group):
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+    try:
+        offset = consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
+    finally:
+        consumer.close()
+    return offset if offset >= 0 else None
+
+
+def _listing(run_dir):
+    directory = os.path.join(run_dir, "checkpoints")
+    with open(os.path.join(directory, LATEST_FILE)) as f:
+        latest = f.read()
+    return sorted(os.listdir(directory)), latest, {
+        n: os.stat(os.path.join(directory, n, "state.json")).st_mtime_ns
+        for n in os.listdir(directory) if n.startswith("ckpt-")}
+
+
+# (crash point, whether the run's checkpoint is the one restored after it, whether Kafka holds
+# its offsets): each run starts from the checkpoint the previous one left and trains PER_RUN.
+STEPS = [
+    # the checkpoint is durable, the commit not sent: Kafka lags, the checkpoint rules
+    ("offsets.commit", True, False),
+    # the commit answered, then killed: both agree
+    ("offsets.committed", True, True),
+    # killed inside Trainer.save, the second table's snapshot in place, the checkpoint not
+    # named yet: the run's samples are trained again
+    ("store.snapshot.renamed:2", False, False),
+    # LATEST names the new checkpoint, older ones not pruned yet: it is restored, uncommitted
+    ("checkpoint.latest", True, False),
+]
+
+
+def test_killed_at_every_point_of_a_checkpoint_and_commit_nothing_is_lost_or_repeated(
+        kafka_broker, tmp_path):
+    topic = kafka_broker.create_topic()
+    kafka_broker.produce(topic, [_sample(i) for i in range(SAMPLES)])
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(SCHEMA))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    run_dir = str(tmp_path / "run")
+    group = "g-crash-points"
+    command = [sys.executable, "-m", "trainer.online", "--schema", str(tmp_path / "schema.yaml"),
+               "--config", str(tmp_path / "config.yaml"), "--bootstrap-servers",
+               kafka_broker.bootstrap, "--topic", topic, "--group", group, "--run-dir", run_dir,
+               "--unit-samples", "100", "--report-every", "100", "-X",
+               "max.poll.interval.ms=8000"]
+    env = {k: v for k, v in os.environ.items() if k != crash_points.ENV}
+
+    restored, committed = 0, None  # the offset the next run starts from; Kafka's
+    for point, checkpointed, commits in STEPS:
+        # only the final checkpoint of the run (--checkpoint-every is longer than the run)
+        child = subprocess.run(command + ["--max-samples", str(PER_RUN),
+                                          "--checkpoint-every", "600"],
+                               env={**env, crash_points.ENV: point}, capture_output=True,
+                               text=True, timeout=300)
+        assert child.returncode == crash_points.EXIT_CODE, (point, child.stderr[-3000:])
+        latest = CheckpointManager(run_dir).latest()
+        offset = latest.state["offsets"]["0"]
+        assert (offset > restored) if checkpointed else (offset == restored), (point, offset)
+        assert latest.state["samples"] == offset, point  # each sample before it trained once
+        restored = offset
+        committed = offset if commits else committed
+        assert _committed(kafka_broker, topic, group) == committed, point
+    assert 0 < restored < SAMPLES
+
+    # restarted without a crash point: it trains the rest and stops when the topic is idle
+    final = subprocess.run(command + ["--idle-exit", "2", "--checkpoint-every", "0.2"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    summary = json.loads(final.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == SAMPLES - restored and summary["offsets"] == {"0": SAMPLES}
+    latest = CheckpointManager(run_dir).latest()
+    assert latest.state["offsets"] == {"0": SAMPLES} and latest.state["samples"] == SAMPLES
+    rows = native.EmbeddingStore.load(
+        os.path.join(latest.path, "model", "stores", "sid")).to_numpy()
+    assert sorted(rows["ids"].tolist()) == list(range(SAMPLES))  # nothing lost
+    assert set(rows["update_counts"].tolist()) == {1}            # nothing trained twice
+    assert _committed(kafka_broker, topic, group) == SAMPLES
+
+    # nothing new: a run that trains nothing writes no checkpoint, not even its final one
+    before = _listing(run_dir)
+    idle = subprocess.run(command + ["--idle-exit", "1", "--checkpoint-every", "0.1"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert idle.returncode == 0, idle.stderr[-3000:]
+    summary = json.loads(idle.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 0 and summary["checkpoints"] == 0
+    assert _listing(run_dir) == before
+
+
+@pytest.mark.parametrize("point", ["checkpoint.written", "checkpoint.renamed",
+                                   "checkpoint.latest", "checkpoint.removing"])
+def test_every_checkpoint_point_leaves_one_complete_checkpoint(tmp_path, point):
+    """The manager alone, the n-th save killed: the newest complete checkpoint is the last
+    save that got its name, and the next start cleans up and carries on."""
+    script = ("import os, sys\nfrom trainer.checkpoints import CheckpointManager\n"
+              "m = CheckpointManager(sys.argv[1], keep=2)\n"
+              "for step in (1, 2, 3):\n"
+              "    m.save(lambda d, s=step: open(os.path.join(d, 'w'), 'w').write(str(s)),"
+              " {'step': step})\n")
+    run_dir = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k != crash_points.ENV}
+    # removing happens from the third save on (keep=2): its first hit is in save 3
+    child = subprocess.run([sys.executable, "-c", script, run_dir], capture_output=True,
+                           text=True, timeout=120, env={**env, crash_points.ENV: f"{point}:3"
+                                                        if point != "checkpoint.removing"
+                                                        else point})
+    assert child.returncode == crash_points.EXIT_CODE, child.stderr
+    manager = CheckpointManager(run_dir, keep=2)
+    assert manager.latest().step == (2 if point == "checkpoint.written" else 3)
+    assert not [n for n in os.listdir(manager.directory) if n.startswith(".tmp-")]
+    manager.save(lambda d: open(os.path.join(d, "w"), "w").write("4"), {"step": 4})
+    assert [c.step for c in manager.all()] == [2 if point == "checkpoint.written" else 3, 4]
