@@ -63,9 +63,11 @@ def raw_format(path: str, format: str | None = None) -> str:
 
 def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
                     chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[tuple[pa.Table, int]]:
-    """(table, row number of its first row) chunks of one raw file, not yet validated."""
+    """(table, number of its first row) chunks of one raw file, not yet validated. Rows are
+    numbered from 1 as editors show them: a CSV file's line number (the header is line 1), a
+    JSON lines file's line number, a Parquet file's row number (see :func:`validate_raw`)."""
     fmt = raw_format(path, format)
-    first = 0
+    first = 1
     if fmt == "parquet":
         try:
             file = pq.ParquetFile(path)
@@ -76,10 +78,11 @@ def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
             first += batch.num_rows
         return
     table = _read_csv(path, schema) if fmt == "csv" else _read_json(path, schema)
+    first = 2 if fmt == "csv" else 1  # below the header line
     for start in range(0, max(table.num_rows, 1), chunk_rows):
         chunk = table.slice(start, chunk_rows)
         if chunk.num_rows or start == 0:
-            yield chunk, start
+            yield chunk, first + start
 
 
 def read_raw(path_or_glob: str | list[str], schema: Schema, format: str | None = None) -> pa.Table:
@@ -119,8 +122,8 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
             try:
                 column = column.cast(pa.list_(item))
             except pa.ArrowInvalid as e:
-                raise RawDataError(f"{path}: column {name!r}: cells must hold "
-                                   f"{LIST_SEPARATOR!r}-separated values ({e})") from None
+                raise RawDataError(f"{path}: {_list_cell_error(table.column(name), name, item, e)}"
+                                   ) from None
         elif name in timestamps:
             column = _parse_timestamps(column, name, path)
         columns.append(column)
@@ -157,6 +160,23 @@ def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str
     return f"column {name!r}: {match.group(2)}"
 
 
+def _list_cell_error(cells: pa.ChunkedArray, name: str, item: pa.DataType,
+                     error: pa.ArrowInvalid) -> str:
+    """The first list cell whose values do not parse as ``item``, with its 1-based line (the
+    header is line 1); Arrow's own message when no cell can be blamed."""
+    what = "integers" if pa.types.is_integer(item) else "numbers"
+    for i, cell in enumerate(cells.to_pylist()):
+        for value in (cell or "").split(LIST_SEPARATOR):
+            if not value:
+                continue
+            try:
+                pa.array([value]).cast(item)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                return (f"column {name!r} line {i + 2}: invalid value {value!r} in the list "
+                        f"{cell!r}, expected {LIST_SEPARATOR!r}-separated {what}")
+    return f"column {name!r}: cells must hold {LIST_SEPARATOR!r}-separated {what} ({error})"
+
+
 def _parse_timestamps(column: pa.ChunkedArray, name: str, path: str) -> pa.ChunkedArray:
     """ISO-8601 cells (an empty cell is null) as timestamps: all with a zone offset, or all
     without (then read as UTC)."""
@@ -190,7 +210,67 @@ def _read_json(path: str, schema: Schema) -> pa.Table:
         return pajson.read_json(path, parse_options=pajson.ParseOptions(
             explicit_schema=raw, unexpected_field_behavior="infer"))
     except pa.ArrowInvalid as e:
-        raise RawDataError(f"{path}: {e}") from None
+        raise RawDataError(f"{path}: {_json_error(path, raw, e)}") from None
+
+
+def _json_error(path: str, raw: pa.Schema, error: pa.ArrowInvalid) -> str:
+    """Arrow's JSON error ("Column(/uid) changed from number to string in row 0", its row
+    counted within a block) as the first bad line of the file, 1-based, and its column; Arrow's
+    own message when no line can be blamed. Reads the file again, line by line: errors only."""
+    import json
+
+    text = str(error)
+    try:
+        with pa.input_stream(path, compression="detect") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except (pa.ArrowException, OSError):
+        return text
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+        except ValueError as e:
+            return f"line {number}: not valid JSON ({e})"
+        if not isinstance(sample, dict):
+            return f"line {number}: expected a JSON object, got {type(sample).__name__}"
+        for field in raw:
+            value = sample.get(field.name)
+            if not _json_value_fits(value, field.type):
+                return (f"column {field.name!r} line {number}: invalid value "
+                        f"{json.dumps(value)}, expected {_json_kind(field.type)}")
+    return text
+
+
+def _json_value_fits(value, kind: pa.DataType) -> bool:
+    if value is None:
+        return True
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
+            pa.types.is_fixed_size_list(kind):
+        return isinstance(value, list) and all(_json_value_fits(v, kind.value_type)
+                                               for v in value)
+    if isinstance(value, bool):
+        return pa.types.is_boolean(kind)
+    if pa.types.is_integer(kind):
+        return isinstance(value, int)
+    if pa.types.is_floating(kind):
+        return isinstance(value, (int, float))
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return isinstance(value, str)
+    return True  # timestamps and the rest: Arrow's own message
+
+
+def _json_kind(kind: pa.DataType) -> str:
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
+            pa.types.is_fixed_size_list(kind):
+        return f"a JSON array of {_json_kind(kind.value_type).split(' ', 1)[1]}s"
+    if pa.types.is_integer(kind):
+        return "an integer"
+    if pa.types.is_floating(kind):
+        return "a number"
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "a string"
+    return f"a {kind} value"
 
 
 # -- tree tables --------------------------------------------------------------------------

@@ -24,51 +24,68 @@ class RawDataError(ValueError):
 @dataclass(frozen=True)
 class _RowProblem:
     mask: np.ndarray  # True where the row has the problem
-    reason: str       # formatted with the row number
+    reason: str       # formatted with row="row 8" (or "line 8")
 
 
 def validate_raw(table: pa.Table, schema: Schema, source: str | None = None,
-                 first_row: int = 0) -> pa.Table:
+                 first_row: int = 1) -> pa.Table:
     """Check ``table`` against ``schema`` and return it with the schema's column order and types.
 
-    ``source`` (a file name) and ``first_row`` (the row number of the table's first row in that
-    file) only make error messages point at the right place.
+    ``source`` (a file name) and ``first_row`` only make error messages point at the right
+    place: ``first_row`` is the number of the table's first row as its file counts rows,
+    1-based, the way editors show them: a CSV file's line number (its header is line 1), a
+    JSON lines file's line number, a Parquet file's row number. Rows of a CSV or JSON lines
+    ``source`` are called lines. Every kind of problem is reported, key columns first, each
+    with its first row and how many more rows have it.
     """
     table = conform_columns(table, schema, source)
+    found = []
     for problem in _row_problems(table, schema):
         bad = np.flatnonzero(problem.mask)
         if len(bad):
-            row = int(bad[0]) + first_row
             more = f" ({len(bad) - 1} more rows like it)" if len(bad) > 1 else ""
-            raise RawDataError(_where(source) + problem.reason.format(row=row) + more)
+            found.append(problem.reason.format(row=_row(source, int(bad[0]) + first_row))
+                         + more)
+    if found:
+        raise RawDataError(_where(source) + "; also ".join(found))
     return table
 
 
 def split_bad_rows(table: pa.Table, schema: Schema, source: str | None = None,
-                   first_row: int = 0) -> tuple[pa.Table, pa.Table]:
+                   first_row: int = 1) -> tuple[pa.Table, pa.Table]:
     """Split rows into (good rows in canonical types, rejected rows).
 
-    The rejected table has columns ``source`` (string), ``row`` (int64, row number in the
-    source) and ``reason`` (string); the first problem found in a row is its reason.
+    The rejected table has columns ``source`` (string), ``row`` (int64, the row's 1-based
+    number in the source, counted as :func:`validate_raw` counts them from ``first_row``) and
+    ``reason`` (string: every problem of the row, key columns first, joined by "; ").
     Problems with whole columns (missing, extra, wrong type) still raise :class:`RawDataError`.
     """
     table = conform_columns(table, schema, source)
     bad = np.zeros(table.num_rows, bool)
-    reasons = {}  # row -> its first problem
+    reasons = {}  # row -> its problems
     for problem in _row_problems(table, schema):
-        fresh = problem.mask & ~bad
-        if fresh.any():
-            for i in np.flatnonzero(fresh):
-                reasons[int(i)] = problem.reason.format(row=int(i) + first_row)
-            bad |= fresh
+        for i in np.flatnonzero(problem.mask):
+            reasons.setdefault(int(i), []).append(
+                problem.reason.format(row=_row(source, int(i) + first_row)))
+        bad |= problem.mask
     bad_rows = np.flatnonzero(bad)
     rejected = pa.table({
         "source": pa.array([source or ""] * len(bad_rows), pa.string()),
         "row": pa.array(bad_rows + first_row, pa.int64()),
-        "reason": pa.array([reasons[int(i)] for i in bad_rows], pa.string()),
+        "reason": pa.array(["; ".join(reasons[int(i)]) for i in bad_rows], pa.string()),
     })
     good = table.filter(pa.array(~bad)) if len(bad_rows) else table
     return good, rejected
+
+
+_TEXT_SUFFIXES = (".csv", ".jsonl", ".json", ".ndjson")
+
+
+def _row(source: str | None, number: int) -> str:
+    """``row 8``, or ``line 8`` in a CSV or JSON lines file (where a row is a line)."""
+    name = source[:-3] if source and source.endswith(".gz") else source
+    word = "line" if name and name.lower().endswith(_TEXT_SUFFIXES) else "row"
+    return f"{word} {number}"
 
 
 def conform_columns(table: pa.Table, schema: Schema, source: str | None = None) -> pa.Table:
@@ -196,46 +213,51 @@ def _cast_label(column: pa.ChunkedArray, name: str, source) -> pa.ChunkedArray:
 
 
 def _row_problems(table: pa.Table, schema: Schema):
-    """Yield one _RowProblem per check, in the order rows should be reported."""
-    key_columns = {k for layer in schema.layers for k in layer.key}
+    """Yield one _RowProblem per check, in the order rows should be reported: missing keys
+    first (a row without its keys has no place in a tree), then the other columns in schema
+    order."""
+    key_columns = list(dict.fromkeys(k for layer in schema.layers for k in layer.key))
+    for name in key_columns:
+        column = table.column(name)
+        if column.null_count:
+            yield _RowProblem(_null_mask(column),
+                              f"key column {name!r} {{row}}: null value; every row needs a key")
     for feature in schema.features:
         column = table.column(feature.name)
-        if column.null_count:
-            what = "key column" if feature.name in key_columns else "column"
-            fix = ("every row needs a key" if feature.name in key_columns else
-                   "fill missing values (e.g. id 0, an empty list) before compressing")
+        if column.null_count and feature.name not in key_columns:
             yield _RowProblem(_null_mask(column),
-                              f"{what} {feature.name!r} row {{row}}: null value; {fix}")
+                              f"column {feature.name!r} {{row}}: null value; fill missing "
+                              "values (e.g. id 0, an empty list) before compressing")
         if feature.kind in ("ids", "dense"):
             values = pc.list_flatten(column)
             if values.null_count:
                 yield _RowProblem(
                     _list_rows_with_null_items(column),
-                    f"column {feature.name!r} row {{row}}: null inside the list; "
+                    f"column {feature.name!r} {{row}}: null inside the list; "
                     "lists may be empty but cannot hold nulls")
         if feature.kind == "dense":
             lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
             lengths = np.where(_null_mask(column), feature.dim, lengths)
             yield _RowProblem(
                 lengths != feature.dim,
-                f"column {feature.name!r} row {{row}}: dense value has the wrong number of floats,"
+                f"column {feature.name!r} {{row}}: dense value has the wrong number of floats,"
                 f" expected dim {feature.dim}")
             floats = pc.list_flatten(column).to_numpy(zero_copy_only=False)
             if floats.size and not np.isfinite(floats).all():
                 yield _RowProblem(
                     _list_rows_with(column, ~np.isfinite(floats)),
-                    f"column {feature.name!r} row {{row}}: NaN or infinite value in a dense "
+                    f"column {feature.name!r} {{row}}: NaN or infinite value in a dense "
                     "feature")
     for label in schema.labels:
         column = table.column(label)
         if column.null_count:
             yield _RowProblem(_null_mask(column),
-                              f"label {label!r} row {{row}}: null label; every sample needs "
+                              f"label {label!r} {{row}}: null label; every sample needs "
                               "its labels")
         values = column.to_numpy(zero_copy_only=False).astype(np.float64)
         with np.errstate(invalid="ignore"):
             out = ~((values >= 0) & (values <= 1)) & ~_null_mask(column)
-        yield _RowProblem(out, f"label {label!r} row {{row}}: value out of range, labels must "
+        yield _RowProblem(out, f"label {label!r} {{row}}: value out of range, labels must "
                                "be in [0, 1]")
 
 

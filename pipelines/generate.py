@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import schemas
+from compression import cli
 from schemas import Feature, Schema, stable_hash
 
 DEFAULT_SAMPLES_PER_USER = 57.0
@@ -930,17 +931,19 @@ def _progress_bar(total: int, enabled: bool):
 
 # --- command line ---------------------------------------------------------------------------
 
+PROG = "python -m pipelines.generate"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pipelines.generate",
+        prog=PROG,
         description=textwrap.fill(
             "Write realistic synthetic ads logs (flat samples of a schema) as Parquet "
             "shards, labelled by a planted logistic model, plus _truth.json with the "
             "data's statistics and its Bayes-optimal AUC."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m pipelines.generate "
-               "--schema schemas/examples/taobao_like.yaml --samples 2000000 --out /tmp/raw "
-               "--seed 7")
+        epilog=cli.epilog(f"{PROG} --schema schemas/examples/taobao_like.yaml --samples 2000000 "
+                          "--out /tmp/raw --seed 7"))
     p.add_argument("--schema", required=True,
                    help="schema YAML file, e.g. schemas/examples/taobao_like.yaml")
     p.add_argument("--samples", required=True, type=int,
@@ -960,24 +963,19 @@ def _parser() -> argparse.ArgumentParser:
                         "rate is close (default 0.04)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (shown by default from 200k samples)")
+    cli.add_debug_flag(p)
     return p
 
 
 def run(argv=None) -> dict:
-    """Parse the command line, generate, print a one-line summary; returns the truth dict."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        schema = schemas.load(args.schema)
-    except schemas.SchemaError as e:
-        parser.error(str(e))
+    """Parse the command line, generate, print a one-line summary; returns the truth dict.
+    A bad schema or option raises ``ValueError`` (:func:`main` makes it one line, exit 2)."""
+    args = _parser().parse_args(argv)
+    schema = schemas.load(args.schema)
     started = time.perf_counter()
-    try:
-        truth = generate(schema, args.samples, args.out, args.seed, shards=args.shards,
-                         samples_per_user=args.samples_per_user, ctr=args.ctr,
-                         progress=not args.no_progress and args.samples >= 200_000)
-    except ValueError as e:
-        parser.error(str(e))
+    truth = generate(schema, args.samples, args.out, args.seed, shards=args.shards,
+                     samples_per_user=args.samples_per_user, ctr=args.ctr,
+                     progress=not args.no_progress and args.samples >= 200_000)
     seconds = time.perf_counter() - started
     print(f"{truth['samples']:,} samples of {truth['schema']} in {len(truth['files'])} files "
           f"({truth['bytes'] / 1e6:.1f} MB) in {seconds:.1f} s "
@@ -990,8 +988,14 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
+    """The command: one line for an error (exit 2 for bad input, 1 for a failure while
+    writing), 130/143 when interrupted; ``--debug`` adds the traceback."""
+    return cli.run_command(PROG, _main, argv)
+
+
+def _main(argv) -> int:
     run(argv)
-    return 0
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def test_pipelines_compress_output_policy(data, tmp_path):
     reasons = [json.loads(line) for f in (tmp_path / "trees.dead_letter").iterdir()
                for line in f.read_text().splitlines()]
     assert [(r["row"], r["reason"]) for r in reasons] == [
-        (7, "label 'click' row 7: value out of range, labels must be in [0, 1]")]
+        (8, "label 'click' row 8: value out of range, labels must be in [0, 1]")]  # 1-based
 
     done = command("pipelines.compress", "--schema", SCHEMA, "--input", data / "raw.parquet",
                    "--output", out, "--shards", "3")
@@ -169,7 +169,7 @@ def test_trainer_train_output_policy(data, tmp_path):
                      "--eval-data", data / "bad_row.parquet", "--batch-size", "200",
                      "--no-progress", "--out", tmp_path / "failed")
     line = one_error_line(failed, "trainer.train")
-    assert "bad_row.parquet" in line and "label 'click' row 7" in line
+    assert "bad_row.parquet" in line and "label 'click' row 8" in line
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
@@ -337,6 +337,47 @@ def test_a_bad_csv_cell_names_the_column_and_the_line(tmp_path):
         "invalid value 'ten', expected an integer (CSV conversion error to int64: invalid "
         "value 'ten')")
     assert not (tmp_path / "trees").exists()
+
+
+TINY_AGE = ("name: tiny\nlabels: [click]\nlayers:\n"
+            "  - {name: user, key: [uid], features: [{name: age, kind: id}, {name: uid, kind: id},"
+            " {name: hist, kind: ids}]}\n"
+            "  - {name: ad, key: [aid], features: [{name: aid, kind: id}]}\n")
+
+
+def test_a_bad_csv_list_cell_names_the_column_and_the_line(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(TINY_AGE)
+    (tmp_path / "raw.csv").write_text("age,uid,hist,aid,click\n1,1,2|3,5,0\n2,2,4|x7|5,6,1\n")
+    out = command("compression.compress", "--schema", tmp_path / "tiny.yaml", "--input",
+                  tmp_path / "raw.csv", "--output", tmp_path / "trees")
+    assert one_error_line(out, "compression.compress") == (
+        f"python -m compression.compress: error: {tmp_path / 'raw.csv'}: column 'hist' line 3: "
+        "invalid value 'x7' in the list '4|x7|5', expected '|'-separated integers")
+
+
+def test_nulls_in_a_key_and_another_column_are_both_reported(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(TINY_AGE)
+    (tmp_path / "raw.csv").write_text(
+        "age,uid,hist,aid,click\n1,1,2|3,5,0\n,2,4,6,1\n4,,5,7,0\n5,3,6,8,1\n")
+    out = command("compression.compress", "--schema", tmp_path / "tiny.yaml", "--input",
+                  tmp_path / "raw.csv", "--output", tmp_path / "trees")
+    assert one_error_line(out, "compression.compress") == (
+        f"python -m compression.compress: error: {tmp_path / 'raw.csv'}: key column 'uid' line "
+        "4: null value; every row needs a key; also column 'age' line 3: null value; fill "
+        "missing values (e.g. id 0, an empty list) before compressing")
+
+    # the Beam job: the same rows in its dead letters, numbered as the file's lines
+    done = command("pipelines.compress", "--schema", tmp_path / "tiny.yaml", "--input",
+                   tmp_path / "raw.csv", "--output", tmp_path / "trees", "--max-bad-rows", "2")
+    assert done.returncode == 0, done.stderr
+    reasons = sorted((json.loads(line)["row"], json.loads(line)["reason"])
+                     for f in (tmp_path / "trees" / "_dead_letter").iterdir()
+                     for line in f.read_text().splitlines())
+    assert reasons == [
+        (3, "column 'age' line 3: null value; fill missing values (e.g. id 0, an empty list) "
+            "before compressing"),
+        (4, "key column 'uid' line 4: null value; every row needs a key")]
+    assert json.loads((tmp_path / "trees" / "_stats.json").read_text())["samples"] == 2
 
 
 def test_an_interrupted_beam_job_leaves_no_output(tmp_path):

@@ -9,6 +9,11 @@ admitted/rejected/expired) to ``RUN_DIR/train`` and ``RUN_DIR/eval``, the checkp
 ``RUN_DIR/checkpoint`` and the result to ``RUN_DIR/result.json``, and prints the result as one
 JSON line on stdout (``id_compression``: ids the samples hold expanded to the leaves over ids
 looked up, i.e. what the tree structure saved the trainer).
+
+Ctrl-C or SIGTERM stops after the current step with the checkpoint and ``RUN_DIR/
+interrupted.json`` (the settings and where the fit stopped) in place; the same command plus
+``--resume`` continues the run to the result an uninterrupted run has (the same pass order,
+evaluations and early-stopping state; exact with the defaults: no dropout, no stale lookups).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import logging
 import math
 import os
+import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -55,8 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog=cli.epilog(
             f"{PROG} --schema schemas/examples/taobao_like.yaml --train-data 'trees/*.parquet' "
             "--eval-data test.parquet --out runs/mlp",
-            "Ctrl-C (SIGINT) or SIGTERM: the current step finishes, RUN_DIR/checkpoint is "
-            "written, exit 130/143"))
+            f"{PROG} ... --out runs/mlp --resume    # continue an interrupted run",
+            "Ctrl-C (SIGINT) or SIGTERM: the current step finishes, RUN_DIR/checkpoint and "
+            "RUN_DIR/interrupted.json are written, exit 130/143; the same command plus "
+            "--resume continues the run exactly where it stopped"))
     p.add_argument("--schema", required=True, help="schema YAML file")
     p.add_argument("--train-data", required=True,
                    help="training files: tree Parquet or raw Parquet/CSV/JSON lines; a path, "
@@ -84,8 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True,
                    help="run directory; written through a temporary directory next to it and "
                         "renamed into place at the end (or on an interrupt, with the "
-                        "checkpoint); a directory holding another run is refused")
+                        "checkpoint); a directory holding another run is refused, an "
+                        "interrupted one is continued with --resume")
     cli.add_overwrite_flag(p, "the run directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out (same arguments otherwise): "
+                        "it ends with the same result as a run that was never interrupted")
     cli.add_debug_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--workers", type=_positive, default=1,
@@ -117,7 +130,11 @@ def _non_negative(text: str) -> int:
 
 def run(argv=None) -> dict:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out and --overwrite replaces it; pass "
+                     "one of them")
     try:
         schema = schemas.load(args.schema)
         config = TrainConfig.load(args.config) if args.config else TrainConfig()
@@ -137,15 +154,25 @@ def run(argv=None) -> dict:
         parser.error("--eval-every needs --eval-data")
     # Every input and the run directory are checked before any work (and before TensorFlow
     # is imported): globs that match nothing, unreadable or empty files, another run.
-    inputs = cli.check_inputs(args.train_data, "--train-data")
-    if args.eval_data:
-        inputs += cli.check_inputs(args.eval_data, "--eval-data")
-    cli.check_output(args.out, args.overwrite, "--out", inputs)
+    train_files = cli.check_inputs(args.train_data, "--train-data")
+    eval_files = cli.check_inputs(args.eval_data, "--eval-data") if args.eval_data else []
+    inputs = train_files + eval_files
+    distributed_run = args.workers > 1 or args.shards > 1 or args.ray_address
+    epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
+    settings = _settings(args, schema, config, model_args, train_files, eval_files, epochs)
+    interrupted = None
+    if args.resume:
+        if distributed_run:
+            parser.error("--resume: not available with --workers, --shards or --ray-address")
+        cli.check_output(args.out, True, "--out", inputs)
+        interrupted = _interrupted_run(args.out, settings)
+    else:
+        cli.check_output(args.out, args.overwrite, "--out", inputs)
     load_tensorflow(args.debug)
     from trainer import models
-    from trainer.trainer import Trainer
+    from trainer.trainer import FitState, Trainer
 
-    if args.workers > 1 or args.shards > 1 or args.ray_address:
+    if distributed_run:
         from trainer import distributed
 
         result = distributed.run_cli(args, parser, schema, config,
@@ -158,23 +185,29 @@ def run(argv=None) -> dict:
         trainer = Trainer(schema, models.MODELS[args.model](**model_args), config)
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
-    epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
     progress = not args.no_progress
     keep_best = bool(args.eval_data) and args.patience > 0
     # Written through a temporary directory next to --out, renamed into place at the end: a
     # failed run leaves no run directory. The best checkpoint is kept there during training.
-    with cli.StagedOutput(args.out, args.overwrite, "--out", inputs) as staged, \
+    # A resumed run starts that directory as a copy of the interrupted one, so a failure or a
+    # second interrupt leaves the interrupted run directory as it was, resumable again.
+    with cli.StagedOutput(args.out, args.overwrite or args.resume, "--out", inputs) as staged, \
             _StopOnSignal() as stop:
         run_dir = staged.tmp
         checkpoint = os.path.join(run_dir, "checkpoint")
+        resume = None
+        if interrupted is not None:
+            _link_tree(staged.path, run_dir, skip=("interrupted.json", "latest"))
+            trainer.load(os.path.join(staged.path, interrupted["checkpoint"]))
+            resume = FitState.from_dict(interrupted["fit"])
         try:
-            history = trainer.fit(args.train_data, epochs=epochs, progress=progress,
+            history = trainer.fit(train_files, epochs=epochs, progress=progress,
                                   log_dir=run_dir, callback=stop.after_step,
-                                  eval_data=args.eval_data, eval_every=args.eval_every,
+                                  eval_data=eval_files or None, eval_every=args.eval_every,
                                   patience=args.patience if keep_best else None,
-                                  best_dir=checkpoint if keep_best else None)
+                                  best_dir=checkpoint if keep_best else None, resume=resume)
         except _Stop as e:
-            raise _interrupted(trainer, staged, e.signum) from None
+            raise _interrupted(trainer, staged, e.signum, settings, keep_best, argv) from None
         if not keep_best:
             trainer.save(checkpoint)
         result = _result(args, config, trainer, history, keep_best, epochs)
@@ -233,21 +266,122 @@ class _StopOnSignal:
             raise _Stop(self.signum)
 
 
-def _interrupted(trainer, staged, signum: int) -> Interrupted:
-    """Write the checkpoint of an interrupted run, put the run directory in place."""
-    trainer.save(os.path.join(staged.tmp, "checkpoint"))
+def _interrupted(trainer, staged, signum: int, settings: dict, keep_best: bool,
+                 argv: list) -> Interrupted:
+    """Write the checkpoint and the resume state of an interrupted run, put the run directory
+    in place.
+
+    ``RUN_DIR/checkpoint`` is the model to score: where training stopped, or with early
+    stopping the best evaluation so far (then where training stopped goes to
+    ``RUN_DIR/latest``). ``RUN_DIR/interrupted.json`` holds the run's settings and where the
+    fit stopped (:class:`trainer.trainer.FitState`), for ``--resume``."""
     name = signal.Signals(signum).name
+    checkpoint = os.path.join(staged.tmp, "checkpoint")
+    latest = "latest" if keep_best else "checkpoint"
+    trainer.save(os.path.join(staged.tmp, latest))
+    if not os.path.isdir(checkpoint):  # no evaluation yet: the model to score is the latest
+        trainer.save(checkpoint)
+    state = {"signal": name, "step": trainer.step, "samples": trainer.samples,
+             "checkpoint": latest, "settings": settings, "fit": trainer.fit_state.to_dict()}
     with open(os.path.join(staged.tmp, "interrupted.json"), "w") as f:
-        json.dump({"signal": name, "step": trainer.step, "samples": trainer.samples}, f,
-                  indent=1)
+        json.dump(state, f, indent=1, default=float)
     run_dir = staged.commit()
     checkpoint = os.path.join(run_dir, "checkpoint")
+    best = ""
+    if keep_best and trainer.fit_state.best is not None:
+        evaluation = trainer.fit_state.evaluations[trainer.fit_state.best]
+        best = (f" (the best evaluation so far, AUC {_format_auc(_json_number(evaluation['auc']))}"
+                f" at step {evaluation['step']:,}; where training stopped is in "
+                f"{os.path.join(run_dir, 'latest')})")
+    again = argv if "--resume" in argv else [*argv, "--resume"]
     return Interrupted(
         f"{name}: stopped after step {trainer.step:,} ({trainer.samples:,} samples); "
-        f"checkpoint written to {checkpoint}. Score it with python -m trainer.evaluate --run "
-        f"{run_dir} --data DATA; continue training from it in Python with "
-        f"trainer.Trainer.restore({checkpoint!r}).fit(...) (trainer.train --resume is not "
-        "available yet)", 128 + signum)
+        f"checkpoint written to {checkpoint}{best}. Score it with python -m trainer.evaluate "
+        f"--run {run_dir} --data DATA; continue the run where it stopped with the same "
+        f"command plus --resume: {PROG} {shlex.join(again)}", 128 + signum)
+
+
+def _settings(args, schema, config, model_args: dict, train_files: list, eval_files: list,
+              epochs: int) -> dict:
+    """What decides a run's result, as JSON: a resumed run must have the same."""
+    def files(paths):
+        return [[os.path.abspath(p), os.path.getsize(p)] for p in paths]
+
+    settings = {"schema": schema.to_dict(), "config": config.to_dict(), "model": args.model,
+                "model_args": model_args, "train_data": files(train_files),
+                "eval_data": files(eval_files), "epochs": epochs,
+                "patience": args.patience if eval_files else None,
+                "eval_every": args.eval_every}
+    return json.loads(json.dumps(settings, default=float))  # tuples as lists, as stored
+
+
+_SETTING_NAMES = {"schema": "--schema", "config": "--config (or --compute, --batch-size, "
+                  "--seed)", "model": "--model", "model_args": "--hidden",
+                  "train_data": "--train-data", "eval_data": "--eval-data",
+                  "epochs": "--epochs", "patience": "--patience", "eval_every": "--eval-every"}
+
+
+def _interrupted_run(out: str, settings: dict) -> dict:
+    """The state of the interrupted run in ``out`` if this command continues it; otherwise a
+    :class:`cli.UsageError` that says why not."""
+    path = os.path.join(out, "interrupted.json")
+    if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(out, "result.json")):
+            raise cli.UsageError(
+                f"--out {out}: the run there finished (result.json, no interrupted.json); "
+                "--resume continues an interrupted run only. Start a new run in another "
+                "directory, or replace this one with --overwrite")
+        raise cli.UsageError(f"--out {out}: no interrupted run to resume (no interrupted.json "
+                             "in it); run without --resume to start one")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        stored = state["settings"]
+        state["fit"], state["checkpoint"]  # noqa: B018 - written by a version with --resume
+    except (ValueError, KeyError, TypeError):
+        raise cli.UsageError(f"{path}: not the state of a resumable run (written by an older "
+                             "version, or damaged); start a new run with --overwrite") from None
+    differ = [key for key in _SETTING_NAMES if stored.get(key) != settings.get(key)]
+    if differ:
+        details = []
+        for key in differ:
+            if key in ("train_data", "eval_data", "epochs", "patience", "eval_every", "model",
+                       "model_args"):
+                details.append(f"{_SETTING_NAMES[key]} {_shown(stored.get(key))} then, "
+                               f"{_shown(settings.get(key))} now")
+            else:
+                details.append(f"{_SETTING_NAMES[key]} differs")
+        raise cli.UsageError(
+            f"--out {out}: this command is not the interrupted run's: {'; '.join(details)}. "
+            "Resume with the same arguments plus --resume (the files unchanged), or start a "
+            "new run in another directory")
+    return state
+
+
+def _shown(value) -> str:
+    if isinstance(value, list) and value and isinstance(value[0], list):  # [[path, bytes]...]
+        return "[" + ", ".join(f"{os.path.basename(p)} ({n:,} bytes)" for p, n in value) + "]"
+    return json.dumps(value)
+
+
+def _link_tree(source: str, target: str, skip=()) -> None:
+    """Fill the empty directory ``target`` with the contents of ``source`` as hard links
+    (copies where the file system has none). Safe because nothing in a run directory is
+    rewritten in place: checkpoints are replaced whole, event and JSON files are new files."""
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    for name in os.listdir(source):
+        if name in skip:
+            continue
+        src, dst = os.path.join(source, name), os.path.join(target, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, dst, copy_function=link)
+        else:
+            link(src, dst)
 
 
 def _result(args, config, trainer, history, keep_best: bool, epochs: int) -> dict:

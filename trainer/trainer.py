@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import islice
 
 import keras
 import numpy as np
@@ -35,15 +37,65 @@ from compression import TreeBatch
 from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
+from trainer.checkpoints import CheckpointDamagedError, file_sha256, read_json, sealed, unsealed
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, FeedBuilder, Layout, Prepared
 from trainer.metrics import StreamingAUC, auc, logloss
 from trainer.network import Network, sum_row_slices
 
-CHECKPOINT_VERSION = 2
+# 3: trainer.json carries the sha256 of itself and of dense.npz (``checksum``, ``checksums``)
+CHECKPOINT_VERSION = 3
 _END = object()
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class FitState:
+    """Where a :meth:`Trainer.fit` is, kept up to date after every step (``trainer.fit_state``)
+    so an interrupted fit can be resumed exactly: ``fit(..., resume=state)`` on the trainer
+    restored from the checkpoint of the same step.
+
+    The pass in progress is ``epoch`` (1-based) with ``batches`` of its batches trained; pass
+    k's tree order comes from (seed, k) alone, so resuming deals pass k again and skips those
+    batches. The counters are this fit's totals so far, so the resumed fit reports the whole
+    run. Exact with the defaults: lookups that wait for the previous update (no
+    ``stale_lookups``) and no dropout (whose random state is not kept)."""
+
+    epoch: int = 1
+    batches: int = 0
+    samples: int = 0
+    steps: int = 0
+    ids_fed: int = 0
+    leaf_ids: int = 0
+    seconds: float = 0.0
+    loss: float = float("nan")
+    evaluations: list = field(default_factory=list)
+    best: int | None = None      # index of the best evaluation in ``evaluations``
+    stale: int = 0               # evaluations since the best one
+    train_auc: StreamingAUC = field(default_factory=StreamingAUC)
+
+    def to_dict(self) -> dict:
+        """JSON-ready (the train AUC histogram as its non-empty bins)."""
+        out = {k: getattr(self, k) for k in ("epoch", "batches", "samples", "steps", "ids_fed",
+                                             "leaf_ids", "seconds", "loss", "evaluations",
+                                             "best", "stale")}
+        histogram = self.train_auc
+        out["train_auc"] = {"bins": histogram.bins, **{
+            name: {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
+            for name, counts in (("pos", histogram.pos), ("neg", histogram.neg))}}
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "FitState":
+        raw = dict(raw)
+        histogram = raw.pop("train_auc")
+        train_auc = StreamingAUC(histogram["bins"])
+        for name in ("pos", "neg"):
+            counts = getattr(train_auc, name)
+            for i, n in histogram[name].items():
+                counts[int(i)] = n
+        return cls(**raw, train_auc=train_auc)
 
 
 class Trainer:
@@ -85,6 +137,7 @@ class Trainer:
         self.ids_fed = 0       # ids looked up in training (per node in structured compute)
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
         self.timings = defaultdict(float)  # seconds per stage: read, lookup, step, update
+        self.fit_state: FitState | None = None  # where the latest fit is (see fit)
         self._dense_lock = threading.Lock()
 
     # -- training ---------------------------------------------------------------------------
@@ -92,7 +145,7 @@ class Trainer:
     def fit(self, data, epochs: int = 1, *, progress: bool = False, log_dir: str | None = None,
             callback=None, eval_data=None, eval_every: int | None = None,
             patience: int | None = None, best_dir: str | None = None,
-            shuffle: bool = True) -> dict:
+            shuffle: bool = True, resume: FitState | None = None) -> dict:
         """Train up to ``epochs`` passes over ``data`` (tree/raw file paths or glob, a pyarrow
         Table, or TreeBatches). ``log_dir`` gets TensorBoard scalars; ``progress`` shows a bar on
         stderr; ``callback(trainer, loss, probabilities, labels)`` runs after every step.
@@ -103,6 +156,11 @@ class Trainer:
         best evaluation AUC so far, and with ``patience`` training stops after that many
         evaluations without a better AUC and the trainer goes back to the best checkpoint
         (CTR models tend to overfit after one epoch, so a run need not guess ``epochs``).
+
+        ``self.fit_state`` (a :class:`FitState`) says after every step where the fit is; an
+        interrupted fit (``callback`` raised) continues exactly with the same arguments and
+        ``resume=`` that state, on this trainer restored from a checkpoint of that step
+        (``best_dir`` as it was then).
 
         Returns samples, steps, samples_per_sec, loss (last step), a streaming train AUC and,
         with ``eval_data``, ``evaluations`` (one dict per evaluation) and ``best``."""
@@ -117,18 +175,23 @@ class Trainer:
         source = batch_source(data, self.schema, self.config.batch_size, self.config.split_trees,
                               shuffle_seed=self.config.seed if shuffle else None)
         total = count_samples(data, self.schema)
+        state = self.fit_state = resume if resume is not None else FitState()
         bar = _progress_bar(progress, None if total is None else total * epochs, "train")
+        if state.samples:
+            bar.update(state.samples)
         writer = tf.summary.create_file_writer(os.path.join(log_dir, "train")) if log_dir else None
-        train_auc = StreamingAUC()
+        train_auc = state.train_auc
         window_auc = StreamingAUC()
         label = None
-        started = time.perf_counter()
-        samples0, steps0, ids0, leaf_ids0 = self.samples, self.step, self.ids_fed, self.leaf_ids
-        mark_time, mark_samples = started, self.samples
-        loss = float("nan")
-        evaluations: list[dict] = []
-        best: dict | None = None
-        stale = 0  # evaluations since the best one
+        started = time.perf_counter() - state.seconds
+        # this fit's counters start where the interrupted fit's started
+        samples0, steps0 = self.samples - state.samples, self.step - state.steps
+        ids0, leaf_ids0 = self.ids_fed - state.ids_fed, self.leaf_ids - state.leaf_ids
+        mark_time, mark_samples = time.perf_counter(), self.samples
+        loss = state.loss
+        evaluations: list[dict] = state.evaluations
+        best: dict | None = None if state.best is None else evaluations[state.best]
+        stale = state.stale  # evaluations since the best one
 
         def evaluate(epoch: int) -> bool:
             """Evaluate now; True when training should stop."""
@@ -145,7 +208,13 @@ class Trainer:
                     self.save(best_dir)
             else:
                 stale += 1
+            state.best, state.stale = evaluations.index(best), stale
             return patience is not None and stale >= patience
+
+        def pass_source(epoch: int):
+            """The batches of pass ``epoch`` still to train (all but those a resumed fit did)."""
+            skip = state.batches if epoch == state.epoch else 0
+            return source if not skip else lambda: islice(source(), skip, None)
 
         stopped = False
         logged_step = self.step  # the last step whose scalars went to the bar and TensorBoard
@@ -163,15 +232,28 @@ class Trainer:
             logged_step = self.step
 
         completed = False
+        for _ in range(1, state.epoch):  # passes a resumed fit did: their orders, not their data
+            _close(source())
         try:
-            for epoch in range(1, epochs + 1):
-                for feed in self._pipeline(source, train=True):
+            for epoch in range(state.epoch, epochs + 1):
+                state.epoch = epoch
+                if (eval_every and state.batches and self.step % eval_every == 0
+                        and (not evaluations or evaluations[-1]["step"] != self.step)):
+                    # interrupted right after the step that this evaluation follows
+                    stopped = evaluate(epoch)
+                    if stopped:
+                        break
+                for feed in self._pipeline(pass_source(epoch), train=True):
                     loss, probabilities = self._train_on(feed)
                     label = label or next(iter(probabilities))
                     p = probabilities[label]
                     train_auc.add(p, feed.labels[label])
                     window_auc.add(p, feed.labels[label])
                     bar.update(feed.num_leaves)
+                    state.batches += 1
+                    state.samples, state.steps = self.samples - samples0, self.step - steps0
+                    state.ids_fed, state.leaf_ids = self.ids_fed - ids0, self.leaf_ids - leaf_ids0
+                    state.seconds, state.loss = time.perf_counter() - started, loss
                     if callback is not None:
                         callback(self, loss, probabilities, feed.labels)
                     if self.step % self.config.log_every == 0:
@@ -183,6 +265,7 @@ class Trainer:
                         not evaluations or evaluations[-1]["step"] != self.step)
                         and evaluate(epoch)):
                     break
+                state.batches = 0
             completed = True
         finally:
             try:
@@ -508,9 +591,11 @@ class Trainer:
         state = {"version": CHECKPOINT_VERSION, "step": self.step, "samples": self.samples,
                  "expired": self.expired, "model": model_spec, "config": self.config.to_dict(),
                  "schema": self.schema.to_dict(), "tables": list(self.tables),
-                 "variables": [v.path for v in self.network.variables]}
+                 "variables": [v.path for v in self.network.variables],
+                 # the store snapshots check themselves
+                 "checksums": {"dense.npz": file_sha256(os.path.join(tmp, "dense.npz"))}}
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump(state, f, indent=1)
+            json.dump(sealed(state), f, indent=1)
         return replace_directory(tmp, directory)
 
     def export(self, directory: str | os.PathLike) -> str:
@@ -535,16 +620,7 @@ class Trainer:
         """The trainer saved in ``directory``; training continues exactly where it stopped.
         Built-in models are rebuilt from the checkpoint; pass ``model`` for your own."""
         directory = os.fspath(directory)
-        path = os.path.join(directory, "trainer.json")
-        try:
-            with open(path) as f:
-                state = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{directory}: no trainer checkpoint (trainer.json missing); "
-                                    "write one with Trainer.save") from None
-        if state.get("version") not in (1, CHECKPOINT_VERSION):
-            raise ValueError(f"{path}: checkpoint version {state.get('version')}, this trainer "
-                             f"reads versions 1 and {CHECKPOINT_VERSION}")
+        state = _read_checkpoint(directory)
         if model is None:
             if state["model"] is None:
                 raise ValueError(f"{directory}: the checkpoint's model is not built in; pass "
@@ -562,28 +638,84 @@ class Trainer:
         """Load the dense weights, stores and counters of a checkpoint of this same trainer
         (e.g. the best one ``fit`` kept) in place."""
         directory = os.fspath(directory)
-        with open(os.path.join(directory, "trainer.json")) as f:
-            state = json.load(f)
-        self.config = TrainConfig.from_dict(state["config"])
-        for name, dense in self.config.dense:
-            self.layout.dense_configs[name] = dense
-        self._load_state(directory, state)
+        state = _read_checkpoint(directory)
+        config = TrainConfig.from_dict(state["config"])
+        self._load_state(directory, state, config)
 
-    def _load_state(self, directory: str, state: dict) -> None:
-        with np.load(os.path.join(directory, "dense.npz")) as arrays:
-            variables = self.network.variables
-            if len(variables) != len(state["variables"]):
-                raise ValueError(f"{directory}: the checkpoint has {len(state['variables'])} "
-                                 f"dense variables, this model {len(variables)}")
-            for i, v in enumerate(variables):
-                v.assign(arrays[f"model/{i:04d}"])
-            for i, v in enumerate(self.network.optimizer.variables):
-                v.assign(arrays[f"optimizer/{i:04d}"])
+    def _load_state(self, directory: str, state: dict, config: TrainConfig | None = None) -> None:
+        """Everything is read and checked before anything changes: a damaged checkpoint
+        leaves this trainer as it was."""
+        config = config or self.config
+        stores = {}
         for table in self.tables:
-            self.stores[table] = native.EmbeddingStore.load(
-                os.path.join(directory, "stores", table), self.config.table(table).store_config(0))
+            path = os.path.join(directory, "stores", table)
+            try:
+                stores[table] = native.EmbeddingStore.load(path, config.table(table).store_config(0))
+            except native.CorruptFileError as e:
+                raise CheckpointDamagedError(f"{e}; the checkpoint {directory} is damaged") from None
+        arrays = _read_dense(directory)
+        variables = self.network.variables
+        if len(variables) != len(state["variables"]):
+            raise ValueError(f"{directory}: the checkpoint has {len(state['variables'])} "
+                             f"dense variables, this model {len(variables)}")
+        optimizer_variables = self.network.optimizer.variables
+        names = [f"model/{i:04d}" for i in range(len(variables))] + [
+            f"optimizer/{i:04d}" for i in range(len(optimizer_variables))]
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise ValueError(f"{os.path.join(directory, 'dense.npz')}: no array {missing[0]} "
+                             "for this model")
+        if config is not self.config:
+            self.config = config
+            for name, dense in config.dense:
+                self.layout.dense_configs[name] = dense
+        for name, v in zip(names, [*variables, *optimizer_variables]):
+            v.assign(arrays[name])
+        self.stores.update(stores)
         self.step, self.samples = state["step"], state["samples"]
         self.expired = state.get("expired", 0)
+
+
+def _read_checkpoint(directory: str) -> dict:
+    """The state (trainer.json) of the checkpoint in ``directory``, checked: a damaged
+    trainer.json or dense.npz raises CheckpointDamagedError naming it (version 3 checks both
+    against their sha256; older versions only what parsing them finds, in _read_dense)."""
+    path = os.path.join(directory, "trainer.json")
+    try:
+        state = read_json(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory}: no trainer checkpoint (trainer.json missing); "
+                                "write one with Trainer.save") from None
+    version = state.get("version")
+    if version not in (1, 2, CHECKPOINT_VERSION):
+        raise ValueError(f"{path}: checkpoint version {version}, this trainer reads versions "
+                         f"1 to {CHECKPOINT_VERSION}")
+    dense_path = os.path.join(directory, "dense.npz")
+    if version >= 3:
+        state = unsealed(path, state)
+        expected = state["checksums"]["dense.npz"]
+        try:
+            found = file_sha256(dense_path)
+        except FileNotFoundError:
+            raise CheckpointDamagedError(f"{dense_path}: missing from the checkpoint") from None
+        if found != expected:
+            raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file, its sha256 is "
+                                         f"{found}, {path} says {expected}")
+    return state
+
+
+def _read_dense(directory: str) -> dict:
+    """Every array of ``directory/dense.npz``, read whole (so a damaged file fails here)."""
+    dense_path = os.path.join(directory, "dense.npz")
+    try:
+        with np.load(dense_path) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except FileNotFoundError:
+        raise CheckpointDamagedError(f"{dense_path}: missing from the checkpoint") from None
+    except Exception as e:  # zipfile, zlib and numpy's format errors alike
+        raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file "
+                                     f"({type(e).__name__}: {e})") from None
+    return arrays
 
 
 def _config_v1(config: dict, schema) -> dict:
@@ -659,6 +791,13 @@ class _NoBar:
 
     def close(self):
         pass
+
+
+def _close(batches) -> None:
+    """Close a pass that will not be read (a generator's ``finally`` blocks run now)."""
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
 
 
 def _close_bar(bar, completed: bool) -> None:

@@ -47,9 +47,32 @@ def test_json_lines_and_parquet_read_the_same_rows(tmp_path):
 def test_raw_errors_name_the_file_and_row(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("uid,hist,aid,price,click\n1,x,10,1.5|2,1\n2,y,11,0.5,0\n")
-    with pytest.raises(RawDataError, match=r"bad.csv: column 'price' row 1: dense value has the "
+    with pytest.raises(RawDataError, match=r"bad.csv: column 'price' line 3: dense value has the "
                                            r"wrong number of floats, expected dim 2"):
         compression.read_raw(str(path), SCHEMA)
+    path.write_text("uid,hist,aid,price,click\n1,x,10,1.5|2,1\n2,y,11,0.5|1,0\n3,z,12,1|two,0\n")
+    with pytest.raises(RawDataError) as err:
+        compression.read_raw(str(path), SCHEMA)
+    assert str(err.value) == (f"{path}: column 'price' line 4: invalid value 'two' in the list "
+                              "'1|two', expected '|'-separated numbers")
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text("\n".join(json.dumps({**r, "click": 2.0 if i == 1 else r["click"]})
+                               for i, r in enumerate(ROWS)) + "\n")
+    with pytest.raises(RawDataError, match=r"bad.jsonl: label 'click' line 2: value out of "):
+        compression.read_raw(str(jsonl), SCHEMA)
+    # a value of the wrong JSON type: Arrow's row is counted within a block; the line is not
+    jsonl.write_text("\n".join(json.dumps({**r, "aid": "ten" if i == 2 else r["aid"]})
+                               for i, r in enumerate(ROWS)) + "\n")
+    with pytest.raises(RawDataError) as err:
+        compression.read_raw(str(jsonl), SCHEMA)
+    assert str(err.value) == f"{jsonl}: column 'aid' line 3: invalid value \"ten\", expected an " \
+                             "integer"
+    parquet = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "uid": None if i == 2 else r["uid"]}
+                                         for i, r in enumerate(ROWS)],
+                                        schema=SCHEMA.raw_arrow_schema()), parquet)
+    with pytest.raises(RawDataError, match=r"bad.parquet: key column 'uid' row 3: null value"):
+        compression.read_raw(str(parquet), SCHEMA)
     with pytest.raises(ValueError, match="cannot tell the format from the extension '.txt'"):
         compression.raw_format("x.txt")
     with pytest.raises(FileNotFoundError, match="no input files match"):

@@ -372,3 +372,30 @@ def test_cli_rejects_bad_input(tmp_path):
     assert result.returncode == 2 and "schema file not found" in result.stderr
     result = run_cli("--schema", TAOBAO_PATH, "--samples", 0, "--out", tmp_path)
     assert result.returncode == 2 and "samples: expected a positive integer" in result.stderr
+
+
+def test_cli_errors_take_the_shared_path(tmp_path):
+    """One line ``python -m pipelines.generate: error: ...``, exit 2 for bad input, the
+    traceback only with --debug (compression.cli.run_command, as every command)."""
+    missing = tmp_path / "missing.yaml"
+    result = run_cli("--schema", missing, "--samples", 10, "--out", tmp_path / "a")
+    assert result.returncode == 2
+    assert result.stderr == (f"python -m pipelines.generate: error: {missing}: schema file not "
+                             "found\n")
+    result = run_cli("--schema", TAOBAO_PATH, "--samples", 100, "--shards", 200, "--out",
+                     tmp_path / "b")
+    assert result.returncode == 2
+    assert result.stderr.startswith("python -m pipelines.generate: error: shards: 200 shards "
+                                    "for 100 samples")
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+    (tmp_path / "file").write_text("x")
+    result = run_cli("--schema", TAOBAO_PATH, "--samples", 10, "--out", tmp_path / "file",
+                     "--debug")
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"python -m pipelines.generate: error: --out {tmp_path / 'file'}: exists and is not a "
+        "directory")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+    help_text = run_cli("--help").stdout
+    assert "--debug" in help_text and "exit status: 0 done; 2 usage or input error" in help_text

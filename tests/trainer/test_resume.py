@@ -1,0 +1,219 @@
+"""python -m trainer.train --resume: a run stopped by a real signal, resumed (twice), ends with
+the result of the run that was never interrupted (issue 19)."""
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from trainer_data import ROOT, SCHEMA_PATH, generated
+
+TIMINGS = ("samples_per_sec", "train_seconds")
+
+
+def command(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.train", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def interrupt(args, after: bytes, signum=signal.SIGINT) -> tuple[int, str]:
+    """Start ``trainer.train args``, send ``signum`` once its stderr shows ``after``; the exit
+    code and the whole stderr."""
+    child = subprocess.Popen([sys.executable, "-m", "trainer.train", *map(str, args)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(child.stderr, selectors.EVENT_READ)
+            while after not in seen:
+                assert sel.select(timeout=300), f"no {after!r} within 300 s: {seen.decode()}"
+                chunk = os.read(child.stderr.fileno(), 65536)
+                assert chunk, f"the child ended before {after!r}: {seen.decode()}"
+                seen += chunk
+        child.send_signal(signum)
+        stdout, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert stdout == b""
+    return child.returncode, (seen + stderr).decode()
+
+
+@pytest.fixture(scope="module")
+def files(schema, raw_small, tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    pq.write_table(raw_small.slice(0, 1000), base / "train-0.parquet")
+    pq.write_table(raw_small.slice(1000), base / "train-1.parquet")
+    pq.write_table(generated(schema, 600, seed=12).drop_columns(["p_click", "p_conversion"]),
+                   base / "eval.parquet")
+    (base / "trainer.yaml").write_text("embedding: {dim: 4}\nlog_every: 5\n")
+    return base
+
+
+def train_args(files, out):
+    # 2,000 samples in 2 files, 20 steps a pass, up to 3 passes; evaluated every 7 steps and
+    # after every pass, stops after 2 evaluations without a better AUC, keeps the best
+    return ["--schema", SCHEMA_PATH, "--train-data", files / "train-*.parquet", "--eval-data",
+            files / "eval.parquet", "--config", files / "trainer.yaml", "--hidden", "8",
+            "--batch-size", "100", "--epochs", "3", "--eval-every", "7", "--patience", "2",
+            "--seed", "3", "--out", out]
+
+
+def stored_model(run):
+    """Dense weights and store rows (sorted by id) of a run's checkpoint."""
+    from trainer import Trainer
+
+    trainer = Trainer.restore(run / "checkpoint")
+    dense = [v.numpy() for v in trainer.network.variables]
+    rows = {}
+    for table, store in trainer.stores.items():
+        table_rows = store.to_numpy()
+        order = np.argsort(table_rows["ids"])
+        rows[table] = {k: table_rows[k][order] for k in ("ids", "values", "state",
+                                                          "update_counts", "last_steps")}
+    return trainer.step, dense, rows
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_result(files, tmp_path):
+    straight = command(*train_args(files, tmp_path / "straight"), "--no-progress")
+    assert straight.returncode == 0, straight.stderr
+    expected = json.loads(straight.stdout)
+    assert expected["steps"] > 21  # the interrupts below come before the end
+
+    run = tmp_path / "run"
+    args = train_args(files, run)
+    # first interrupt: once the first evaluation (step 7) is on the console
+    code, stderr = interrupt(args, b"eval after epoch 1 (step 7)")
+    assert code == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "continue the run where it stopped with the same command plus --resume: " \
+           "python -m trainer.train --schema" in last and last.endswith(f"--out {run} --resume")
+    first = json.loads((run / "interrupted.json").read_text())
+    assert first["step"] >= 7 and first["checkpoint"] == "latest"
+    assert sorted(os.listdir(run)) == ["checkpoint", "eval", "interrupted.json", "latest",
+                                       "train"]
+
+    # second interrupt, in the resumed run: once it has evaluated again
+    code, stderr = interrupt([*args, "--resume"], b"eval after epoch 2")
+    assert code == 130, stderr
+    second = json.loads((run / "interrupted.json").read_text())
+    assert second["step"] > first["step"]
+    assert stderr.strip().splitlines()[-1].endswith(f"--out {run} --resume")  # said once
+
+    resumed = command(*args, "--resume", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(resumed.stdout)
+    assert sorted(os.listdir(tmp_path)) == ["run", "straight"]  # no temporary directory
+    assert sorted(os.listdir(run)) == ["checkpoint", "eval", "result.json", "train"]
+
+    for key in set(expected) | set(result):
+        if key in TIMINGS:
+            continue
+        if key == "run_dir":
+            assert result[key] == str(run)
+        elif key == "evaluations":
+            assert [(e["epoch"], e["step"]) for e in result[key]] == [
+                (e["epoch"], e["step"]) for e in expected[key]]
+            np.testing.assert_allclose([e["auc"] for e in result[key]],
+                                       [e["auc"] for e in expected[key]], rtol=1e-5)
+        elif isinstance(expected[key], float):
+            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
+        else:
+            assert result[key] == expected[key], key
+
+    step, dense, rows = stored_model(run)
+    expected_step, expected_dense, expected_rows = stored_model(tmp_path / "straight")
+    assert step == expected_step == expected["checkpoint_step"]
+    for a, b in zip(dense, expected_dense):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert rows.keys() == expected_rows.keys()
+    for table in rows:
+        np.testing.assert_array_equal(rows[table]["ids"], expected_rows[table]["ids"])
+        for key in ("values", "state"):
+            np.testing.assert_allclose(rows[table][key], expected_rows[table][key], rtol=1e-5,
+                                       atol=1e-7, err_msg=f"{table} {key}")
+        for key in ("update_counts", "last_steps"):
+            np.testing.assert_array_equal(rows[table][key], expected_rows[table][key])
+
+    # the run is finished now: nothing to resume
+    again = command(*args, "--resume")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert again.stderr.strip() == (
+        f"python -m trainer.train: error: --out {run}: the run there finished (result.json, "
+        "no interrupted.json); --resume continues an interrupted run only. Start a new run in "
+        "another directory, or replace this one with --overwrite")
+
+
+def test_resume_refuses_what_it_cannot_continue(files, tmp_path):
+    run = tmp_path / "run"
+    args = train_args(files, run)
+    out = command(*args, "--resume", "--overwrite")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith(
+        "error: --resume continues the run in --out and --overwrite replaces it; pass one of "
+        "them")
+
+    out = command(*args, "--resume")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"python -m trainer.train: error: --out {run}: no interrupted run to resume (no "
+        "interrupted.json in it); run without --resume to start one")
+    assert not run.exists()
+
+    # an interrupted run (stopped by SIGTERM this time) and a command that differs from it
+    code, stderr = interrupt(args, b"eval after epoch 1 (step 7)", signal.SIGTERM)
+    assert code == 143, stderr
+    before = sorted(p.name for p in run.iterdir())
+    changed = [a if a != "100" else "50" for a in map(str, args)]  # --batch-size 50
+    changed[changed.index("--hidden") + 1] = "16"
+    out = command(*changed, "--train-data", files / "train-0.parquet", "--resume")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        f"python -m trainer.train: error: --out {run}: this command is not the interrupted "
+        "run's: --config (or --compute, --batch-size, --seed) differs; --hidden "
+        '{"hidden": [8]} then, {"hidden": [16]} now; --train-data [train-0.parquet (' +
+        f"{os.path.getsize(files / 'train-0.parquet'):,} bytes), train-1.parquet "
+        f"({os.path.getsize(files / 'train-1.parquet'):,} bytes)] then, [train-0.parquet "
+        f"({os.path.getsize(files / 'train-0.parquet'):,} bytes)] now. Resume with the same "
+        "arguments plus --resume (the files unchanged), or start a new run in another "
+        "directory")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+    out = command(*args)  # without --resume: refused as any other run
+    assert out.returncode == 2 and "the directory is not empty" in out.stderr
+
+
+def test_a_signal_before_training_leaves_no_run_or_a_resumable_one(files, tmp_path):
+    """SIGINT as soon as the staged run directory exists (TensorFlow loaded, the trainer being
+    set up, training about to start): exit 130, and either nothing or a run that resumes."""
+    run = tmp_path / "run"
+    args = train_args(files, run)
+    child = subprocess.Popen([sys.executable, "-m", "trainer.train", *map(str, args),
+                              "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        while not any(p.name.startswith(".run.tmp-") for p in tmp_path.iterdir()):
+            assert child.poll() is None, child.communicate()[1].decode()
+            time.sleep(0.01)  # polling for the staged directory, not waiting a fixed time
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130, stderr.decode()
+    assert "Traceback" not in stderr.decode()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    if names == ["run"]:  # the signal came once training had started: a resumable run
+        assert (run / "interrupted.json").exists()
+        resumed = command(*args, "--resume", "--no-progress")
+        assert resumed.returncode == 0, resumed.stderr
+    else:
+        assert names == []
