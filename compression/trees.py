@@ -355,9 +355,12 @@ def _list_as_binary(column: pa.Array, feature: Feature) -> pa.Array:
         items = pa.array(_encode(items)[0].astype(np.int32))
     width = items.type.bit_width // 8
     data = items.buffers()[1]
-    if data is None:
+    if data is None or len(items) == 0:
+        # Arrow refuses a null data pointer, which an empty buffer that crossed a process
+        # boundary (Beam) may have: every list empty, e.g. a CSV column of empty cells.
         data = pa.py_buffer(b"")
-    data = data.slice(items.offset * width, len(items) * width)
+    else:
+        data = data.slice(items.offset * width, len(items) * width)
     offsets = column.offsets.to_numpy()
     if len(items) * width <= _INT32_MAX:
         offsets = (offsets - offsets[0]) * np.int32(width)

@@ -146,6 +146,23 @@ def test_csv_and_json_lines_inputs(tmp_path):
     assert summary["samples"] == 120 and summary["input_files"] == 2
 
 
+def test_a_csv_whose_list_column_holds_only_empty_lists(tmp_path):
+    """Every ``hist`` cell empty: the list column reaches the tree build with an empty values
+    buffer (once failed the job with Arrow's "Value data buffer is null")."""
+    rows = [{**r, "hist": []} for r in _small_rows(40, seed=3)]
+    schema_path = tmp_path / "small.yaml"
+    schema_path.write_text(SMALL.to_yaml())
+    lines = ["uid,region,hist,aid,price,click"] + [
+        f"{r['uid']},{r['region']},,{r['aid']},{'|'.join(map(str, r['price']))},{r['click']}"
+        for r in rows]
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    summary = _run(schema_path, tmp_path / "a.csv", tmp_path / "out", "--shards", 2)
+    trees = compression.read_trees(str(tmp_path / "out" / "part-*.parquet"))
+    expected = pa.Table.from_pylist(rows, schema=SMALL.raw_arrow_schema())
+    assert row_multiset(compression.flatten(trees, SMALL)) == row_multiset(expected)
+    assert summary["samples"] == 40 and summary["bad_rows"] == 0
+
+
 def test_format_flag_overrides_the_extension(tmp_path):
     rows = _small_rows(10)
     schema_path = tmp_path / "small.yaml"
@@ -194,12 +211,12 @@ def test_bad_rows_go_to_the_dead_letter_and_fail_the_job_past_the_limit(tmp_path
                   for line in f.read_text().splitlines())
     source = str(raw / "bad.parquet")
     assert sorted(dead, key=lambda d: d["row"]) == [
-        {"source": source, "row": 5,
-         "reason": "label 'click' row 5: value out of range, labels must be in [0, 1]"},
-        {"source": source, "row": 17,
-         "reason": "key column 'user_id' row 17: null value; every row needs a key"},
-        {"source": source, "row": 250,
-         "reason": "label 'click' row 250: value out of range, labels must be in [0, 1]"},
+        {"source": source, "row": 6,  # rows counted from 1: the 0-based index 5
+         "reason": "label 'click' row 6: value out of range, labels must be in [0, 1]"},
+        {"source": source, "row": 18,
+         "reason": "key column 'user_id' row 18: null value; every row needs a key"},
+        {"source": source, "row": 251,
+         "reason": "label 'click' row 251: value out of range, labels must be in [0, 1]"},
     ]
     kept = compression.flatten(compression.read_trees(str(tmp_path / "out" / "part-*.parquet")),
                                TAOBAO)
