@@ -21,31 +21,40 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
   and config (same seed), so their initial dense weights are equal. Trees are dealt to workers by
   a hash of their root key (:func:`tree_workers`), so no tree crosses workers.
 - **One synchronous step** ``k``, as a graph of actor calls whose arrays flow between the
-  actors through Ray's object store (the driver passes references and reads small metadata):
+  actors through Ray's object store (the driver passes references and reads small metadata);
+  every worker's reader thread prepares its batches ahead, deduplicated per table and split by
+  shard (one request per shard, all tables in it):
 
-  1. every worker applies step ``k-1``'s dense update (all workers' dense gradients, their
-     leaf-weighted mean in worker order: the same numbers on every worker, so their weights
-     stay identical) and hands out its next batch, which its reader thread has prepared,
-     deduplicated per table and split by shard ahead: one request per shard, all tables in
-     it (``_Worker.next_step``);
-  2. every shard receives the requests of all workers in one call, runs ONE ``lookup_unique``
-     per table over their concatenation (so an entry filter counts an id once per step, as the
-     single store does for the union batch) and sends each worker its rows (``_Shard.lookup``);
-  3. every worker computes its loss, dense gradients and row gradients, and sends each shard
-     the row gradients of its ids (``_Worker.train_step``);
-  4. every shard concatenates the gradients of all workers per table and calls
-     ``apply_gradients`` once per table with step ``k`` (the store sums a row's gradients over
-     the workers), then runs the configured expiry when ``k`` is a multiple of ``every_steps``
-     (``_Shard.apply``).
+  1. every worker computes its batch's loss, dense gradients and row gradients on the rows the
+     shards sent, and hands out its next batch's requests (``_Worker.train_step``);
+  2. every worker applies step ``k``'s dense update: all workers' dense gradients, their
+     leaf-weighted mean in worker order, the same numbers on every worker, so their weights
+     stay identical (``_Worker.apply_dense``; it runs while the shards work);
+  3. every shard, in one call (``Shard.step``), concatenates the gradients of all workers per
+     table and calls ``apply_gradients`` once per table with step ``k`` (the store sums a
+     row's gradients over the workers), runs the configured expiry when ``k`` is a multiple of
+     ``every_steps``, then receives the requests of all workers for step ``k+1`` and runs ONE
+     ``lookup_unique`` per table over their concatenation (so an entry filter counts an id once
+     per step, as the single store does for the union batch), and sends each worker its rows.
 
-  The driver submits step ``k+1``'s calls before it reads step ``k``'s results; Ray runs an
-  actor's calls in the order one caller submitted them, so a shard's lookups of step ``k+1``
-  still follow its updates of step ``k``. A step submitted past the end of the data changes
-  nothing (its shards skip the update) and carries the last dense update.
-- **Checkpoints** (:meth:`DistributedTrainer.save`): after the step's calls are done, every
-  shard writes its snapshots, worker 0 gives the dense weights and optimizer state, and the
-  driver writes ``manifest.json`` last; :meth:`DistributedTrainer.restore` reads the manifest
-  and may use another number of workers or shards (resharding moves every row exactly).
+  So a step is two hops on its critical path (worker, shard). The driver submits step
+  ``k+1``'s calls before it reads step ``k``'s results; Ray runs an actor's calls in the order
+  one caller submitted them. A step submitted past the end of the data changes nothing (its
+  shards skip the update). Before a checkpoint or an evaluation the shards apply step ``k``
+  without the lookup of ``k+1`` (the pipeline drains), so nothing of step ``k+1`` has run.
+- **Checkpoints** (:meth:`DistributedTrainer.save`): between steps, every shard writes its
+  snapshots, worker 0 gives the dense weights and optimizer state, and the driver writes
+  ``manifest.json`` last, with every worker's input position (the pass, and the batches each
+  worker took from it); :meth:`DistributedTrainer.restore` reads the manifest and may use
+  another number of workers or shards (resharding moves every row exactly).
+- **Faults** (``fit(checkpoint_dir=..., checkpoint_every=...)``): actors are created with
+  ``max_restarts`` and no task retries. When an actor's process dies, the calls that needed it
+  fail; Ray restarts the process (the constructor runs again, so its state is fresh, and it
+  refuses step calls until it is rolled back); the driver waits until every actor answers,
+  loads the last checkpoint of this fit into all of them (:meth:`DistributedTrainer.load`),
+  forgets the steps since, and restarts the pass at the manifest's input positions (the
+  workers batch their first trees again and skip them). The run then ends as an uninterrupted
+  one (``tests/trainer/test_distributed_faults.py``).
 
 **Exactness.** With workers holding ``n_w`` leaves (``N = sum n_w``), the single-process loss
 of the union batch is the mean over its ``N`` leaves, so ``L = sum_w (n_w / N) L_w`` and every
@@ -70,16 +79,19 @@ different masks in different processes.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 import os
 import queue
+import re
 import shutil
 import socket
 import sys
 import threading
 import time
+import warnings
 from collections import defaultdict
 
 import numpy as np
@@ -99,6 +111,9 @@ from trainer.data import _file_tables, is_tree_table
 from trainer.metrics import StreamingAUC, auc, logloss
 
 MANIFEST_VERSION = 1
+# Shards are processes; past a few thousand the per-step calls (one per shard and worker)
+# cost more than the rows they hold, whatever the number of distinct ids.
+MAX_SHARDS = 4096
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -253,22 +268,51 @@ def _shard_class():
             """``restore``: None (empty stores), ``(snapshot dir,)`` (this shard's own
             snapshots) or a list of several: the snapshots of a checkpoint with another
             number of shards, of which this shard keeps its own ids (resharding)."""
-            import native as native_
-
             self.index, self.shards = index, shards
+            self.tables = tables
             self.expiry = {t: spec["expire"] for t, spec in tables.items()}
             self.expired = 0
             self.timings = {"lookup": 0.0, "apply": 0.0}
+            # Ray re-runs this constructor when it restarts the actor after its process died:
+            # the stores are then empty, so step calls are refused until the driver has
+            # loaded a checkpoint (``load``) instead of silently training on empty tables.
+            self.load(restore)
+            try:  # (not _reconstructed(): that would import the trainer package here)
+                import ray as ray_
+
+                context = ray_.get_runtime_context()
+                self.restarted = (context.get_actor_id() is not None
+                                  and bool(context.was_current_actor_reconstructed))
+            except Exception:  # noqa: BLE001 - not in a Ray actor (tests use the class)
+                self.restarted = False
+
+        def load(self, restore=None, expired: int | None = None):
+            """Replace every store: ``restore`` as the constructor takes it."""
+            import native as native_
+
+            tables = self.tables
             if restore is None:
-                self.stores = {t: native_.EmbeddingStore(spec["store"])
-                               for t, spec in tables.items()}
+                stores = {t: native_.EmbeddingStore(spec["store"]) for t, spec in tables.items()}
             elif isinstance(restore, tuple):
-                self.stores = {t: native_.EmbeddingStore.load(os.path.join(restore[0], t),
-                                                             spec["store"])
-                               for t, spec in tables.items()}
+                stores = {t: native_.EmbeddingStore.load(os.path.join(restore[0], t),
+                                                         spec["store"])
+                          for t, spec in tables.items()}
             else:
-                self.stores = {t: self._reshard(native_, t, spec["store"], restore)
-                               for t, spec in tables.items()}
+                stores = {t: self._reshard(native_, t, spec["store"], restore)
+                          for t, spec in tables.items()}
+            self.stores = stores
+            if expired is not None:
+                self.expired = expired
+            self.restarted = False
+            return self.index
+
+        def _check(self):
+            if self.restarted:
+                raise RuntimeError(f"{_RESTARTED}: store shard {self.index} was restarted "
+                                   "and holds no rows until a checkpoint is loaded")
+
+        def pid(self):
+            return os.getpid()
 
         def _owned(self, ids):
             """``shard_of(ids, shards) == index`` (the same mix64 as the module's)."""
@@ -329,6 +373,7 @@ def _shard_class():
             per worker (a list when there are several)."""
             import time as time_
 
+            self._check()
             t0 = time_.perf_counter()
             out = [{} for _ in requests]
             empty = np.zeros(0, np.int64)
@@ -349,6 +394,7 @@ def _shard_class():
             due at ``step``; returns the rows expired."""
             import time as time_
 
+            self._check()
             t0 = time_.perf_counter()
             total = sum(n for n, _ in messages)
             if not total:  # a step past the end of the data: nothing happened
@@ -371,6 +417,17 @@ def _shard_class():
             self.timings["apply"] += time_.perf_counter() - t0
             return removed
 
+        def step(self, step: int, mean: bool, workers: int, lookup: bool, *messages):
+            """:meth:`apply` of step ``step`` (``messages[:workers]``: every worker's
+            gradients), then, with ``lookup``, the training :meth:`lookup` of the next step
+            (``messages[workers:]``: every worker's requests). Returns ``(rows expired,
+            rows for worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
+            removed = self.apply(step, mean, *messages[:workers])
+            if not lookup:
+                return removed
+            rows = self.lookup(True, *messages[workers:])
+            return (removed,) + (tuple(rows) if workers > 1 else (rows,))
+
         def _expire(self, table: str, step: int) -> int:
             import importlib
 
@@ -390,7 +447,18 @@ def _shard_class():
         def rows(self) -> dict:
             return {t: s.to_numpy() for t, s in self.stores.items()}
 
+        def snapshot(self, root: str) -> dict:
+            """Every table's snapshot to ``root/<table>/shard-NNNN`` (a serving export)."""
+            self._check()
+            paths = {}
+            for table, store in self.stores.items():
+                path = os.path.join(root, table, f"shard-{self.index:04d}")
+                os.makedirs(path, exist_ok=True)
+                paths[table] = store.save(path)
+            return paths
+
         def save(self, directory: str) -> dict:
+            self._check()
             paths = {}
             for table, store in self.stores.items():
                 os.makedirs(os.path.join(directory, table), exist_ok=True)
@@ -398,10 +466,32 @@ def _shard_class():
             return {"expired": self.expired, "paths": paths,
                     "rows": {t: len(s) for t, s in self.stores.items()}}
 
-        def set_expired(self, expired: int):
-            self.expired = expired
+        def export_delta(self, directory: str) -> dict:
+            """Every table's rows changed since this shard's previous delta (and tombstones)
+            to ``directory/<table>/shard-NNNN/delta-MMMMMM.bin``; returns table -> path."""
+            self._check()
+            paths = {}
+            for table, store in self.stores.items():
+                path = os.path.join(directory, table, f"shard-{self.index:04d}")
+                os.makedirs(path, exist_ok=True)
+                paths[table] = store.export_delta(path)
+            return paths
 
     return Shard
+
+
+_RESTARTED = "prefixrec: actor restarted"
+
+
+def _reconstructed() -> bool:
+    """Whether this process is a Ray actor that Ray restarted after its process died."""
+    try:
+        import ray as ray_
+
+        context = ray_.get_runtime_context()
+        return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in a Ray actor (tests use the classes directly)
+        return False
 
 
 # -- the worker actor ---------------------------------------------------------------------
@@ -417,6 +507,32 @@ class _FixedRows:
 
     def lookup_unique(self, ids, train):
         return self.result
+
+
+class _Stream:
+    """One pass being read by a worker's reader thread into a bounded queue."""
+
+    def __init__(self, depth: int):
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.stop = threading.Event()
+        self.first = None                     # the pass's first batch (dense statistics)
+        self.first_ready = threading.Event()
+        self.released = threading.Event()     # batches are prepared once this is set
+        self.thread: threading.Thread | None = None
+
+    def put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
 
 
 class _Worker:
@@ -450,66 +566,66 @@ class _Worker:
         self._apply = tf.function(apply_dense, input_signature=[
             [tf.TensorSpec(v.shape, v.dtype) for v in variables]])
         self._dedupe = native.EmbeddingStore(native.StoreConfig(dim=1))
-        self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
-        self._thread = None
-        self._current = None
+        self._streams: dict[str, _Stream] = {}
+        self._current: dict = {}  # stream -> the batch taken from it last (None: its end)
         self.timings = defaultdict(float)
+        # a process Ray restarted has fresh weights: refuse steps until ``reset``
+        self.restarted = _reconstructed()
+
+    def _check(self):
+        if self.restarted:
+            raise RuntimeError(f"{_RESTARTED}: worker {self.index} was restarted and holds "
+                               "fresh weights until a checkpoint is loaded")
+
+    def pid(self):
+        return os.getpid()
 
     # data ---------------------------------------------------------------------------------
 
-    def start(self, data, pass_index: int, shuffle: bool, train: bool) -> None:
-        """Start reading a pass: ``data`` as ``worker_batches`` takes it, or this worker's
-        list of TreeBatches. The reader prepares batches ahead once the dense statistics are
-        resolved (``release``)."""
-        self.close_pass()
-        self._stop = threading.Event()
-        self._queue = queue.Queue(max(self.trainer.config.pipeline_depth, 1))
-        self._first = None
-        self._first_ready = threading.Event()
-        self._released = threading.Event()
+    def start(self, stream: str, data, pass_index: int, shuffle: bool, skip: int = 0) -> None:
+        """Start reading a pass into ``stream`` ("train" or "eval", so that an evaluation
+        between steps leaves the training pass where it is): ``data`` as ``worker_batches``
+        takes it, or this worker's list of TreeBatches, less its first ``skip`` batches (a
+        pass resumed from a checkpoint). The reader prepares batches ahead once the dense
+        statistics are resolved (``release``)."""
+        self.close_pass(stream)
         if isinstance(data, (list, tuple)) and (not data or isinstance(data[0], TreeBatch)):
-            batches = iter(list(data))
+            batches = iter(list(data)[skip:])
         else:
             batches = worker_batches(data, self.schema, self.trainer.config, self.index,
                                      self.workers, pass_index, shuffle)
-        self._thread = threading.Thread(target=self._read, args=(batches,), daemon=True,
-                                        name=f"worker{self.index}-read")
-        self._thread.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
+            for _ in zip(range(skip), batches):  # batched again, not prepared or trained
                 pass
-        return False
+        state = self._streams[stream] = _Stream(max(self.trainer.config.pipeline_depth, 1))
+        state.thread = threading.Thread(target=self._read, args=(state, batches), daemon=True,
+                                        name=f"worker{self.index}-{stream}")
+        state.thread.start()
 
-    def _read(self, batches):
+    def _read(self, state, batches):
         try:
             for i, batch in enumerate(batches):
                 if i == 0:
-                    self._first = batch
-                    self._first_ready.set()
-                while not self._released.wait(0.05):
-                    if self._stop.is_set():
+                    state.first = batch
+                    state.first_ready.set()
+                while not state.released.wait(0.05):
+                    if state.stop.is_set():
                         return
                 t0 = time.perf_counter()
                 item = self._split(self.trainer.prepare_numpy(batch))
                 self.timings["prepare"] += time.perf_counter() - t0
-                if not self._put(item):
+                if not state.put(item):
                     return
         except BaseException as e:  # raised in next_step, in the driver's call
-            self._put(e)
+            state.put(e)
         finally:
-            self._first_ready.set()
-            self._put(_END)
+            state.first_ready.set()
+            state.put(_END)
 
-    def dense_sample(self, names):
+    def dense_sample(self, stream: str, names):
         """The first batch's dense values and leaf weights (None: no batch this pass)."""
-        self._first_ready.wait()
-        return None if self._first is None else dense_sample(self._first, self.schema, names)
+        state = self._streams[stream]
+        state.first_ready.wait()
+        return None if state.first is None else dense_sample(state.first, self.schema, names)
 
     def set_config(self, config_dict: dict) -> None:
         config = TrainConfig.from_dict(config_dict)
@@ -517,14 +633,24 @@ class _Worker:
         for name, dense in config.dense:
             self.trainer.layout.dense_configs[name] = dense
 
-    def release(self) -> None:
-        self._released.set()
+    def release(self, stream: str) -> None:
+        self._streams[stream].released.set()
 
-    def close_pass(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._thread = None
+    def close_pass(self, stream: str | None = None) -> None:
+        """Stop reading ``stream`` (every stream when None)."""
+        for name in ([stream] if stream is not None else list(self._streams)):
+            state = self._streams.pop(name, None)
+            if state is not None:
+                state.close()
+
+    def reset(self, config_dict: dict, dense_arrays: dict) -> int:
+        """Back to a checkpoint: its config and dense state, no pass open."""
+        self.close_pass()
+        self._current = {}
+        self.set_config(config_dict)
+        self.set_dense_state(dense_arrays)
+        self.restarted = False
+        return self.index
 
     # steps --------------------------------------------------------------------------------
 
@@ -546,28 +672,31 @@ class _Worker:
                 "rows_bytes": sum(len(t[0]) * dims[name] * 4 for name, t in tables.items())}
         return prepared, tables, requests, meta
 
-    def next_step(self, dense_messages: int = 0, *messages):
+    def next_step(self, stream: str, dense_messages: int = 0, *messages):
         """First the previous step's dense update (``messages``: every worker's dense message,
         see :meth:`apply_dense`; here it runs while the shards apply that step's rows), then
-        the next batch: returns ``(meta, request for shard 0, ..., request for shard S-1)``,
-        its ids deduplicated per table and split by shard."""
+        the next batch of ``stream``: returns ``(meta, request for shard 0, ..., request for
+        shard S-1)``, its ids deduplicated per table and split by shard."""
+        self._check()
         if dense_messages:
             self.apply_dense(*messages)
         t0 = time.perf_counter()
-        item = self._queue.get() if self._queue is not None else _END
+        state = self._streams.get(stream)
+        item = state.queue.get() if state is not None else _END
         if isinstance(item, BaseException):
             raise item
         self.timings["wait_data"] += time.perf_counter() - t0
         if isinstance(item, str) and item == _END:
-            self._current = None
-            self._queue.put(_END)  # later calls see the end too
+            self._current[stream] = None
+            if state is not None:
+                state.queue.put(_END)  # later calls see the end too
             return ({"n": 0},) + tuple({} for _ in range(self.shards))
         prepared, tables, requests, meta = item
-        self._current = (prepared, tables)
+        self._current[stream] = (prepared, tables)
         return (meta,) + tuple(requests)
 
-    def _feed(self, shard_rows):
-        prepared, tables = self._current
+    def _feed(self, current, shard_rows):
+        prepared, tables = current
         stores = {}
         for table, (unique, inverse, positions) in tables.items():
             dim = self.trainer.layout.dims[table]
@@ -578,22 +707,30 @@ class _Worker:
         return self.trainer.builder.lookup(prepared, stores, train=True)
 
     def train_step(self, *shard_rows):
-        """The loss and gradients of the current batch on the rows the shards sent (one
-        message per shard). Returns ``(meta, dense message, message for shard 0, ..., shard
-        S-1)``. Messages hold per-sample sums (``n * gradient of the mean loss``) and the
-        leaf count ``n``."""
+        """The loss and gradients of the current training batch on the rows the shards sent
+        (one message per shard), then the next batch taken from the training stream.
+        Returns ``(meta, dense message, message for shard 0, ..., shard S-1, next meta,
+        next request for shard 0, ..., shard S-1)``. Messages hold per-sample sums (``n *
+        gradient of the mean loss``) and the leaf count ``n``; requests as
+        :meth:`next_step`. One call per step: the shards then apply this step and look the
+        next one up in one call too (``Shard.step``)."""
+        return self._gradient_messages(shard_rows) + self.next_step("train")
+
+    def _gradient_messages(self, shard_rows) -> tuple:
         from trainer.network import sum_row_slices
 
-        if self._current is None:
+        self._check()
+        current = self._current.get("train")
+        if current is None:
             return ({"n": 0}, (0, None)) + tuple((0, {}) for _ in range(self.shards))
         t0 = time.perf_counter()
-        feed = self._feed(shard_rows)
+        feed = self._feed(current, shard_rows)
         n = feed.num_leaves
         loss, dense, row_slices, probabilities = self._gradients(feed.feed)
         rows = sum_row_slices(row_slices, feed.feed["rows"])
         scale = np.float32(n)
         messages = [{} for _ in range(self.shards)]
-        _, tables = self._current
+        _, tables = current
         for table, (dim, a, b) in feed.row_ranges.items():
             unique, _, positions = tables[table]
             grads = rows[str(dim)][a:b]
@@ -611,6 +748,7 @@ class _Worker:
 
     def apply_dense(self, *messages) -> None:
         """Apply the leaf-weighted mean of all workers' dense gradients (in worker order)."""
+        self._check()
         t0 = time.perf_counter()
         total = sum(n for n, _ in messages)
         summed = None
@@ -623,9 +761,11 @@ class _Worker:
         self.timings["apply_dense"] += time.perf_counter() - t0
 
     def predict_step(self, *shard_rows):
-        if self._current is None:
+        self._check()
+        current = self._current.get("eval")
+        if current is None:
             return {"n": 0}
-        feed = self._feed(shard_rows)
+        feed = self._feed(current, shard_rows)
         loss, probabilities = self.trainer.network.predict_step(feed.feed)
         return {"n": feed.num_leaves, "loss": float(loss),
                 "probabilities": {k: v.numpy() for k, v in probabilities.items()},
@@ -633,12 +773,24 @@ class _Worker:
 
     # state ----------------------------------------------------------------------------------
 
+    def ping(self):
+        return self.index
+
     def dense_state(self) -> dict:
+        self._check()
         network = self.trainer.network
         arrays = {f"model/{i:04d}": v.numpy() for i, v in enumerate(network.variables)}
         arrays.update({f"optimizer/{i:04d}": np.asarray(v.numpy())
                        for i, v in enumerate(network.optimizer.variables)})
         return {"arrays": arrays, "variables": [v.path for v in network.variables]}
+
+    def variable_shapes(self) -> dict:
+        """``model/NNNN`` and ``optimizer/NNNN`` -> shape: what a checkpoint must hold."""
+        network = self.trainer.network
+        shapes = {f"model/{i:04d}": tuple(v.shape) for i, v in enumerate(network.variables)}
+        shapes.update({f"optimizer/{i:04d}": tuple(v.shape)
+                       for i, v in enumerate(network.optimizer.variables)})
+        return shapes
 
     def set_dense_state(self, arrays: dict) -> None:
         network = self.trainer.network
@@ -696,19 +848,82 @@ def _table_specs(config: TrainConfig, tables, shards: int) -> dict:
     return specs
 
 
-def _restore_for(directory, shard: int, shards: int):
-    """What shard ``shard`` of ``shards`` restores from a checkpoint ``directory``."""
-    if directory is None:
-        return None
-    with open(os.path.join(directory, "manifest.json")) as f:
-        saved = json.load(f)
-    dirs = [os.path.join(directory, d) for d in saved["shard_dirs"]]
-    return (dirs[shard],) if saved["shards"] == shards else dirs
+def _shard_snapshot_spec(directory: str, manifest: dict, shard: int, shards: int):
+    """What shard ``shard`` of ``shards`` loads from a checkpoint ``directory``."""
+    dirs = [os.path.join(directory, d) for d in manifest["shard_dirs"]]
+    return (dirs[shard],) if manifest["shards"] == shards else dirs
+
+
+def read_manifest(directory) -> dict:
+    """A distributed checkpoint's ``manifest.json``, with clear errors for what is not one."""
+    directory = os.path.abspath(os.fspath(directory))
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        if os.path.exists(os.path.join(directory, "trainer.json")):
+            raise FileNotFoundError(f"{directory}: a single-process checkpoint (trainer.json, no "
+                                    "manifest.json); restore it with trainer.Trainer.restore"
+                                    ) from None
+        raise FileNotFoundError(f"{directory}: no distributed checkpoint (manifest.json "
+                                "missing; a checkpoint without one was not finished)") from None
+    if manifest.get("kind") != "prefixrec-distributed" or \
+            manifest.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{path}: not a version-{MANIFEST_VERSION} distributed checkpoint")
+    return manifest
+
+
+def _schema_difference(saved: dict, current: dict) -> str:
+    """What differs between two schemas' dicts, in words."""
+    def features(d):
+        return {(layer["name"], f["name"]): f for layer in d["layers"] for f in layer["features"]}
+
+    a, b = features(saved), features(current)
+    parts = []
+    if set(a) - set(b):
+        parts.append("features only in the checkpoint: "
+                     + ", ".join(f"{l}.{n}" for l, n in sorted(set(a) - set(b))))
+    if set(b) - set(a):
+        parts.append("features only in this trainer: "
+                     + ", ".join(f"{l}.{n}" for l, n in sorted(set(b) - set(a))))
+    changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
+    if changed:
+        parts.append("features changed: " + ", ".join(f"{l}.{n}" for l, n in changed))
+    if not parts:
+        keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        parts.append("differs in " + (", ".join(keys) or "the layers' keys or order"))
+    return "; ".join(parts)
+
+
+def _is_actor_failure(error: BaseException) -> bool:
+    """An actor's process died (or Ray restarted it and it refused to go on without a
+    checkpoint), as opposed to an error in the step itself."""
+    return isinstance(error, ray.exceptions.RayActorError) or _RESTARTED in str(error)
 
 
 def _refs(value, n: int) -> list:
     """``num_returns=n`` gives a single ref for n == 1, a list otherwise."""
     return [value] if n == 1 else list(value)
+
+
+class _FitProgress:
+    """What one ``fit`` accumulates on the driver besides the trainer's counters; copied at
+    every checkpoint so that a rollback forgets the steps it replays."""
+
+    def __init__(self):
+        self.train_auc, self.window_auc = StreamingAUC(), StreamingAUC()
+        self.loss = float("nan")
+        self.label = None
+        self.evaluations: list[dict] = []
+        self.best: dict | None = None
+        self.stale = 0  # evaluations since the best one
+
+    def snapshot(self) -> dict:
+        return copy.deepcopy(self.__dict__)
+
+    def restore(self, snapshot: dict) -> None:
+        self.__dict__.update(copy.deepcopy(snapshot))
 
 
 class DistributedTrainer:
@@ -721,13 +936,15 @@ class DistributedTrainer:
     cluster is started and stopped by :meth:`close`; with one (``HOST:PORT`` of a running
     cluster's head, or ``auto``) the trainer connects to it, failing within
     ``connect_timeout`` seconds when nothing answers. If Ray is already initialised in this
-    process, that cluster is used and left running. ``actor_cpus``: CPUs each actor reserves."""
+    process, that cluster is used and left running. ``actor_cpus``: CPUs each actor reserves.
+    ``max_restarts``: how many times Ray restarts each actor whose process died; ``fit`` with
+    a ``checkpoint_dir`` then rolls every actor back to its last checkpoint and goes on."""
 
     def __init__(self, schema: Schema, model=None, config: TrainConfig | None = None, *,
                  workers: int = 2, shards: int = 2, ray_address: str | None = None,
                  num_cpus: int | None = None, actor_cpus: float = 1.0,
                  connect_timeout: float = 10.0, runtime_env: dict | None = None,
-                 _restore_dir: str | None = None):
+                 max_restarts: int = 3):
         if not isinstance(schema, Schema):
             raise TypeError(f"schema: expected a schemas.Schema, got {type(schema).__name__}")
         self.workers = _check_count("workers", workers)
@@ -736,9 +953,15 @@ class DistributedTrainer:
         self.config = config = config or TrainConfig()
         self.tables = config.check(schema)
         for table in self.tables:
-            expiry = config.table(table).expire
-            if expiry is not None and expiry.function is not None:
-                resolve_function(expiry.function, f"tables.{table}.expire.function")
+            tc = config.table(table)
+            if tc.expire is not None and tc.expire.function is not None:
+                resolve_function(tc.expire.function, f"tables.{table}.expire.function")
+            if tc.max_rows is not None and self.shards > tc.max_rows:
+                # ids live on mix64(id) % shards: with more shards than rows allowed, the
+                # per-shard cap ceil(max_rows / shards) would let the table grow to `shards`
+                raise ValueError(
+                    f"shards: {self.shards} shards for table {table!r}, which holds at most "
+                    f"{tc.max_rows} rows (max_rows); use at most {tc.max_rows} shards")
         model = model if model is not None else models_lib.MLP()
         if isinstance(model, models_lib.DenseNet):
             if hasattr(model, "check"):
@@ -754,15 +977,24 @@ class DistributedTrainer:
         else:
             raise TypeError(f"model: expected a DenseNet or a function returning one, got "
                             f"{type(model).__name__}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or \
+                max_restarts < 0:
+            raise ValueError(f"max_restarts: expected a whole number >= 0, got {max_restarts!r}")
+        self.max_restarts = max_restarts
         self.model_spec = self._model if isinstance(self._model, dict) else None
         self.step = 0
         self.samples = 0
         self.expired = 0
-        self.passes = 0        # training passes started (the input position between fits)
+        self.passes = 0        # training passes started
+        # batches each worker took from pass `passes` (the input position a checkpoint
+        # records); None once that pass is finished
+        self._positions: list[int] | None = None
         self.bytes = defaultdict(int)  # bytes moved, summed over steps
         self.losses: list[float] = []  # the union batch's loss of every step
         self.ids_fed = 0       # ids looked up (per node in structured compute), all workers
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
+        self.recoveries: list[dict] = []  # one per rollback after an actor died
+        self._rollback = None  # the last checkpoint fit wrote, to roll back to
         self._owns_ray = False
         self._closed = False
         if ray_address is not None:
@@ -791,18 +1023,21 @@ class DistributedTrainer:
                     f"has {cpus:g} CPUs; {self.workers} workers + {self.shards} shards at "
                     f"{actor_cpus:g} CPU each need {needed:g} (lower actor_cpus or add nodes)")
             specs = _table_specs(config, self.tables, self.shards)
+            # Ray restarts a dead actor by running its constructor again (max_restarts); a
+            # task is never retried (max_task_retries=0): a step is not idempotent, the
+            # driver rolls everything back to a checkpoint instead.
+            options = dict(num_cpus=actor_cpus, max_restarts=max_restarts, max_task_retries=0)
             shard_cls = ray.remote(_shard_class())
-            self._shards = [
-                shard_cls.options(num_cpus=actor_cpus, name=None).remote(
-                    s, self.shards, specs, _restore_for(_restore_dir, s, self.shards))
-                for s in range(self.shards)]
+            self._shards = [shard_cls.options(**options).remote(s, self.shards, specs)
+                            for s in range(self.shards)]
             worker_cls = ray.remote(_Worker)
-            self._workers = [worker_cls.options(num_cpus=actor_cpus).remote(
+            self._workers = [worker_cls.options(**options).remote(
                 w, self.workers, self.shards, schema.to_dict(), self._model, config.to_dict())
                 for w in range(self.workers)]
             # fail here, not in the first step, when an actor cannot start
-            ray.get([s.ping.remote() for s in self._shards]
-                    + [w.get_timings.remote() for w in self._workers])
+            ray.get([s.ping.remote() for s in self._shards])
+            self._variable_shapes = ray.get(self._workers[0].variable_shapes.remote())
+            ray.get([w.ping.remote() for w in self._workers[1:]])
         except BaseException:
             self.close()
             raise
@@ -828,9 +1063,15 @@ class DistributedTrainer:
     def __exit__(self, *exc):
         self.close()
 
+    def actor_pids(self) -> dict:
+        """The process id of every actor: ``{"shards": [...], "workers": [...]}``."""
+        return {"shards": ray.get([s.pid.remote() for s in self._shards]),
+                "workers": ray.get([w.pid.remote() for w in self._workers])}
+
     # -- steps ----------------------------------------------------------------------------
 
-    def _start_pass(self, data, pass_index: int, shuffle: bool, train: bool) -> None:
+    def _start_pass(self, data, pass_index: int, shuffle: bool, stream: str,
+                    skip: list[int] | None = None) -> None:
         if _per_worker_lists(data, self.workers):
             parts = [ray.put(list(part)) for part in data]
         else:
@@ -843,48 +1084,102 @@ class DistributedTrainer:
             elif isinstance(data, (str, os.PathLike)):
                 compression.expand_paths(os.fspath(data))  # a clear error for a bad path
             parts = [data] * self.workers
-        ray.get([w.start.remote(p, pass_index, shuffle, train)
-                 for w, p in zip(self._workers, parts)])
+        skip = skip or [0] * self.workers
+        ray.get([w.start.remote(stream, p, pass_index, shuffle, k)
+                 for w, p, k in zip(self._workers, parts, skip)])
         names = _unresolved_dense(self.schema, self.config)
         if names:
-            samples = ray.get([w.dense_sample.remote(names) for w in self._workers])
+            samples = ray.get([w.dense_sample.remote(stream, names) for w in self._workers])
             self.config = resolve_dense(self.schema, self.config, samples)
             ray.get([w.set_config.remote(self.config.to_dict()) for w in self._workers])
-        ray.get([w.release.remote() for w in self._workers])
+        ray.get([w.release.remote(stream) for w in self._workers])
 
-    def _submit_step(self, step: int, mean: bool, dense_refs):
-        """Submit one training step's calls: returns (meta refs per worker, the workers'
-        train_step refs, the shards' apply refs). ``dense_refs``: the previous step's dense
-        messages, applied by every worker before this step's gradients."""
-        W, S = self.workers, self.shards
-        nxt = self._next(dense_refs)
-        rows = [_refs(shard.lookup.options(num_returns=W).remote(
-            True, *[nxt[w][1 + s] for w in range(W)]), W)
+    def _lookup(self, request_refs, train: bool) -> list:
+        """Every shard's rows for every worker: ``[shard][worker]`` refs. ``request_refs``:
+        ``[worker][shard]`` refs of the workers' requests."""
+        W = self.workers
+        return [_refs(shard.lookup.options(num_returns=W).remote(
+            train, *[request_refs[w][s] for w in range(W)]), W)
             for s, shard in enumerate(self._shards)]
-        outs = [_refs(worker.train_step.options(num_returns=S + 2).remote(
-            *[rows[s][w] for s in range(S)]), S + 2)
-            for w, worker in enumerate(self._workers)]
-        applied = [shard.apply.remote(step, mean, *[outs[w][2 + s] for w in range(W)])
-                   for s, shard in enumerate(self._shards)]
-        return [refs[0] for refs in nxt], outs, applied
 
-    def _next(self, dense_refs=None):
+    def _submit_step(self, step: int, mean: bool, rows, metas, lookup_next: bool) -> dict:
+        """Submit training step ``step``: every worker's ``train_step`` on ``rows``
+        (``[shard][worker]`` refs), a dense update of every worker right after it (it runs
+        while the shards work), and every shard's ``step``: apply this step's row gradients
+        and, with ``lookup_next``, look the workers' next batches up. Returns the refs:
+        ``results`` (per worker), ``metas`` (this step's batches, given), ``applied`` (rows
+        expired, per shard), ``dense_applied``, ``next_metas``, ``next_requests``
+        (``[worker][shard]``) and ``next_rows`` (``[shard][worker]``; None without
+        ``lookup_next``)."""
+        W, S = self.workers, self.shards
+        outs = [_refs(worker.train_step.options(num_returns=2 * S + 3).remote(
+            *[rows[s][w] for s in range(S)]), 2 * S + 3)
+            for w, worker in enumerate(self._workers)]
+        dense = [o[1] for o in outs]
+        dense_applied = [worker.apply_dense.remote(*dense) for worker in self._workers]
+        next_requests = [o[S + 3:] for o in outs]
+        applied, next_rows = [], [] if lookup_next else None
+        for s, shard in enumerate(self._shards):
+            grads = [outs[w][2 + s] for w in range(W)]
+            if lookup_next:
+                refs = _refs(shard.step.options(num_returns=W + 1).remote(
+                    step, mean, W, True, *grads, *[next_requests[w][s] for w in range(W)]),
+                    W + 1)
+                applied.append(refs[0])
+                next_rows.append(refs[1:])
+            else:
+                applied.append(shard.step.remote(step, mean, W, False, *grads))
+        return {"results": [o[0] for o in outs], "metas": metas, "applied": applied,
+                "dense_applied": dense_applied, "next_metas": [o[S + 2] for o in outs],
+                "next_requests": next_requests, "next_rows": next_rows}
+
+    def _next(self, stream: str, dense_refs=None):
         dense_refs = list(dense_refs or [])
         return [_refs(w.next_step.options(num_returns=self.shards + 1).remote(
-            len(dense_refs), *dense_refs), self.shards + 1) for w in self._workers]
+            stream, len(dense_refs), *dense_refs), self.shards + 1) for w in self._workers]
 
     def fit(self, data, epochs: int = 1, *, progress: bool = False,
-            log_dir: str | None = None, shuffle: bool = True, callback=None) -> dict:
+            log_dir: str | None = None, shuffle: bool = True, callback=None,
+            eval_data=None, eval_every: int | None = None, patience: int | None = None,
+            best_dir: str | None = None, checkpoint_dir: str | None = None,
+            checkpoint_every: int | None = None) -> dict:
         """Train ``epochs`` synchronous passes over ``data``: tree or raw files (a path, glob
         or list), a pyarrow Table (each worker keeps its own trees, :func:`worker_batches`),
-        or one list of TreeBatches per worker. Returns what ``Trainer.fit`` returns (samples,
-        steps, seconds, samples_per_sec, loss, train_auc, store_rows) plus
-        ``bytes_per_step`` (per worker and per shard). ``callback(trainer, loss)`` runs after
-        every step with the union batch's loss."""
-        from trainer.trainer import _progress_bar, write_scalars
+        or one list of TreeBatches per worker. A trainer restored from a checkpoint taken
+        in the middle of a pass first finishes that pass (it counts as one of ``epochs``).
+
+        ``eval_data``, ``eval_every``, ``patience`` and ``best_dir`` work as in
+        :meth:`trainer.Trainer.fit` (evaluation after every pass and every ``eval_every``
+        steps, the best checkpoint kept in ``best_dir``, early stopping, and back to the best
+        model at the end).
+
+        ``checkpoint_dir``: fault tolerance. A checkpoint (:meth:`save`) is written there
+        before the first step, after every pass and every ``checkpoint_every`` steps; when an
+        actor's process dies, Ray restarts it (``max_restarts``), every shard and worker is
+        rolled back to the last of these checkpoints and the steps since are replayed from its
+        input positions, so the run ends as an uninterrupted one would.
+
+        Returns what ``Trainer.fit`` returns (samples, steps, seconds, samples_per_sec, loss,
+        train_auc, store_rows, with ``eval_data`` evaluations, best, stopped_early) plus
+        ``bytes_per_step`` (per worker and per shard) and ``recoveries``. ``callback(trainer,
+        loss)`` runs after every step with the union batch's loss."""
+        from trainer.trainer import _progress_bar
 
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs: expected a positive integer, got {epochs!r}")
+        for key, value in (("eval_every", eval_every), ("patience", patience),
+                           ("checkpoint_every", checkpoint_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{key}: expected a positive integer or None, got {value!r}")
+        if (eval_every or patience or best_dir) and eval_data is None:
+            raise ValueError("eval_every, patience and best_dir need eval_data")
+        if checkpoint_every and not checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
+        if checkpoint_dir and best_dir and os.path.abspath(os.fspath(checkpoint_dir)) == \
+                os.path.abspath(os.fspath(best_dir)):
+            raise ValueError("checkpoint_dir and best_dir must be different directories")
+        W = self.workers
         mean = self.config.row_gradients == "mean"
         bar = _progress_bar(progress, None, "train")
         writer = None
@@ -892,83 +1187,251 @@ class DistributedTrainer:
             import tensorflow as tf
 
             writer = tf.summary.create_file_writer(os.path.join(log_dir, "train"))
-        train_auc, window_auc = StreamingAUC(), StreamingAUC()
+        run = _FitProgress()
         started = time.perf_counter()
         samples0, steps0, ids0, leaf_ids0 = self.samples, self.step, self.ids_fed, self.leaf_ids
-        bytes0 = dict(self.bytes)
-        mark_time, mark_samples = started, self.samples
-        loss = float("nan")
-        label = None
+        bytes0, recoveries0 = dict(self.bytes), len(self.recoveries)
+        marks = {"time": started, "samples": self.samples}
+        self._rollback = None
+
+        def evaluate(epoch: int) -> bool:
+            """Evaluate now (between steps); True when training should stop."""
+            result = self.evaluate(eval_data)
+            result.update(epoch=epoch, step=self.step, samples_trained=self.samples - samples0)
+            run.evaluations.append(result)
+            if progress:
+                bar.write(f"eval after epoch {epoch} (step {self.step}): AUC {result['auc']:.4f}"
+                          f" logloss {result['logloss']:.5f}", file=sys.stderr)
+            if run.best is None or result["auc"] > run.best["auc"]:
+                run.best, run.stale = result, 0
+                if best_dir:
+                    self.save(best_dir)
+            else:
+                run.stale += 1
+            return patience is not None and run.stale >= patience
+
+        def checkpoint() -> None:
+            path = self.save(checkpoint_dir)
+            self._rollback = {"directory": path, "losses": len(self.losses),
+                              "ids_fed": self.ids_fed, "leaf_ids": self.leaf_ids,
+                              "bytes": dict(self.bytes), "progress": run.snapshot()}
+
+        def after_step(results, metas) -> None:
+            n = sum(r["n"] for r in results)
+            run.loss = sum(r["loss"] * r["n"] for r in results if r["n"]) / n
+            self.losses.append(run.loss)
+            self.samples += n
+            self.ids_fed += sum(r.get("ids_fed", 0) for r in results)
+            self.leaf_ids += sum(r.get("leaf_ids", 0) for r in results)
+            self._count_bytes(metas, results)
+            for r in results:
+                if r["n"]:
+                    run.label = run.label or next(iter(r["probabilities"]))
+                    run.train_auc.add(r["probabilities"][run.label], r["labels"][run.label])
+                    run.window_auc.add(r["probabilities"][run.label], r["labels"][run.label])
+            bar.update(n)
+            if callback is not None:
+                callback(self, run.loss)
+            if self.step % self.config.log_every == 0:
+                self._log(writer, bar, run, marks)
+
+        stopped = completed = False
         try:
-            for _ in range(epochs):
-                self.passes += 1
-                self._start_pass(data, self.passes, shuffle, train=True)
-                # Each step's calls are submitted before the previous step's results are read
-                # (Ray runs an actor's calls in the order one caller submitted them, so the
-                # shards' lookups of step k+1 still follow their updates of step k). A step
-                # past the end of the data changes nothing and flushes the last dense update.
-                current = self._submit_step(self.step + 1, mean, None)
-                while True:
-                    following = self._submit_step(self.step + 2, mean,
-                                                  [o[1] for o in current[1]])
-                    metas = ray.get(current[0])
-                    if not any(m["n"] for m in metas):
-                        ray.get(following[0] + [o[0] for o in following[1]] + following[2]
-                                + [o[0] for o in current[1]] + current[2])
-                        break
-                    results = ray.get([o[0] for o in current[1]])
-                    self.expired += sum(ray.get(current[2]))
-                    self.step += 1
-                    current = following
-                    n = sum(r["n"] for r in results)
-                    loss = sum(r["loss"] * r["n"] for r in results if r["n"]) / n
-                    self.losses.append(loss)
-                    self.samples += n
-                    self.ids_fed += sum(r.get("ids_fed", 0) for r in results)
-                    self.leaf_ids += sum(r.get("leaf_ids", 0) for r in results)
-                    self._count_bytes(metas, results)
-                    for r in results:
-                        if r["n"]:
-                            label = label or next(iter(r["probabilities"]))
-                            train_auc.add(r["probabilities"][label], r["labels"][label])
-                            window_auc.add(r["probabilities"][label], r["labels"][label])
-                    bar.update(n)
-                    if callback is not None:
-                        callback(self, loss)
-                    if self.step % self.config.log_every == 0:
-                        now = time.perf_counter()
-                        rate = (self.samples - mark_samples) / max(now - mark_time, 1e-9)
-                        mark_time, mark_samples = now, self.samples
-                        bar.set_postfix(loss=f"{loss:.4f}", auc=f"{window_auc.result():.4f}",
-                                        refresh=False)
-                        if writer is not None:
-                            stats = self.store_stats()
-                            scalars = {"loss": loss, "samples_per_sec": rate,
-                                       **{f"store/{k}": stats.get(k, 0)
-                                          for k in ("rows", "admitted", "rejected", "expired")}}
-                            if np.isfinite(window_auc.result()):
-                                scalars["auc"] = window_auc.result()
-                            write_scalars(writer, self.step, scalars)
-                        window_auc.reset()
+            if checkpoint_dir:
+                self._attempt(checkpoint)  # the state before this fit: roll back to it
+            epoch = 0
+            while epoch < epochs and not stopped:
+                epoch += 1
+                if self._positions is None:
+                    self.passes += 1
+                    self._positions = [0] * W
+                pass_index = self.passes
+
+                def one_pass() -> bool:
+                    """The rest of pass ``pass_index``, its evaluation and checkpoint; True to
+                    stop training. Run again after a rollback."""
+                    if self._positions is not None:
+                        self._start_pass(data, pass_index, shuffle, "train", self._positions)
+                        if self._train_steps(mean, after_step, evaluate if eval_every else None,
+                                             eval_every, checkpoint if checkpoint_every
+                                             else None, checkpoint_every, epoch):
+                            return True
+                        self._positions = None
+                    stop = False
+                    if eval_data is not None and (not run.evaluations or
+                                                  run.evaluations[-1]["step"] != self.step):
+                        stop = evaluate(epoch)
+                    if checkpoint_dir:
+                        checkpoint()
+                    return stop
+
+                stopped = self._attempt(one_pass, run, pass_index)
+            completed = True
         finally:
-            bar.close()
-            if writer is not None:
-                writer.flush()
-                writer.close()
+            try:
+                if writer is not None and completed:
+                    self._log(writer, bar, run, marks)
+            finally:
+                bar.close()
+                if writer is not None:
+                    writer.flush()
+                    writer.close()
         seconds = time.perf_counter() - started
         steps = self.step - steps0
         samples = self.samples - samples0
         per_step = {k: (v - bytes0.get(k, 0)) / max(steps, 1) for k, v in self.bytes.items()}
-        return {"samples": samples, "steps": steps, "seconds": seconds,
-                "samples_per_sec": samples / max(seconds, 1e-9), "loss": loss,
-                "train_auc": train_auc.result(), "store_rows": self.store_rows(),
-                "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
-                "bytes_per_step": {
-                    "per_worker": (per_step.get("worker_sent", 0)
-                                   + per_step.get("worker_received", 0)) / self.workers,
-                    "per_shard": (per_step.get("shard_sent", 0)
-                                  + per_step.get("shard_received", 0)) / self.shards,
-                    **per_step}}
+        out = {"samples": samples, "steps": steps, "seconds": seconds,
+               "samples_per_sec": samples / max(seconds, 1e-9), "loss": run.loss,
+               "train_auc": run.train_auc.result(), "store_rows": self.store_rows(),
+               "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
+               "recoveries": self.recoveries[recoveries0:],
+               "bytes_per_step": {
+                   "per_worker": (per_step.get("worker_sent", 0)
+                                  + per_step.get("worker_received", 0)) / self.workers,
+                   "per_shard": (per_step.get("shard_sent", 0)
+                                 + per_step.get("shard_received", 0)) / self.shards,
+                   **per_step}}
+        if eval_data is not None:
+            out.update(evaluations=run.evaluations, best=run.best, stopped_early=stopped or (
+                patience is not None and run.stale >= patience))
+            if best_dir and run.best is not None and run.best is not run.evaluations[-1]:
+                self.load(best_dir)  # back to the best model
+        return out
+
+    def _log(self, writer, bar, run: _FitProgress, marks: dict) -> None:
+        from trainer.trainer import write_scalars
+
+        now = time.perf_counter()
+        rate = (self.samples - marks["samples"]) / max(now - marks["time"], 1e-9)
+        marks["time"], marks["samples"] = now, self.samples
+        bar.set_postfix(loss=f"{run.loss:.4f}", auc=f"{run.window_auc.result():.4f}",
+                        refresh=False)
+        if writer is not None:
+            stats = self.store_stats()
+            scalars = {"loss": run.loss, "samples_per_sec": rate,
+                       **{f"store/{k}": stats.get(k, 0)
+                          for k in ("rows", "admitted", "rejected", "expired")}}
+            if np.isfinite(run.window_auc.result()):
+                scalars["auc"] = run.window_auc.result()
+            write_scalars(writer, self.step, scalars)
+        run.window_auc.reset()
+
+    def _train_steps(self, mean: bool, after_step, evaluate, eval_every, checkpoint,
+                     checkpoint_every, epoch: int) -> bool:
+        """The steps of the pass the workers are reading, to its end; True when an
+        evaluation asked to stop.
+
+        Each step's calls are submitted before the previous step's results are read (Ray
+        runs an actor's calls in the order one caller submitted them, so a shard applies
+        step k before it looks up step k+1, in the same call). A step past the end of the
+        data changes nothing. Before a checkpoint or an evaluation the pipeline drains
+        instead: the shards apply the step without looking the next one up, and nothing of
+        the next step has run (its batches are taken but not looked up or trained)."""
+        def due(every, step):
+            return every is not None and step % every == 0
+
+        def drained(step):
+            return due(eval_every, step) or due(checkpoint_every, step)
+
+        nxt = self._next("train")
+        metas, requests = [refs[0] for refs in nxt], [refs[1:] for refs in nxt]
+        current = self._submit_step(self.step + 1, mean, self._lookup(requests, True), metas,
+                                    not drained(self.step + 1))
+        while True:
+            following = None if current["next_rows"] is None else self._submit_step(
+                self.step + 2, mean, current["next_rows"], current["next_metas"],
+                not drained(self.step + 2))
+            results = ray.get(current["results"])
+            if not any(r["n"] for r in results):
+                outstanding = [current] + ([following] if following else [])
+                ray.get([ref for c in outstanding for ref in c["results"] + c["applied"]
+                         + c["dense_applied"]])
+                return False
+            metas = ray.get(current["metas"])
+            self.expired += sum(ray.get(current["applied"]))
+            self.step += 1
+            for w, r in enumerate(results):
+                if r["n"]:
+                    self._positions[w] += 1
+            after_step(results, metas)
+            if following is not None:
+                current = following
+                continue
+            ray.get(current["dense_applied"])
+            if due(eval_every, self.step) and evaluate(epoch):
+                return True
+            if due(checkpoint_every, self.step):
+                checkpoint()
+            current = self._submit_step(self.step + 1, mean,
+                                        self._lookup(current["next_requests"], True),
+                                        current["next_metas"], not drained(self.step + 1))
+
+    def _attempt(self, body, run: _FitProgress | None = None, pass_index: int | None = None):
+        """``body()``; when an actor dies in it, roll back to the last checkpoint fit wrote
+        and call ``body`` again (the pass it trains resumes at the checkpoint's input
+        positions)."""
+        while True:
+            try:
+                return body()
+            except ray.exceptions.RayError as error:
+                if not _is_actor_failure(error):
+                    raise
+                self._recover(error, run, pass_index)
+
+    def _recover(self, error, run: _FitProgress | None, pass_index: int | None) -> None:
+        cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the death
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).strip()
+        summary = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
+        if self._rollback is None:
+            raise RuntimeError(
+                f"an actor of the distributed run died ({summary}) and there is no checkpoint "
+                "of this fit to roll back to; pass checkpoint_dir= (and checkpoint_every=) to "
+                "fit") from error
+        failed_step = self.step
+        self._await_actors(error)
+        rollback = self._rollback
+        self.load(rollback["directory"])
+        del self.losses[rollback["losses"]:]
+        self.ids_fed, self.leaf_ids = rollback["ids_fed"], rollback["leaf_ids"]
+        self.bytes = defaultdict(int, rollback["bytes"])
+        if run is not None:
+            run.restore(rollback["progress"])
+        if pass_index is not None and self.passes != pass_index:
+            if self._positions is None and self.passes == pass_index - 1:
+                self.passes, self._positions = pass_index, [0] * self.workers
+            else:
+                raise RuntimeError(f"the last checkpoint ({rollback['directory']}) is of pass "
+                                   f"{self.passes}, not of pass {pass_index} or the one "
+                                   "before") from error
+        self.recoveries.append({"error": summary, "failed_at_step": failed_step,
+                                "rolled_back_to_step": self.step})
+        print(f"warning: an actor died at step {failed_step} ({summary}); Ray restarted it and "
+              f"the run rolled back to the checkpoint of step {self.step} "
+              f"({rollback['directory']})", file=sys.stderr, flush=True)
+
+    def _await_actors(self, error, timeout: float = 120.0) -> None:
+        """Wait until every actor answers again (Ray restarts a dead one); raise when one
+        is gone for good (restarted ``max_restarts`` times already) or does not come back."""
+        deadline = time.monotonic() + timeout
+        named = ([(f"store shard {i}", s) for i, s in enumerate(self._shards)]
+                 + [(f"worker {i}", w) for i, w in enumerate(self._workers)])
+        for name, actor in named:
+            while True:
+                try:
+                    ray.get(actor.ping.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} did not come back within {timeout:g} s "
+                                           "after an actor died") from error
+                    time.sleep(0.1)  # restarting: ask again
+                except ray.exceptions.RayActorError as e:
+                    raise RuntimeError(f"{name} died and Ray restarts it no more (max_restarts="
+                                       f"{self.max_restarts}); the last checkpoint is "
+                                       f"{self._rollback['directory']}") from e
+                except ray.exceptions.GetTimeoutError:
+                    raise RuntimeError(f"{name} did not come back within {timeout:g} s after "
+                                       "an actor died") from error
 
     def _count_bytes(self, metas, results) -> None:
         """Bytes each step moves between actors (array payloads, not Ray's framing): ids out
@@ -994,15 +1457,13 @@ class DistributedTrainer:
         probabilities, labels = defaultdict(list), defaultdict(list)
         loss_sum, n_total = 0.0, 0
         try:
-            self._start_pass(data, 0, False, train=False)
+            self._start_pass(data, 0, False, "eval")
             while True:
-                nxt = self._next()
+                nxt = self._next("eval")
                 metas = ray.get([refs[0] for refs in nxt])
                 if not any(m["n"] for m in metas):
                     break
-                rows = [_refs(shard.lookup.options(num_returns=W).remote(
-                    False, *[nxt[w][1 + s] for w in range(W)]), W)
-                    for s, shard in enumerate(self._shards)]
+                rows = self._lookup([refs[1:] for refs in nxt], False)
                 results = ray.get([worker.predict_step.remote(*[rows[s][w] for s in range(S)])
                                    for w, worker in enumerate(self._workers)])
                 for r in results:
@@ -1017,6 +1478,7 @@ class DistributedTrainer:
                     bar.update(r["n"])
         finally:
             bar.close()
+            ray.get([w.close_pass.remote("eval") for w in self._workers])
         seconds = time.perf_counter() - started
         out = {"samples": n_total, "loss": loss_sum / max(n_total, 1), "seconds": seconds,
                "samples_per_sec": n_total / max(seconds, 1e-9)}
@@ -1078,24 +1540,30 @@ class DistributedTrainer:
                 "shards": ray.get([s.get_timings.remote() for s in self._shards])}
 
     def save(self, directory) -> str:
-        """A checkpoint across processes: after the last step's calls are done (the barrier),
-        every shard writes its snapshot to ``shard-NNNN/<table>``, worker 0 gives its dense
-        weights and optimizer state (``dense.npz``), and the driver writes ``manifest.json``
-        last; the directory is replaced atomically."""
+        """A checkpoint across processes, taken between steps (the barrier: fit calls it
+        when the pipeline is drained): every shard writes its snapshot to
+        ``shard-NNNN/<table>``, worker 0 gives its dense weights and optimizer state
+        (``dense.npz``), and the driver writes ``manifest.json`` last (step, shard files,
+        every worker's input position); the directory is replaced atomically."""
         directory = os.path.abspath(os.fspath(directory))
         tmp = f"{directory}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        saved = ray.get([s.save.remote(os.path.join(tmp, f"shard-{i:04d}"))
-                         for i, s in enumerate(self._shards)])
-        state = ray.get(self._workers[0].dense_state.remote())
+        try:
+            saved = ray.get([s.save.remote(os.path.join(tmp, f"shard-{i:04d}"))
+                             for i, s in enumerate(self._shards)])
+            state = ray.get(self._workers[0].dense_state.remote())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         np.savez(os.path.join(tmp, "dense.npz"), **state["arrays"])
         manifest = {
             "version": MANIFEST_VERSION, "kind": "prefixrec-distributed", "step": self.step,
             "samples": self.samples, "expired": self.expired, "shards": self.shards,
-            # every worker's input position: passes done (a pass k deals worker w's trees in
-            # the order of seed (config.seed, k, w)); checkpoints are taken between passes
-            "passes": self.passes,
+            # every worker's input position: pass `passes` (pass k deals worker w's trees in
+            # the order of seed (config.seed, k, w)) and the batches each worker took from it,
+            # null once that pass is finished
+            "passes": self.passes, "positions": self._positions,
             "workers": self.workers, "placement": "mix64(id) % shards",
             "shard_dirs": [f"shard-{i:04d}" for i in range(self.shards)],
             "shard_rows": [s["rows"] for s in saved],
@@ -1116,18 +1584,9 @@ class DistributedTrainer:
         """The run saved in ``directory`` (read from its manifest only), continuing where it
         stopped. ``workers`` may differ from the checkpoint's; so may ``shards``
         (resharding: every id then looks up the same row; see ``Shard._reshard`` for what
-        starts over)."""
-        directory = os.path.abspath(os.fspath(directory))
-        path = os.path.join(directory, "manifest.json")
-        try:
-            with open(path) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{directory}: no distributed checkpoint (manifest.json "
-                                    "missing; a checkpoint without one was not finished)") from None
-        if manifest.get("kind") != "prefixrec-distributed" or \
-                manifest.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"{path}: not a version-{MANIFEST_VERSION} distributed checkpoint")
+        starts over). A checkpoint taken in the middle of a pass needs its own number of
+        workers (the pass deals trees by worker)."""
+        manifest = read_manifest(directory)
         shards = manifest["shards"] if shards is None else _check_count("shards", shards)
         if model is None:
             if manifest["model"] is None:
@@ -1137,43 +1596,155 @@ class DistributedTrainer:
         schema = schemas.from_dict(manifest["schema"])
         config = TrainConfig.from_dict(manifest["config"])
         trainer = cls(schema, model, config, workers=workers or manifest["workers"],
-                      shards=shards, _restore_dir=directory, **kwargs)
+                      shards=shards, **kwargs)
+        try:
+            trainer.load(directory)
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer
+
+    def load(self, directory) -> None:
+        """Load a checkpoint of this trainer's schema, tables and model into the running
+        actors (any number of shards: resharded), with its step, counters and input
+        position. A checkpoint of another schema, config or model is refused, naming what
+        differs."""
+        directory = os.path.abspath(os.fspath(directory))
+        manifest = read_manifest(directory)
+        path = os.path.join(directory, "manifest.json")
+        if manifest["schema"] != self.schema.to_dict():
+            raise ValueError(f"{path}: the checkpoint is of another schema than this trainer's "
+                             f"({_schema_difference(manifest['schema'], self.schema.to_dict())})")
+        saved_config, config = dict(manifest["config"]), self.config.to_dict()
+        saved_config.pop("dense", None)  # resolved statistics: the checkpoint's are taken
+        differs = sorted(k for k in set(saved_config) | set(config)
+                         if k != "dense" and saved_config.get(k) != config.get(k))
+        if differs:
+            raise ValueError(f"{path}: the checkpoint was trained with another config "
+                             f"(differs in: {', '.join(differs)}); restore it with "
+                             "DistributedTrainer.restore to take its config")
         with np.load(os.path.join(directory, "dense.npz")) as npz:
             arrays = {k: npz[k] for k in npz.files}
+        wanted = {k: tuple(v) for k, v in self._variable_shapes.items()
+                  if k.startswith("model/")}
+        found = {k: tuple(v.shape) for k, v in arrays.items() if k.startswith("model/")}
+        if wanted != found:
+            bad = next((k for k in sorted(wanted) if found.get(k, wanted[k]) != wanted[k]), None)
+            detail = (f"{len(found)} dense variables in the checkpoint, {len(wanted)} in this "
+                      "model" if len(found) != len(wanted) or bad is None else
+                      f"variable {manifest['variables'][int(bad[6:])]} has shape "
+                      f"{found[bad]} in the checkpoint, {wanted[bad]} in this model")
+            raise ValueError(f"{directory}: the checkpoint's dense network does not fit this "
+                             f"model ({detail}); pass the model it was trained with")
+        positions = manifest.get("positions")
+        if positions is not None and len(positions) != self.workers:
+            # the pass dealt its trees to another number of workers: its rest cannot be told
+            warnings.warn(f"{directory}: taken in the middle of pass {manifest['passes']} with "
+                          f"{len(positions)} workers; with {self.workers} the next fit starts "
+                          "a new pass (the rest of that pass is not trained)", stacklevel=2)
+            positions = None
         expired = manifest["shard_expired"]
-        if shards != manifest["shards"]:  # resharded: the total on shard 0
-            expired = [sum(expired)] + [0] * (shards - 1)
-        ray.get([w.set_dense_state.remote(arrays) for w in trainer._workers]
-                + [s.set_expired.remote(e) for s, e in zip(trainer._shards, expired)])
-        trainer.step, trainer.samples = manifest["step"], manifest["samples"]
-        trainer.expired, trainer.passes = manifest["expired"], manifest["passes"]
-        return trainer
+        if self.shards != manifest["shards"]:  # resharded: the total on shard 0
+            expired = [sum(expired)] + [0] * (self.shards - 1)
+        self.config = TrainConfig.from_dict(manifest["config"])
+        ray.get([s.load.remote(_shard_snapshot_spec(directory, manifest, i, self.shards), e)
+                 for i, (s, e) in enumerate(zip(self._shards, expired))]
+                + [w.reset.remote(self.config.to_dict(), arrays) for w in self._workers])
+        self.step, self.samples = manifest["step"], manifest["samples"]
+        self.expired, self.passes = manifest["expired"], manifest["passes"]
+        self._positions = None if positions is None else list(positions)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def _serving_trainer(self):
+        """An in-process Trainer holding worker 0's dense weights (its stores unused): what
+        :mod:`trainer.serving` builds the SavedModel from."""
+        from trainer.trainer import Trainer
+
+        model = (models_lib.from_spec(self._model) if isinstance(self._model, dict)
+                 else self._model())
+        local = Trainer(self.schema, model, self.config)
+        state = ray.get(self._workers[0].dense_state.remote())
+        for i, v in enumerate(local.network.variables):
+            v.assign(state["arrays"][f"model/{i:04d}"])
+        local.step = self.step
+        return local
+
+    def export(self, directory) -> str:
+        """A serving export (:class:`trainer.serving.Predictor` reads it) of the sharded run:
+        the dense SavedModel and every shard's snapshot of every table, kept per shard
+        (``stores/<table>/shard-NNNN``; the Predictor looks each id up on its shard), so that
+        :meth:`export_increment` can add per-shard deltas. Written from the shard actors'
+        processes: on a cluster, ``directory`` must be storage every node sees."""
+        from trainer import serving
+
+        def write_stores(tmp):
+            ray.get([s.snapshot.remote(os.path.join(tmp, "stores"))
+                     for s in self._shards])
+            return {"shards": self.shards, "placement": "mix64(id) % shards"}
+
+        return serving.export(self._serving_trainer(), directory, write_stores=write_stores)
+
+    def export_increment(self, directory) -> dict:
+        """Keep a serving export up to date: the first call writes :meth:`export`; later
+        calls add every shard's delta of every table
+        (``deltas/<table>/shard-NNNN/delta-MMMMMM.bin``) and replace ``dense.npz``;
+        ``Predictor.update`` applies both."""
+        directory = os.path.abspath(os.fspath(directory))
+        if not os.path.exists(os.path.join(directory, "export.json")):
+            return {"full": self.export(directory)}
+        deltas = ray.get([s.export_delta.remote(os.path.join(directory, "deltas"))
+                          for s in self._shards])
+        state = ray.get(self._workers[0].dense_state.remote())
+        path = os.path.join(directory, "dense.npz")
+        tmp = f"{path}.tmp-{os.getpid()}.npz"
+        np.savez(tmp, step=np.int64(self.step),
+                 **{k: v for k, v in state["arrays"].items() if k.startswith("model/")})
+        os.replace(tmp, path)
+        return {"deltas": deltas, "dense": path}
 
 
 # -- the command line (trainer/train.py dispatches here) ----------------------------------
 
 def run_cli(args, parser, schema: Schema, config: TrainConfig, model) -> dict:
     """``python -m trainer.train ... --workers W --shards S [--ray-address ADDR]``: train on
-    Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the result dict train.py prints."""
+    Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the result dict train.py prints.
+    As in process: with ``--eval-data`` the model is evaluated after every pass (and every
+    ``--eval-every`` steps), training stops after ``--patience`` evaluations without a better
+    AUC and ``OUT/checkpoint`` holds the best model. A shard or worker whose process dies is
+    restarted by Ray and the run rolls back to its last checkpoint (``OUT/checkpoint`` or,
+    while the best one is kept there, ``OUT/rollback``: written before the first step and
+    after every pass)."""
+    from trainer.train import DEFAULT_EPOCHS_WITH_EVAL
+
     for name in ("workers", "shards"):
         value = getattr(args, name)
         if value < 1:
             parser.error(f"--{name}: expected a number >= 1, got {value}")
-    if args.shards > 4096:
-        parser.error(f"--shards {args.shards}: more than 4096 shards is not sensible (each "
-                     "shard is a process holding a part of every table)")
-    if args.eval_every:
-        parser.error("--eval-every is not supported with --workers/--shards yet")
+    if args.shards > MAX_SHARDS:
+        parser.error(f"--shards {args.shards}: more than {MAX_SHARDS} shards is not sensible "
+                     "(each shard is a process holding a part of every table)")
     try:
         trainer = DistributedTrainer(schema, model, config, workers=args.workers,
                                      shards=args.shards, ray_address=args.ray_address)
     except (ConnectionError, ValueError, ConfigError) as e:
         parser.error(str(e))
     try:
-        epochs = args.epochs or 1
+        epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
+        keep_best = bool(args.eval_data) and args.patience > 0
         os.makedirs(args.out, exist_ok=True)
+        checkpoint = os.path.join(args.out, "checkpoint")
+        rollback = os.path.join(args.out, "rollback") if keep_best else checkpoint
         history = trainer.fit(args.train_data, epochs=epochs, progress=not args.no_progress,
-                              log_dir=args.out)
+                              log_dir=args.out, eval_data=args.eval_data,
+                              eval_every=args.eval_every,
+                              patience=args.patience if keep_best else None,
+                              best_dir=checkpoint if keep_best else None,
+                              checkpoint_dir=rollback)
+        if keep_best:
+            shutil.rmtree(rollback, ignore_errors=True)
+        else:
+            trainer.save(checkpoint)
         stats = trainer.store_stats()
         rows = stats.get("rows", 0)
         if history["samples"] and rows and args.shards > rows:
@@ -1183,15 +1754,22 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model) -> dict:
                   "steps": history["steps"], "train_seconds": history["seconds"],
                   "train_auc": history["train_auc"], "loss": history["loss"],
                   "id_compression": history["id_compression"], "workers": args.workers,
-                  "shards": args.shards, "bytes_per_step": history["bytes_per_step"]}
+                  "shards": args.shards, "bytes_per_step": history["bytes_per_step"],
+                  "recoveries": len(history["recoveries"])}
         if args.eval_data:
-            evaluation = trainer.evaluate(args.eval_data)
+            evaluations = history["evaluations"]
+            evaluation = history["best"] if keep_best else evaluations[-1]
             result.update(auc=evaluation["auc"], logloss=evaluation["logloss"],
-                          eval_samples=evaluation["samples"], checkpoint_epoch=epochs,
-                          checkpoint_step=trainer.step)
+                          eval_samples=evaluation["samples"],
+                          checkpoint_epoch=evaluation["epoch"],
+                          checkpoint_step=evaluation["step"],
+                          stopped_early=history["stopped_early"],
+                          evaluations=[{k: e[k] for k in ("epoch", "step", "auc", "logloss")}
+                                       for e in evaluations])
+            result.update({k: v for k, v in evaluation.items()
+                           if k.startswith(("auc/", "logloss/"))})
         else:
             result.update(auc=None, logloss=None, eval_samples=0)
-        trainer.save(os.path.join(args.out, "checkpoint"))
         result.update(store_rows=rows, admitted=stats.get("admitted", 0),
                       rejected=stats.get("rejected", 0), expired=stats.get("expired", 0),
                       compute=config.compute, batch_size=config.batch_size, epochs=epochs,

@@ -13,6 +13,11 @@ Layout of an export directory::
     stores/<table>/store.snapshot
     deltas/<table>/delta-NNNNNN.bin, dense.npz    (export_increment, later)
 
+A distributed run (``DistributedTrainer.export`` / ``export_increment``) keeps its shards:
+``stores/<table>/shard-SSSS/`` and ``deltas/<table>/shard-SSSS/delta-NNNNNN.bin``, with
+``"shards": S`` in export.json; the Predictor then looks every id up on its shard
+(:class:`ShardedStore`), so each shard's deltas follow that shard's own sequence.
+
 The SavedModel takes the feed of :mod:`trainer.feed` (ids already turned into embedding rows);
 the Predictor does that part with the native stores, so a serving process follows the trainer
 through ``apply_delta`` without reloading TensorFlow. Samples are scored one leaf per sample
@@ -44,8 +49,12 @@ EXPORT_VERSION = 1
 _DELTA = re.compile(r"delta-(\d+)\.bin$")
 
 
-def export(trainer, directory: str | os.PathLike) -> str:
-    """Write ``trainer``'s dense network as a SavedModel and its stores' snapshots."""
+def export(trainer, directory: str | os.PathLike, *, write_stores=None) -> str:
+    """Write ``trainer``'s dense network as a SavedModel and its stores' snapshots.
+
+    ``write_stores(tmp_dir)``: writes the snapshots instead and returns what to add to
+    ``export.json`` (``DistributedTrainer.export``: one snapshot per shard,
+    ``stores/<table>/shard-NNNN``, and ``"shards": S``)."""
     directory = os.path.abspath(os.fspath(directory))
     tmp = f"{directory}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -65,16 +74,20 @@ def export(trainer, directory: str | os.PathLike) -> str:
     # A SavedModel gives dict outputs back in its own key order; keep the model's.
     heads = list(serving_network._predict_step(dummy_feed(trainer.layout, True))[1])
     tf.saved_model.save(module, os.path.join(tmp, "saved_model"))
-    for table, store in trainer.stores.items():
-        os.makedirs(os.path.join(tmp, "stores", table))
-        store.save(os.path.join(tmp, "stores", table))
+    extra = {}
+    if write_stores is not None:
+        extra = write_stores(tmp) or {}
+    else:
+        for table, store in trainer.stores.items():
+            os.makedirs(os.path.join(tmp, "stores", table))
+            store.save(os.path.join(tmp, "stores", table))
     try:
         spec = trainer.model.spec()
     except NotImplementedError:
         spec = None
     meta = {"version": EXPORT_VERSION, "schema": trainer.schema.to_dict(),
             "config": trainer.config.to_dict(), "model": spec, "step": trainer.step,
-            "tables": list(trainer.tables), "heads": heads}
+            "tables": list(trainer.tables), "heads": heads, **extra}
     with open(os.path.join(tmp, "export.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return replace_directory(tmp, directory)
@@ -134,8 +147,15 @@ class Predictor:
                     if f.kind != "dense"}
         self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
         self.builder = FeedBuilder(self.layout, structured=True)
-        self.stores = {t: native.EmbeddingStore.load(os.path.join(self.directory, "stores", t))
-                       for t in tables}
+        self.shards = meta.get("shards")  # a sharded (distributed) run's export
+        if self.shards:
+            self.stores = {t: ShardedStore([
+                native.EmbeddingStore.load(os.path.join(self.directory, "stores", t,
+                                                        f"shard-{i:04d}"))
+                for i in range(self.shards)]) for t in tables}
+        else:
+            self.stores = {t: native.EmbeddingStore.load(
+                os.path.join(self.directory, "stores", t)) for t in tables}
         self.model = tf.saved_model.load(os.path.join(self.directory, "saved_model"))
         self.batch_size = batch_size
         self.heads = meta["heads"]   # probability columns, in the model's order
@@ -184,16 +204,58 @@ class Predictor:
         self._update_dense()
         applied = 0
         for table, store in self.stores.items():
-            current = store.stats().delta_sequence
-            found = []
-            for path in glob.glob(os.path.join(os.fspath(delta_root), table, "delta-*.bin")):
-                match = _DELTA.search(path)
-                if match and int(match.group(1)) > current:
-                    found.append((int(match.group(1)), path))
-            for _, path in sorted(found):
-                store.apply_delta(path)
-                applied += 1
+            if isinstance(store, ShardedStore):  # deltas/<table>/shard-NNNN/delta-*.bin
+                for i, shard in enumerate(store.shards):
+                    applied += _apply_deltas(shard, os.path.join(
+                        os.fspath(delta_root), table, f"shard-{i:04d}"))
+            else:
+                applied += _apply_deltas(store, os.path.join(os.fspath(delta_root), table))
         return applied
+
+
+class ShardedStore:
+    """The stores of one table's shards read as one (a distributed run's export): an id is
+    looked up on shard ``mix64(id) % len(shards)``, as in training
+    (:func:`trainer.distributed.shard_of`)."""
+
+    def __init__(self, shards: list):
+        self.shards = shards
+        self.dim = shards[0].dim
+
+    def lookup_unique(self, ids, train: bool = False):
+        """``(unique_ids, inverse, rows)`` as ``EmbeddingStore.lookup_unique``; never
+        trains."""
+        from trainer.distributed import shard_of
+
+        if train:
+            raise ValueError("a serving store does not train")
+        unique, inverse = np.unique(np.asarray(ids, np.int64), return_inverse=True)
+        rows = np.empty((len(unique), self.dim), np.float32)
+        owner = shard_of(unique, len(self.shards))
+        for s, store in enumerate(self.shards):
+            pos = np.flatnonzero(owner == s)
+            rows[pos] = store.lookup(unique[pos], train=False)
+        return unique, inverse.reshape(-1), rows
+
+    def lookup(self, ids, train: bool = False) -> np.ndarray:
+        _, inverse, rows = self.lookup_unique(ids, train)
+        return rows[inverse]
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+
+def _apply_deltas(store, directory: str) -> int:
+    """Apply, in order, the deltas in ``directory`` newer than ``store``'s; their number."""
+    current = store.stats().delta_sequence
+    found = []
+    for path in glob.glob(os.path.join(directory, "delta-*.bin")):
+        match = _DELTA.search(path)
+        if match and int(match.group(1)) > current:
+            found.append((int(match.group(1)), path))
+    for _, path in sorted(found):
+        store.apply_delta(path)
+    return len(found)
 
 
 def _dense_step(path: str) -> int:

@@ -197,9 +197,25 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     assert "expected a number >= 1" in error(["--out", str(tmp_path / "b"), "--shards", "0"])
     assert "HOST:PORT" in error(["--out", str(tmp_path / "c"), "--ray-address", "nonsense"])
 
+    # evaluation after every pass and every 4 steps, the best model kept, early stopping
     result = train.run(base + ["--out", str(tmp_path / "run"), "--workers", "2",
-                               "--shards", "2", "--eval-data", str(tmp_path / "trees")])
-    assert result["samples"] == SAMPLES and result["eval_samples"] == SAMPLES
+                               "--shards", "2", "--eval-data", str(tmp_path / "trees"),
+                               "--epochs", "2", "--eval-every", "3", "--patience", "1"])
+    evaluations = result["evaluations"]
+    cfg400 = TrainConfig.from_dict({"embedding": {"dim": 4}, "batch_size": 400})
+    per_pass = max(len(list(distributed.worker_batches(trees, schema, cfg400, w, W, 1, True)))
+                   for w in range(W))
+    due = sorted({3, 6, 9, per_pass, 2 * per_pass} - set(range(2 * per_pass + 1, 10)))
+    steps = [e["step"] for e in evaluations]
+    assert steps == due[:len(steps)] and steps[-1] == result["steps"]
+    best = max(evaluations, key=lambda e: e["auc"])
+    assert result["auc"] == best["auc"] and result["checkpoint_step"] == best["step"]
+    assert result["stopped_early"] == (evaluations[-1] is not best)
+    manifest = __import__("json").loads((tmp_path / "run" / "checkpoint" /
+                                         "manifest.json").read_text())
+    assert manifest["step"] == best["step"]  # the checkpoint is the best model
+    assert not (tmp_path / "run" / "rollback").exists()
+    assert result["samples"] >= SAMPLES and result["eval_samples"] == SAMPLES
     assert result["workers"] == 2 and result["shards"] == 2 and result["store_rows"] > 0
     assert 0 <= result["auc"] <= 1 and result["id_compression"] > 1.5
     assert (tmp_path / "run" / "result.json").exists()
@@ -215,7 +231,7 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
             saved[table] = (np.concatenate([ids, rows["ids"]]),
                             np.concatenate([values, rows["values"]]))
     with DistributedTrainer.restore(checkpoint, shards=3, workers=1) as dt:
-        assert dt.step == result["steps"]
+        assert dt.step == result["checkpoint_step"]
         for table, (ids, values) in saved.items():
             unseen = -(2**62) + np.arange(10) * 1_000_003  # no row: zeros
             got = dt.lookup(table, np.concatenate([ids, unseen]))
