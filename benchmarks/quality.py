@@ -21,12 +21,21 @@ shuffling). Models:
   1/length, dense features as signed log1p then standardized; C from ``--lr-c`` chosen
   by AUC on a validation slice (the last 10%) of the TRAIN part, then refit on the whole train
   part. Deterministic: run once, whatever ``--seeds``;
+- ``lr+hidden`` (generated data only): the oracle, the same hashed LR given one more token
+  per sample, the generator's hidden taste group crossed with the category (the planted
+  interaction). The planted model is then inside its family: it shows what learning the
+  interaction can be worth on this much data, which bounds what any model can gain over ``lr``;
 - ``keras``: a plain Keras embedding + MLP (the DeepCTR/FuxiCTR shape): one
   ``keras.layers.Embedding`` per feature over ids indexed by the train part's vocabulary (unseen
   ids share index 0), mean pooling of lists, dense features as for ``lr``, concat, Dense
   200-80-1 relu, Adam(1e-3) on everything, shuffled batches of 512, ``--keras-epochs`` epochs
-  (with more than 1, the number is chosen on the train part's validation slice, then the model
-  is retrained on the whole train part).
+  at most (default 10: the number is chosen on the train part's validation slice, stopping at
+  the first epoch without a better AUC, then the model is retrained on the whole train part).
+
+Our models get the same protocol (``--epochs``, default 10, the default of ``trainer.train``
+with ``--eval-data``): the passes are chosen on the validation slice with ``Trainer.fit``'s
+early stopping (patience 1), then the model is retrained on the whole train part for that many
+passes; ``epochs`` in the JSON says how many.
 
 Data sets (``--datasets``): ``generated`` (``pipelines.generate`` with the taobao_like schema, one
 data set per ``--samples`` size, data seed ``--data-seed``; the Bayes-optimal AUC and log loss
@@ -62,7 +71,8 @@ from schemas.hashing import stable_hash, stable_hash_strings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")
-BASELINES = ("lr", "keras")
+ORACLE = "lr+hidden"  # hashed LR given the generator's hidden interaction token
+BASELINES = ("lr", "keras", ORACLE)
 VALIDATION_SHARE = 0.1  # of the train part, for the baselines' choices
 
 
@@ -95,7 +105,11 @@ class DataSet:
             p = test[probability].to_numpy()
             y = test[label].to_numpy()
             self.bayes = {"auc": auc(p, y), "logloss": logloss(p, y)}
-        extra = [c for c in table.column_names if c.startswith("p_")]
+        extra = [c for c in table.column_names if c.startswith(("p_", "h_"))]
+        # The generator's hidden tokens, kept aside for the oracle baseline only.
+        self.hidden = {c: (train[c].to_numpy(zero_copy_only=False),
+                           test[c].to_numpy(zero_copy_only=False))
+                       for c in table.column_names if c.startswith("h_")}
         self.train = train.drop_columns(extra)
         self.eval = test.drop_columns(extra)
         self.label = label
@@ -104,6 +118,17 @@ class DataSet:
                      "train_rate": float(pc.mean(self.train[label]).as_py()),
                      "eval_rate": float(pc.mean(self.eval[label]).as_py())}
         self._trees = None
+        self._selection = None
+
+    def selection_trees(self):
+        """The train part without its validation slice (the last ``VALIDATION_SHARE`` in time
+        order) and the slice, as tree tables: where the number of passes is chosen."""
+        if self._selection is None:
+            cut = int(round(self.train.num_rows * (1 - VALIDATION_SHARE)))
+            self._selection = (
+                compression.build_trees(self.train.slice(0, cut), self.schema),
+                compression.build_trees(self.train.slice(cut), self.schema))
+        return self._selection
 
     def trees(self):
         """The train and eval parts as tree tables, built once for every trainer run (what
@@ -121,7 +146,7 @@ def load_datasets(args) -> list[DataSet]:
             schema = schemas.load(datasets.GENERATED_SCHEMA)
             for samples in args.samples:
                 started = time.perf_counter()
-                table = datasets.generated(schema, samples, args.data_seed)
+                table = datasets.generated(schema, samples, args.data_seed, hidden=True)
                 log(f"generated {samples:,} samples (seed {args.data_seed}) in "
                     f"{time.perf_counter() - started:.1f} s")
                 out.append(DataSet(f"generated-{_size_name(samples)}", schema, table, {},
@@ -160,14 +185,19 @@ def config_for(path: str, schema) -> tuple[dict, list[str]]:
     return data, dropped
 
 
-def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: str) -> dict:
-    """``model_name`` None: the defaults; else MODELS[model_name] with the config file."""
+def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: str,
+                epochs: int = 1) -> dict:
+    """``model_name`` None: the defaults; else MODELS[model_name] with the config file.
+
+    With ``epochs`` above 1 the number of passes is chosen as ``trainer.train`` chooses it
+    (an evaluation after every pass, stop after the first one without a better AUC), but on the
+    validation slice of the train part; the model is then retrained on the whole train part for
+    that many passes (the protocol of the baselines' choices)."""
     from trainer import TrainConfig, Trainer, models
 
-    if model_name is None:
-        model = models.MLP()
-        config = TrainConfig().replace(seed=seed)
-    else:
+    def fresh() -> "Trainer":
+        if model_name is None:
+            return Trainer(data.schema, models.MLP(), TrainConfig().replace(seed=seed))
         model = models.MODELS[model_name](**data.model_kwargs.get(model_name, {}))
         raw, _ = config_for(config_path, data.schema)
         raw["seed"] = seed
@@ -179,17 +209,26 @@ def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: s
                 features.setdefault(name, {})
                 features[name] = {**features[name], "table": table}
             raw["features"] = features
-        config = TrainConfig.from_dict(raw)
-    train, test = data.trees()
-    trainer = Trainer(data.schema, model, config)
+        return Trainer(data.schema, model, TrainConfig.from_dict(raw))
+
     started = time.perf_counter()
-    history = trainer.fit(train)
-    fit_seconds = time.perf_counter() - started
+    chosen, validation = 1, None
+    if epochs > 1:
+        fit_part, validation_part = data.selection_trees()
+        history = fresh().fit(fit_part, epochs=epochs, eval_data=validation_part, patience=1)
+        validation = [e["auc"] for e in history["evaluations"]]
+        chosen = 1 + int(np.nanargmax(validation))
+    train, test = data.trees()
+    trainer = fresh()
+    fit_started = time.perf_counter()
+    history = trainer.fit(train, epochs=chosen)
+    fit_seconds = time.perf_counter() - fit_started
     result = trainer.evaluate(test)
     return {"auc": result["auc"], "logloss": result["logloss"],
             "seconds": time.perf_counter() - started, "fit_seconds": fit_seconds,
             "train_samples_per_sec": history["samples_per_sec"],
-            "store_rows": history["store_rows"]}
+            "store_rows": history["store_rows"], "epochs": chosen,
+            "validation_auc": validation}
 
 
 # --- features for the baselines -----------------------------------------------------------------
@@ -238,15 +277,23 @@ class DenseScaler:
         return ((self._log(x) - mean) / std).astype(np.float32)
 
 
-def hashed_matrix(cols: dict, schema, bits: int, scaler: DenseScaler):
+def hashed_matrix(cols: dict, schema, bits: int, scaler: DenseScaler,
+                  extra_tokens: dict | None = None):
     """CSR matrix: a 1 per (feature, value) token hashed into 2^bits columns, 1/length per
-    (feature, list item) token, then the standardized dense features."""
+    (feature, list item) token, then the standardized dense features. ``extra_tokens`` (name ->
+    int64[n]) add one more token per row each (the oracle's hidden features)."""
     import scipy.sparse as sp
 
     n = _num_rows(cols)
     rows, cols_, vals = [], [], []
     shift = np.uint64(64 - bits)
     dense_parts = []
+    for name, x in (extra_tokens or {}).items():
+        salt = np.uint64(stable_hash(f"lr:{name}") & 0xFFFFFFFFFFFFFFFF)
+        rows.append(np.arange(n, dtype=np.int64))
+        cols_.append((_mix(np.asarray(x, np.int64).view(np.uint64) ^ salt) >> shift)
+                     .astype(np.int64))
+        vals.append(np.ones(n, np.float32))
     for f in schema.features:
         salt = np.uint64(stable_hash(f"lr:{f.name}") & 0xFFFFFFFFFFFFFFFF)
         x = cols[f.name]
@@ -283,7 +330,10 @@ def _num_rows(cols: dict) -> int:
     return len(first[1]) - 1 if isinstance(first, tuple) else len(first)
 
 
-def run_lr(data: DataSet, args) -> dict:
+def run_lr(data: DataSet, args, hidden: bool = False) -> dict:
+    """Hashed one-hot LR; with ``hidden`` the oracle: the same model given the generator's
+    hidden interaction token as one more feature (the planted model is then inside its family,
+    so no model learns the data better except by estimating the same weights better)."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
@@ -306,10 +356,19 @@ def run_lr(data: DataSet, args) -> dict:
             warnings.simplefilter("ignore", ConvergenceWarning)
             return model.fit(matrix, y)
 
+    tokens_train, tokens_test = {}, {}
+    if hidden:
+        if not data.hidden:
+            raise ValueError("this data set has no hidden features (generated data only)")
+        tokens_train = {k: v[0] for k, v in data.hidden.items()}
+        tokens_test = {k: v[1] for k, v in data.hidden.items()}
+    part = lambda tokens, a, b: {k: v[a:b] for k, v in tokens.items()}  # noqa: E731
     scaler = DenseScaler(_slice_cols(train_cols, 0, cut), schema)
     x_fit, x_val = compact(
-        hashed_matrix(_slice_cols(train_cols, 0, cut), schema, args.lr_bits, scaler),
-        hashed_matrix(_slice_cols(train_cols, cut, n), schema, args.lr_bits, scaler))
+        hashed_matrix(_slice_cols(train_cols, 0, cut), schema, args.lr_bits, scaler,
+                      part(tokens_train, 0, cut)),
+        hashed_matrix(_slice_cols(train_cols, cut, n), schema, args.lr_bits, scaler,
+                      part(tokens_train, cut, n)))
     grid, model = {}, None
     for c in sorted(args.lr_c):  # warm starts from the next stronger regularization
         model = fit(x_fit, y_train[:cut], c, model)
@@ -320,8 +379,9 @@ def run_lr(data: DataSet, args) -> dict:
     best_c = max(grid, key=lambda c: (np.nan_to_num(grid[c], nan=-1), -c))
     del x_fit, x_val
     scaler = DenseScaler(train_cols, schema)
-    x_train, x_test = compact(hashed_matrix(train_cols, schema, args.lr_bits, scaler),
-                              hashed_matrix(test_cols, schema, args.lr_bits, scaler))
+    x_train, x_test = compact(
+        hashed_matrix(train_cols, schema, args.lr_bits, scaler, tokens_train),
+        hashed_matrix(test_cols, schema, args.lr_bits, scaler, tokens_test))
     model = fit(x_train, y_train, best_c)
     p = model.predict_proba(x_test)[:, 1]
     return {"auc": auc(p, y_test), "logloss": logloss(p, y_test),
@@ -477,6 +537,8 @@ def _keras_train(cols, labels, schema, args, seed, epochs, evaluate=None):
             model.train_step(inputs.batch(rows), inputs.labels[rows])
         if evaluate is not None:
             scores.append(evaluate(model, vocab, scaler))
+            if len(scores) > 1 and not scores[-1] > max(scores[:-1]):
+                break  # the first epoch without a better AUC ends the choice (patience 1)
     return model, vocab, scaler, scores
 
 
@@ -531,12 +593,14 @@ def model_names(selected: list[str] | None) -> list[str]:
 
 def run_model(data: DataSet, name: str, seed: int, args) -> dict:
     if name == "default":
-        return run_trainer(data, None, seed, args.config)
+        return run_trainer(data, None, seed, args.config, args.epochs)
     if name == "lr":
         return run_lr(data, args)
+    if name == ORACLE:
+        return run_lr(data, args, hidden=True)
     if name == "keras":
         return run_keras(data, seed, args)
-    return run_trainer(data, name.split("/", 1)[1], seed, args.config)
+    return run_trainer(data, name.split("/", 1)[1], seed, args.config, args.epochs)
 
 
 def _stats(values: list[float]) -> dict:
@@ -571,12 +635,12 @@ def markdown(results: dict) -> str:
         head = ["model", "runs", "AUC mean ± std", "AUC min-max"]
         head += ["AUC gap to Bayes"] if gap else []
         head += ["logloss mean ± std", "logloss min-max"] + (["logloss gap"] if gap else [])
-        head += ["s per run"]
+        head += ["epochs", "s per run"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + " --- |" * len(head))
         if gap:
             row = ["**Bayes-optimal (planted p_click)**", "-", f"**{bayes['auc']:.4f}**", "-",
-                   "0", f"{bayes['logloss']:.4f}", "-", "0", "-"]
+                   "0", f"{bayes['logloss']:.4f}", "-", "0", "-", "-"]
             lines.append("| " + " | ".join(row) + " |")
         for model, s in entry["models"].items():
             if "error" in s:
@@ -590,6 +654,8 @@ def markdown(results: dict) -> str:
             row += [f"{ll['mean']:.4f} ± {ll['std']:.4f}", f"{ll['min']:.4f}-{ll['max']:.4f}"]
             if gap:
                 row.append(f"{s['gap_to_bayes_logloss']:.4f}")
+            chosen = [r.get("epochs") for r in s["runs"] if "error" not in r]
+            row.append(",".join(str(e) for e in chosen) if all(chosen) else "-")
             row.append(f"{s['seconds']['mean']:.1f}")
             lines.append("| " + " | ".join(row) + " |")
         for text in entry.get("comparisons", []):
@@ -614,6 +680,17 @@ def comparisons(models: dict) -> list[str]:
         spread = max(d["max"] - d["min"], o["auc"]["max"] - o["auc"]["min"])
         out.append(f"defaults - {label}: {diff:+.4f} AUC (larger of the two min-max spreads "
                    f"{spread:.4f})")
+    ours = {k: v for k, v in models.items() if k.startswith("config/") and "auc" in v}
+    baselines = [models[b]["auc"]["mean"] for b in ("lr", "keras") if "auc" in models.get(b, {})]
+    if ours and baselines:
+        best = max(ours, key=lambda k: ours[k]["auc"]["mean"])
+        out.append(f"best of our models ({best}) - the better baseline: "
+                   f"{ours[best]['auc']['mean'] - max(baselines):+.4f} AUC")
+    if "auc" in models.get(ORACLE, {}) and "auc" in models.get("lr", {}):
+        gain = models[ORACLE]["auc"]["mean"] - models["lr"]["auc"]["mean"]
+        out.append(f"{ORACLE} - hashed LR: {gain:+.4f} AUC: what knowing the generator's hidden "
+                   "taste groups is worth over a linear model on this much data (the ceiling of "
+                   "what learning the planted interaction can add)")
     return out
 
 
@@ -657,8 +734,14 @@ def _parser() -> argparse.ArgumentParser:
                    default=[0.03, 0.1, 0.3, 1.0],
                    help="hashed LR: the C grid (default 0.03,0.1,0.3,1)")
     p.add_argument("--lr-max-iter", type=int, default=1000)
-    p.add_argument("--keras-epochs", type=int, default=1,
-                   help="plain Keras model: epochs; above 1, the best count up to it is chosen "
+    p.add_argument("--epochs", type=int, default=10,
+                   help="our models: at most this many passes, the number chosen as "
+                        "trainer.train does (stop at the first pass without a better AUC) on "
+                        "the train part's validation slice, then retrained on the whole train "
+                        "part (default 10, trainer.train's default with --eval-data)")
+    p.add_argument("--keras-epochs", type=int, default=10,
+                   help="plain Keras model: at most this many epochs, the number chosen as for "
+                        "our models (default 10); above 1, the best count up to it is chosen "
                         "on the train part's validation slice")
     p.add_argument("--keras-dim", type=int, default=18)
     p.add_argument("--keras-hidden", type=ints, default=[200, 80])
@@ -690,7 +773,9 @@ def run(argv=None) -> dict:
             entry["config_dropped"] = dropped
             log(f"  {args.config}: not for this schema, dropped {', '.join(dropped)}")
         for name in names:
-            seeds = [0] if name == "lr" else range(args.seeds)
+            if name == ORACLE and not data.hidden:
+                continue  # generated data only
+            seeds = [0] if name in ("lr", ORACLE) else range(args.seeds)
             runs = []
             for seed in seeds:
                 try:

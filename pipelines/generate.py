@@ -722,19 +722,30 @@ def _stream(schema, samples, seed, samples_per_user, ctr, chunk_rows):
 def generate_tables(schema: Schema, samples: int, seed: int = 0, *,
                     samples_per_user: float = DEFAULT_SAMPLES_PER_USER, ctr: float = DEFAULT_CTR,
                     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                    with_probabilities: bool = False) -> Iterator[pa.Table]:
+                    with_probabilities: bool = False,
+                    with_hidden: bool = False) -> Iterator[pa.Table]:
     """Yield the ``samples`` rows in time order as tables of about ``chunk_rows`` rows.
 
     Columns are exactly ``schema.raw_arrow_schema()``; with ``with_probabilities`` each table
     also ends with a float64 column ``p_<label>`` per label: the planted model's true
-    probability of that label (what the Bayes AUC is computed from). Memory holds one chunk
+    probability of that label (what the Bayes AUC is computed from). With ``with_hidden`` it
+    also ends with an int64 column ``h_taste_cross``: the planted interaction's hidden token,
+    ``taste group * 2^32 + the category's rank`` (what a model given the generator's hidden
+    features would know; null when the schema has no interaction). Memory holds one chunk
     plus a per-pageview plan of about 7 bytes per sample.
     """
-    for _, _, table, _, probs in _stream(schema, samples, seed, samples_per_user, ctr,
-                                         chunk_rows):
+    for plan, rows, table, _, probs in _stream(schema, samples, seed, samples_per_user, ctr,
+                                               chunk_rows):
         if with_probabilities:
             for name in schema.labels:
                 table = table.append_column(f"p_{name}", pa.array(probs[name], pa.float64()))
+        if with_hidden:
+            cross = None
+            if rows.taste_rank is not None:
+                group = plan.rand.bits("taste", rows.user) % np.uint64(_TASTE_GROUPS)
+                cross = (group.astype(np.int64) << 32) + rows.taste_rank.astype(np.int64)
+            table = table.append_column("h_taste_cross", pa.array(
+                cross if cross is not None else [None] * table.num_rows, pa.int64()))
         yield table
 
 

@@ -986,6 +986,7 @@ class DistributedTrainer:
         self.samples = 0
         self.expired = 0
         self.passes = 0        # training passes started
+        self._dense_trains = True  # whether this pass's steps update the dense weights
         # batches each worker took from pass `passes` (the input position a checkpoint
         # records); None once that pass is finished
         self._positions: list[int] | None = None
@@ -1116,7 +1117,8 @@ class DistributedTrainer:
             *[rows[s][w] for s in range(S)]), 2 * S + 3)
             for w, worker in enumerate(self._workers)]
         dense = [o[1] for o in outs]
-        dense_applied = [worker.apply_dense.remote(*dense) for worker in self._workers]
+        dense_applied = ([worker.apply_dense.remote(*dense) for worker in self._workers]
+                         if self._dense_trains else [])
         next_requests = [o[S + 3:] for o in outs]
         applied, next_rows = [], [] if lookup_next else None
         for s, shard in enumerate(self._shards):
@@ -1246,6 +1248,10 @@ class DistributedTrainer:
                     self.passes += 1
                     self._positions = [0] * W
                 pass_index = self.passes
+                # as in process: the dense network trains in the first dense_optimizer.epochs
+                # passes, later ones train the rows only
+                self._dense_trains = (self.config.dense_optimizer.epochs is None
+                                      or pass_index <= self.config.dense_optimizer.epochs)
 
                 def one_pass() -> bool:
                     """The rest of pass ``pass_index``, its evaluation and checkpoint; True to

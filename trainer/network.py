@@ -276,6 +276,10 @@ class Network:
         self.optimizer.build(self.variables)
         self.train_step = _FlatCall(tf.function(self._train_step,
                                                 input_signature=[self.signature]))
+        # A step that trains the rows only (the dense weights and their optimizer untouched):
+        # the passes after ``TrainConfig.dense_epochs``.
+        self.train_rows_step = _FlatCall(tf.function(self._train_rows_step,
+                                                     input_signature=[self.signature]))
         self.predict_step = _FlatCall(tf.function(self._predict_step,
                                                   input_signature=[self.signature]))
         self.gradients = tf.function(self._gradients, input_signature=[self.signature])
@@ -284,23 +288,28 @@ class Network:
         return self.model.forward(Inputs(self.layout, feed, flat=not self.structured,
                                          training=training))
 
-    def _loss_and_grads(self, feed):
+    def _loss_and_grads(self, feed, dense_too: bool = True):
         rows = feed["rows"]
         with tf.GradientTape() as tape:
             tape.watch(list(rows.values()))
             outputs = self._forward(feed, training=True)
             loss = self.model.loss(outputs, feed["labels"])
         dims = list(rows)
-        grads = tape.gradient(loss, self.variables + [rows[d] for d in dims])
-        dense = grads[:len(self.variables)]
+        variables = self.variables if dense_too else []
+        grads = tape.gradient(loss, variables + [rows[d] for d in dims])
+        dense = grads[:len(variables)]
         row_grads = {}
-        for d, g in zip(dims, grads[len(self.variables):]):
+        for d, g in zip(dims, grads[len(variables):]):
             row_grads[d] = _row_slices(g, rows[d])
         return loss, outputs, dense, row_grads
 
     def _train_step(self, feed):
         loss, outputs, dense, row_grads = self._loss_and_grads(feed)
         self.optimizer.apply_gradients(zip(dense, self.variables))
+        return loss, row_grads, self.model.probabilities(outputs)
+
+    def _train_rows_step(self, feed):
+        loss, outputs, _, row_grads = self._loss_and_grads(feed, dense_too=False)
         return loss, row_grads, self.model.probabilities(outputs)
 
     def _gradients(self, feed):

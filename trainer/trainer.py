@@ -134,6 +134,7 @@ class Trainer:
         self.step = 0          # training steps so far (the step apply_gradients receives)
         self.samples = 0       # training samples so far
         self.expired = 0       # rows removed by the configured expiry
+        self.passes = 0        # passes over training data that fit started (checkpointed)
         self.ids_fed = 0       # ids looked up in training (per node in structured compute)
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
         self.timings = defaultdict(float)  # seconds per stage: read, lookup, step, update
@@ -231,12 +232,18 @@ class Trainer:
             window_auc.reset()
             logged_step = self.step
 
+        dense_epochs = self.config.dense_optimizer.epochs
         completed = False
         for _ in range(1, state.epoch):  # passes a resumed fit did: their orders, not their data
             _close(source())
         try:
             for epoch in range(state.epoch, epochs + 1):
                 state.epoch = epoch
+                if not state.batches:  # a new pass (not the rest of one a resumed fit began)
+                    self.passes += 1
+                # The dense network trains in the trainer's first ``dense_epochs`` passes;
+                # later passes (of this fit or a later one) train the rows only.
+                dense = dense_epochs is None or self.passes <= dense_epochs
                 if (eval_every and state.batches and self.step % eval_every == 0
                         and (not evaluations or evaluations[-1]["step"] != self.step)):
                     # interrupted right after the step that this evaluation follows
@@ -244,7 +251,7 @@ class Trainer:
                     if stopped:
                         break
                 for feed in self._pipeline(pass_source(epoch), train=True):
-                    loss, probabilities = self._train_on(feed)
+                    loss, probabilities = self._train_on(feed, dense=dense)
                     label = label or next(iter(probabilities))
                     p = probabilities[label]
                     train_auc.add(p, feed.labels[label])
@@ -294,9 +301,11 @@ class Trainer:
                 self.load(best_dir)  # back to the best model
         return out
 
-    def _train_on(self, feed: Feed):
+    def _train_on(self, feed: Feed, dense: bool = True):
+        """One step on ``feed``: the dense network (unless ``dense`` is False) and the rows."""
         t0 = time.perf_counter()
-        loss, row_slices, probabilities = self.network.train_step(feed.feed)
+        step = self.network.train_step if dense else self.network.train_rows_step
+        loss, row_slices, probabilities = step(feed.feed)
         row_grads = sum_row_slices(row_slices, feed.feed["rows"])
         if self.config.row_gradients == "sum":  # per-sample sums, not the batch mean's share
             for grads in row_grads.values():
@@ -589,7 +598,8 @@ class Trainer:
         except NotImplementedError:
             model_spec = None
         state = {"version": CHECKPOINT_VERSION, "step": self.step, "samples": self.samples,
-                 "expired": self.expired, "model": model_spec, "config": self.config.to_dict(),
+                 "expired": self.expired, "passes": self.passes, "model": model_spec,
+                 "config": self.config.to_dict(),
                  "schema": self.schema.to_dict(), "tables": list(self.tables),
                  "variables": [v.path for v in self.network.variables],
                  # the store snapshots check themselves
@@ -674,6 +684,7 @@ class Trainer:
         self.stores.update(stores)
         self.step, self.samples = state["step"], state["samples"]
         self.expired = state.get("expired", 0)
+        self.passes = state.get("passes", 0)  # older checkpoints: as if no pass was counted
 
 
 def _read_checkpoint(directory: str) -> dict:

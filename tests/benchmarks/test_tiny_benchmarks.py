@@ -90,19 +90,24 @@ def test_quality_benchmark_tiny(capsys, tmp_path):
     assert benchmarks.quality.main(["--tiny", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     result = json.loads(path.read_text())
-    names = ["default"] + [f"config/{m}" for m in models.MODELS] + ["lr", "keras"]
+    names = ["default"] + [f"config/{m}" for m in models.MODELS] + ["lr", "keras", "lr+hidden"]
     assert result["models"] == names
     assert set(result["datasets"]) == {"generated-3k", "movielens-100k"}
     for dataset, entry in result["datasets"].items():
         assert f"### {dataset}:" in out
         info = entry["info"]
         assert info["train_samples"] > 0 and info["eval_samples"] > 0
-        for name in names:
+        # the oracle needs the generator's hidden features: generated data only
+        expected = names if dataset.startswith("generated") else names[:-1]
+        assert list(entry["models"]) == expected
+        for name in expected:
             stats = entry["models"][name]
             assert "error" not in stats, (dataset, name, stats.get("error"))
             assert math.isfinite(stats["auc"]["mean"]) and 0 <= stats["auc"]["mean"] <= 1
             assert math.isfinite(stats["logloss"]["mean"]) and stats["logloss"]["mean"] > 0
             assert len(stats["seeds"]) == 1
+            if name not in ("lr", "lr+hidden"):  # the passes were chosen, 1 to --epochs
+                assert 1 <= stats["runs"][0]["epochs"] <= 10
             row = next(line for line in out.split(f"### {dataset}:")[1].splitlines()
                        if line.startswith(f"| {name} |"))
             assert f"{stats['auc']['mean']:.4f} ± " in row

@@ -98,6 +98,9 @@ def test_schema_mismatches_name_the_feature(tmp_path, schema, text, message):
     ("dense: {price: {transform: sqrt}}",
      "dense.price.transform: 'sqrt' is not a transform; use one of auto, none, log1p"),
     ("batch_size: 0", "batch_size: expected an integer >= 1, got 0"),
+    ("dense_optimizer: {epochs: 0}", "dense_optimizer.epochs: expected an integer >= 1, got 0"),
+    ("dense_optimizer: {epochs: all}",
+     "dense_optimizer.epochs: expected an integer >= 1, got 'all'"),
     ("epochs: 3", "config: unknown key 'epochs'; known keys are batch_size, "),
     ("embedding: {dim: 0}", "embedding.dim: expected an integer in [1, 4096], got 0"),
 ])
@@ -128,3 +131,13 @@ tables: {cate: {dim: 4, expire: null}, brand: {expire: {every_steps: 7, function
         TrainConfig().with_expire_every(3)
     with pytest.raises(ConfigError, match="--expire-every: expected an integer >= 1, got 0"):
         config.with_expire_every(0)
+
+
+def test_dense_epochs_default_to_one_and_null_means_every_pass(tmp_path):
+    assert TrainConfig().dense_optimizer.epochs == 1
+    config = TrainConfig.load(write(tmp_path, "dense_optimizer: {epochs: null}"))
+    assert config.dense_optimizer.epochs is None
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    config = TrainConfig.load(write(tmp_path, "dense_optimizer: {name: sgd, epochs: 3}"))
+    assert (config.dense_optimizer.name, config.dense_optimizer.epochs) == ("sgd", 3)
+    assert TrainConfig.from_dict(config.to_dict()) == config
