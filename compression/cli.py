@@ -51,6 +51,12 @@ EXIT_CODES = ("exit status: 0 done; 2 usage or input error (a flag, the schema o
               "Errors print one line; --debug adds the traceback.")
 
 
+# A service that stops cleanly on a signal (trainer.online) exits 0 then.
+SERVICE_EXIT_CODES = EXIT_CODES.replace(
+    "130 interrupted (Ctrl-C), 143 terminated (SIGTERM)",
+    "0 also after SIGINT or SIGTERM, which stop it cleanly")
+
+
 class UsageError(ValueError):
     """The command cannot use what it was given (exit code 2)."""
 
@@ -67,7 +73,7 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def epilog(*examples: str, notes: str = "") -> str:
+def epilog(*examples: str, notes: str = "", exit_codes: str = EXIT_CODES) -> str:
     """A ``--help`` epilog: examples, notes, then the exit codes (use with
     ``argparse.RawDescriptionHelpFormatter``)."""
     parts = []
@@ -75,7 +81,7 @@ def epilog(*examples: str, notes: str = "") -> str:
         parts.append("examples:\n" + "\n".join(f"  {e}" for e in examples))
     if notes:
         parts.append(_wrap(notes))
-    parts.append(_wrap(EXIT_CODES))
+    parts.append(_wrap(exit_codes))
     return "\n\n".join(parts)
 
 

@@ -22,7 +22,7 @@ from sample_data import taobao_table
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = str(ROOT / "schemas" / "examples" / "taobao_like.yaml")
 COMMANDS = ("compression.compress", "compression.inspect", "pipelines.compress",
-            "trainer.train", "trainer.evaluate")
+            "trainer.train", "trainer.evaluate", "trainer.online")
 TF_NOISE = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS")
 
 
@@ -301,7 +301,7 @@ def test_help_shows_an_example_and_the_exit_codes(module):
     assert out.stderr == ""  # no TensorFlow start-up lines, no Beam apitools warning
 
 
-@pytest.mark.parametrize("module", ["trainer.train", "trainer.evaluate"])
+@pytest.mark.parametrize("module", ["trainer.train", "trainer.evaluate", "trainer.online"])
 def test_trainer_help_does_not_import_tensorflow(module):
     code = ("import runpy, sys\n"
             f"sys.argv = [{module!r}, '--help']\n"

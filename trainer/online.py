@@ -51,24 +51,28 @@ import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 
 import compression
 import schemas
 from compression import kafka
 from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
 from native.crash_points import crash_point
-from trainer import models as models_lib
+from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
 from trainer.metrics import StreamingAUC, logloss
-from trainer.trainer import Trainer, write_scalars
+from trainer.train import MODEL_NAMES, load_tensorflow
+
+if TYPE_CHECKING:  # TensorFlow is imported once the arguments are parsed (a fast --help)
+    from trainer.trainer import Trainer
+
+PROG = "python -m trainer.online"
 
 log = logging.getLogger("trainer.online")
-MODELS = models_lib.MODELS
 DEFAULT_READER_NICE = 10
 # A unit (one poll, compressed and batched together) holds up to this many batches of samples:
 # a bigger poll puts more of a user's samples into one tree, so its batches share more and the
@@ -360,6 +364,8 @@ class OnlineTrainer:
         reader.start()
         last_checkpoint = last_export = last_report = time.monotonic()
         if self.log_dir:
+            import tensorflow as tf
+
             self._writer = tf.summary.create_file_writer(self.log_dir)
         try:
             self.trainer.trace()  # while the reader joins the group and polls its first unit
@@ -511,6 +517,8 @@ class OnlineTrainer:
             self.last_delay = {"p50": float(np.percentile(delays, 50)) / 1000,
                                "p99": float(np.percentile(delays, 99)) / 1000}
             if self._writer is not None:
+                from trainer.trainer import write_scalars
+
                 write_scalars(self._writer, self.trainer.step,
                               {"delay/p50_s": self.last_delay["p50"],
                                "delay/p99_s": self.last_delay["p99"]})
@@ -556,6 +564,8 @@ class OnlineTrainer:
                                 ("pv/window_logloss", window["logloss"])):
                 if value is not None:
                     scalars[name] = value
+            from trainer.trainer import write_scalars
+
             write_scalars(self._writer, self.trainer.step, scalars)
 
     def summary(self) -> dict:
@@ -610,15 +620,21 @@ def _metric(value) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.online",
+        prog=PROG,
         description=textwrap.fill(
             "Train continuously from a Kafka topic of samples with crash-exact "
             "recovery: checkpoints hold the consumed offsets, which are committed to "
             "Kafka only after the checkpoint is durable."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m trainer.online --schema schemas/examples/taobao_like.yaml "
-               "--bootstrap-servers localhost:9092 --topic samples --group ctr-online "
-               "--run-dir runs/online --export-dir export/ --export-every 10")
+        epilog=cli.epilog(
+            f"{PROG} --schema schemas/examples/taobao_like.yaml --bootstrap-servers "
+            "localhost:9092 --topic samples --group ctr-online --run-dir runs/online "
+            "--export-dir export/ --export-every 10",
+            notes="SIGINT and SIGTERM stop a run cleanly: the last unit is trained, a checkpoint "
+                  "written, its offsets committed, and the command exits 0; starting it again "
+                  "with the same --run-dir resumes from that checkpoint.",
+            exit_codes=cli.SERVICE_EXIT_CODES))
+    cli.add_debug_flag(parser)
     parser.add_argument("--schema", required=True, help="schema YAML")
     parser.add_argument("--bootstrap-servers", required=True, help="Kafka HOST:PORT[,...]")
     parser.add_argument("--topic", required=True, help="topic of samples")
@@ -629,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True,
                         help="checkpoints and TensorBoard logs; restored from on start")
     parser.add_argument("--config", help="trainer YAML (see trainer/examples/mlp.yaml)")
-    parser.add_argument("--model", choices=sorted(MODELS),
+    parser.add_argument("--model", choices=sorted(MODEL_NAMES),
                         default="mlp", help="built-in model for a new run (default mlp)")
     parser.add_argument("--export-dir", help="write store deltas and dense weights here")
     parser.add_argument("--export-every", type=float, default=10.0,
@@ -676,6 +692,9 @@ def run(argv=None) -> dict:
     if args.max_message_bytes < 1:
         parser.error(f"--max-message-bytes: expected at least 1, got {args.max_message_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    load_tensorflow(args.debug)
+    from trainer.models import MODELS
+    from trainer.trainer import Trainer
     options = dict(args.kafka_options)
     try:  # at start only: once running, the trainer retries through outages
         kafka.check_reachable(kafka.consumer_settings(args.bootstrap_servers, args.group,
@@ -730,6 +749,9 @@ def run(argv=None) -> dict:
     return summary
 
 
+def main(argv=None) -> int:
+    return cli.run_command(PROG, lambda a: run(a) and 0, argv)
+
+
 if __name__ == "__main__":
-    run()
-    sys.exit(0)
+    sys.exit(main())
