@@ -1144,7 +1144,7 @@ class DistributedTrainer:
             log_dir: str | None = None, shuffle: bool = True, callback=None,
             eval_data=None, eval_every: int | None = None, patience: int | None = None,
             best_dir: str | None = None, checkpoint_dir: str | None = None,
-            checkpoint_every: int | None = None) -> dict:
+            checkpoint_every: int | None = None, should_stop=None) -> dict:
         """Train ``epochs`` synchronous passes over ``data``: tree or raw files (a path, glob
         or list), a pyarrow Table (each worker keeps its own trees, :func:`worker_batches`),
         or one list of TreeBatches per worker. A trainer restored from a checkpoint taken
@@ -1163,8 +1163,15 @@ class DistributedTrainer:
 
         Returns what ``Trainer.fit`` returns (samples, steps, seconds, samples_per_sec, loss,
         train_auc, store_rows, with ``eval_data`` evaluations, best, stopped_early) plus
-        ``bytes_per_step`` (per worker and per shard) and ``recoveries``. ``callback(trainer,
-        loss)`` runs after every step with the union batch's loss."""
+        ``bytes_per_step`` (per worker and per shard), ``recoveries`` and ``interrupted``.
+        ``callback(trainer, loss)`` runs after every step with the union batch's loss.
+
+        ``should_stop()``: asked before every step is submitted; once it returns True the
+        pipeline drains (as before a checkpoint: every shard and worker at the same step, no
+        batch looked up ahead) and fit returns with ``interrupted`` True, at most two steps
+        later, without the pending evaluation and with the trainer at the last step (not
+        back at the best model): :meth:`save` then writes a consistent checkpoint, and
+        :meth:`restore` of it and ``fit`` go on from there (the interrupted pass first)."""
         from trainer.trainer import _progress_bar
 
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -1195,6 +1202,13 @@ class DistributedTrainer:
         bytes0, recoveries0 = dict(self.bytes), len(self.recoveries)
         marks = {"time": started, "samples": self.samples}
         self._rollback = None
+        stop_asked = False
+
+        def stop_requested() -> bool:
+            """Whether should_stop asked to stop, once or since (a stop is not taken back)."""
+            nonlocal stop_asked
+            stop_asked = stop_asked or (should_stop is not None and bool(should_stop()))
+            return stop_asked
 
         def evaluate(epoch: int) -> bool:
             """Evaluate now (between steps); True when training should stop."""
@@ -1242,16 +1256,16 @@ class DistributedTrainer:
             if checkpoint_dir:
                 self._attempt(checkpoint)  # the state before this fit: roll back to it
             epoch = 0
-            while epoch < epochs and not stopped:
+            while epoch < epochs and not stopped and not stop_requested():
                 epoch += 1
                 if self._positions is None:
                     self.passes += 1
                     self._positions = [0] * W
                 pass_index = self.passes
-                # as in process: the dense network trains in the first dense_optimizer.epochs
-                # passes, later ones train the rows only
+                # as in process: the dense network trains in this fit's first
+                # dense_optimizer.epochs passes, later ones train the rows only
                 self._dense_trains = (self.config.dense_optimizer.epochs is None
-                                      or pass_index <= self.config.dense_optimizer.epochs)
+                                      or epoch <= self.config.dense_optimizer.epochs)
 
                 def one_pass() -> bool:
                     """The rest of pass ``pass_index``, its evaluation and checkpoint; True to
@@ -1260,9 +1274,12 @@ class DistributedTrainer:
                         self._start_pass(data, pass_index, shuffle, "train", self._positions)
                         if self._train_steps(mean, after_step, evaluate if eval_every else None,
                                              eval_every, checkpoint if checkpoint_every
-                                             else None, checkpoint_every, epoch):
+                                             else None, checkpoint_every, epoch,
+                                             stop_requested):
                             return True
                         self._positions = None
+                    if stop_requested():  # the pass is trained; its evaluation is not waited for
+                        return True
                     stop = False
                     if eval_data is not None and (not run.evaluations or
                                                   run.evaluations[-1]["step"] != self.step):
@@ -1298,10 +1315,13 @@ class DistributedTrainer:
                                  + per_step.get("shard_received", 0)) / self.shards,
                    **per_step}}
         if eval_data is not None:
-            out.update(evaluations=run.evaluations, best=run.best, stopped_early=stopped or (
-                patience is not None and run.stale >= patience))
-            if best_dir and run.best is not None and run.best is not run.evaluations[-1]:
+            out.update(evaluations=run.evaluations, best=run.best,
+                       stopped_early=(stopped and not stop_asked) or (
+                           patience is not None and run.stale >= patience))
+            if best_dir and run.best is not None and run.best is not run.evaluations[-1] \
+                    and not stop_asked:
                 self.load(best_dir)  # back to the best model
+        out["interrupted"] = stop_asked
         return out
 
     def _log(self, writer, bar, run: _FitProgress, marks: dict) -> None:
@@ -1323,9 +1343,11 @@ class DistributedTrainer:
         run.window_auc.reset()
 
     def _train_steps(self, mean: bool, after_step, evaluate, eval_every, checkpoint,
-                     checkpoint_every, epoch: int) -> bool:
+                     checkpoint_every, epoch: int, stop_requested=lambda: False) -> bool:
         """The steps of the pass the workers are reading, to its end; True when an
-        evaluation asked to stop.
+        evaluation asked to stop or ``stop_requested()`` did (then the pipeline is drained:
+        the first step submitted after it looks nothing up ahead, and the steps return after
+        it).
 
         Each step's calls are submitted before the previous step's results are read (Ray
         runs an actor's calls in the order one caller submitted them, so a shard applies
@@ -1337,7 +1359,7 @@ class DistributedTrainer:
             return every is not None and step % every == 0
 
         def drained(step):
-            return due(eval_every, step) or due(checkpoint_every, step)
+            return due(eval_every, step) or due(checkpoint_every, step) or stop_requested()
 
         nxt = self._next("train")
         metas, requests = [refs[0] for refs in nxt], [refs[1:] for refs in nxt]
@@ -1364,6 +1386,8 @@ class DistributedTrainer:
                 current = following
                 continue
             ray.get(current["dense_applied"])
+            if stop_requested():
+                return True
             if due(eval_every, self.step) and evaluate(epoch):
                 return True
             if due(checkpoint_every, self.step):
@@ -1712,16 +1736,25 @@ class DistributedTrainer:
 
 # -- the command line (trainer/train.py dispatches here) ----------------------------------
 
-def run_cli(args, parser, schema: Schema, config: TrainConfig, model) -> dict:
+def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
+            settings: dict) -> dict:
     """``python -m trainer.train ... --workers W --shards S [--ray-address ADDR]``: train on
-    Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the result dict train.py prints.
+    Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the result dict train.py prints
+    and writes. ``staged``: the run directory (a :class:`compression.cli.StagedOutput`; this
+    writes into ``staged.tmp``, train.py commits it).
     As in process: with ``--eval-data`` the model is evaluated after every pass (and every
     ``--eval-every`` steps), training stops after ``--patience`` evaluations without a better
     AUC and ``OUT/checkpoint`` holds the best model. A shard or worker whose process dies is
     restarted by Ray and the run rolls back to its last checkpoint (``OUT/checkpoint`` or,
     while the best one is kept there, ``OUT/rollback``: written before the first step and
-    after every pass)."""
-    from trainer.train import DEFAULT_EPOCHS_WITH_EVAL
+    after every pass).
+
+    SIGINT or SIGTERM (``settings``: train.py's, for ``interrupted.json``) stops as in
+    process: the pipeline drains, ``OUT/checkpoint`` (and with early stopping ``OUT/latest``)
+    and ``OUT/interrupted.json`` are written, the run directory is put in place and
+    ``trainer.train.Interrupted`` is raised (exit 130/143); a second signal stops at once."""
+    from trainer.train import (_RESTART_DISTRIBUTED, DEFAULT_EPOCHS_WITH_EVAL, _interrupted,
+                               _StopOnSignal)
 
     for name in ("workers", "shards"):
         value = getattr(args, name)
@@ -1738,19 +1771,30 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model) -> dict:
     try:
         epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
         keep_best = bool(args.eval_data) and args.patience > 0
-        os.makedirs(args.out, exist_ok=True)
-        checkpoint = os.path.join(args.out, "checkpoint")
-        rollback = os.path.join(args.out, "rollback") if keep_best else checkpoint
-        history = trainer.fit(args.train_data, epochs=epochs, progress=not args.no_progress,
-                              log_dir=args.out, eval_data=args.eval_data,
-                              eval_every=args.eval_every,
-                              patience=args.patience if keep_best else None,
-                              best_dir=checkpoint if keep_best else None,
-                              checkpoint_dir=rollback)
-        if keep_best:
-            shutil.rmtree(rollback, ignore_errors=True)
-        else:
-            trainer.save(checkpoint)
+        checkpoint = os.path.join(staged.tmp, "checkpoint")
+        rollback = os.path.join(staged.tmp, "rollback") if keep_best else checkpoint
+        # entered once Ray runs: ray.init sets a SIGTERM handler of its own
+        with _StopOnSignal() as stop:
+            history = trainer.fit(args.train_data, epochs=epochs,
+                                  progress=not args.no_progress, log_dir=staged.tmp,
+                                  eval_data=args.eval_data, eval_every=args.eval_every,
+                                  patience=args.patience if keep_best else None,
+                                  best_dir=checkpoint if keep_best else None,
+                                  checkpoint_dir=rollback,
+                                  should_stop=lambda: stop.signum is not None)
+            if keep_best:
+                shutil.rmtree(rollback, ignore_errors=True)
+            if history["interrupted"]:
+                latest = os.path.join(staged.path, "latest" if keep_best else "checkpoint")
+                raise _interrupted(
+                    trainer, staged, stop.signum,
+                    {"settings": settings,
+                     "distributed": {"workers": args.workers, "shards": args.shards}},
+                    keep_best, history.get("best"),
+                    "A distributed run does not take --resume; restart it from its checkpoint "
+                    f"in Python: {_RESTART_DISTRIBUTED.format(path=latest)}")
+            if not keep_best:
+                trainer.save(checkpoint)
         stats = trainer.store_stats()
         rows = stats.get("rows", 0)
         if history["samples"] and rows and args.shards > rows:

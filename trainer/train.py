@@ -14,6 +14,8 @@ Ctrl-C or SIGTERM stops after the current step with the checkpoint and ``RUN_DIR
 interrupted.json`` (the settings and where the fit stopped) in place; the same command plus
 ``--resume`` continues the run to the result an uninterrupted run has (the same pass order,
 evaluations and early-stopping state; exact with the defaults: no dropout, no stale lookups).
+With ``--workers``/``--shards`` (Ray) the run directory and a signal are handled alike; such a
+run has no ``--resume`` but restarts from its checkpoint in Python (``DistributedTrainer.restore``).
 """
 
 from __future__ import annotations
@@ -163,7 +165,12 @@ def run(argv=None) -> dict:
     interrupted = None
     if args.resume:
         if distributed_run:
-            parser.error("--resume: not available with --workers, --shards or --ray-address")
+            latest = os.path.join(args.out, "latest")  # where it stopped, with early stopping
+            if not os.path.isdir(latest):
+                latest = os.path.join(args.out, "checkpoint")
+            parser.error("--resume continues in-process runs only, not with --workers, --shards "
+                         "or --ray-address; a distributed run restarts from its checkpoint in "
+                         f"Python: {_RESTART_DISTRIBUTED.format(path=latest)}")
         cli.check_output(args.out, True, "--out", inputs)
         interrupted = _interrupted_run(args.out, settings)
     else:
@@ -175,11 +182,16 @@ def run(argv=None) -> dict:
     if distributed_run:
         from trainer import distributed
 
-        result = distributed.run_cli(args, parser, schema, config,
-                                     models.MODELS[args.model](**model_args))
-        result = {k: _json_number(v) for k, v in result.items()}
-        with open(os.path.join(result["run_dir"], "result.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        # as in process: a failed run leaves no run directory, --overwrite replaces one whole,
+        # an interrupted one is put in place with its checkpoint (run_cli raises Interrupted)
+        with cli.StagedOutput(args.out, args.overwrite, "--out", inputs) as staged:
+            result = distributed.run_cli(args, parser, schema, config,
+                                         models.MODELS[args.model](**model_args), staged,
+                                         settings)
+            result = {k: _json_number(v) for k, v in result.items()}
+            with open(os.path.join(staged.tmp, "result.json"), "w") as f:
+                json.dump(result, f, indent=1)
+            staged.commit()
         return result
     try:
         trainer = Trainer(schema, models.MODELS[args.model](**model_args), config)
@@ -207,7 +219,15 @@ def run(argv=None) -> dict:
                                   patience=args.patience if keep_best else None,
                                   best_dir=checkpoint if keep_best else None, resume=resume)
         except _Stop as e:
-            raise _interrupted(trainer, staged, e.signum, settings, keep_best, argv) from None
+            state = trainer.fit_state
+            best = None if state.best is None else state.evaluations[state.best]
+            again = argv if "--resume" in argv else [*argv, "--resume"]
+            raise _interrupted(
+                trainer, staged, e.signum, {"settings": settings, "fit": state.to_dict()},
+                keep_best, best,
+                f"Score it with python -m trainer.evaluate --run {staged.path} --data DATA; "
+                "continue the run where it stopped with the same command plus --resume: "
+                f"{PROG} {shlex.join(again)}") from None
         if not keep_best:
             trainer.save(checkpoint)
         result = _result(args, config, trainer, history, keep_best, epochs)
@@ -266,15 +286,17 @@ class _StopOnSignal:
             raise _Stop(self.signum)
 
 
-def _interrupted(trainer, staged, signum: int, settings: dict, keep_best: bool,
-                 argv: list) -> Interrupted:
-    """Write the checkpoint and the resume state of an interrupted run, put the run directory
-    in place.
+def _interrupted(trainer, staged, signum: int, state: dict, keep_best: bool,
+                 best: dict | None, go_on: str) -> Interrupted:
+    """Write the checkpoint and the state of an interrupted run (in process or distributed:
+    ``trainer`` has ``save``, ``step`` and ``samples``), put the run directory in place.
 
     ``RUN_DIR/checkpoint`` is the model to score: where training stopped, or with early
-    stopping the best evaluation so far (then where training stopped goes to
-    ``RUN_DIR/latest``). ``RUN_DIR/interrupted.json`` holds the run's settings and where the
-    fit stopped (:class:`trainer.trainer.FitState`), for ``--resume``."""
+    stopping the best evaluation so far (``best``; then where training stopped goes to
+    ``RUN_DIR/latest``). ``RUN_DIR/interrupted.json`` holds the signal, the step and ``state``
+    (the run's settings; in process also where the fit stopped,
+    :class:`trainer.trainer.FitState`, for ``--resume``). ``go_on`` ends the message: how to
+    go on from here."""
     name = signal.Signals(signum).name
     checkpoint = os.path.join(staged.tmp, "checkpoint")
     latest = "latest" if keep_best else "checkpoint"
@@ -282,23 +304,26 @@ def _interrupted(trainer, staged, signum: int, settings: dict, keep_best: bool,
     if not os.path.isdir(checkpoint):  # no evaluation yet: the model to score is the latest
         trainer.save(checkpoint)
     state = {"signal": name, "step": trainer.step, "samples": trainer.samples,
-             "checkpoint": latest, "settings": settings, "fit": trainer.fit_state.to_dict()}
+             "checkpoint": latest, **state}
     with open(os.path.join(staged.tmp, "interrupted.json"), "w") as f:
         json.dump(state, f, indent=1, default=float)
     run_dir = staged.commit()
     checkpoint = os.path.join(run_dir, "checkpoint")
-    best = ""
-    if keep_best and trainer.fit_state.best is not None:
-        evaluation = trainer.fit_state.evaluations[trainer.fit_state.best]
-        best = (f" (the best evaluation so far, AUC {_format_auc(_json_number(evaluation['auc']))}"
-                f" at step {evaluation['step']:,}; where training stopped is in "
+    kept = ""
+    if keep_best and best is not None:
+        kept = (f" (the best evaluation so far, AUC {_format_auc(_json_number(best['auc']))}"
+                f" at step {best['step']:,}; where training stopped is in "
                 f"{os.path.join(run_dir, 'latest')})")
-    again = argv if "--resume" in argv else [*argv, "--resume"]
     return Interrupted(
         f"{name}: stopped after step {trainer.step:,} ({trainer.samples:,} samples); "
-        f"checkpoint written to {checkpoint}{best}. Score it with python -m trainer.evaluate "
-        f"--run {run_dir} --data DATA; continue the run where it stopped with the same "
-        f"command plus --resume: {PROG} {shlex.join(again)}", 128 + signum)
+        f"checkpoint written to {checkpoint}{kept}. {go_on}", 128 + signum)
+
+
+# how a distributed run goes on (it has no --resume): its manifest holds every worker's input
+# position, so fit finishes the interrupted pass first
+_RESTART_DISTRIBUTED = ("trainer.distributed.DistributedTrainer.restore('{path}').fit(...) "
+                        "finishes the interrupted pass and goes on (its evaluations and "
+                        "early-stopping state start over)")
 
 
 def _settings(args, schema, config, model_args: dict, train_files: list, eval_files: list,
@@ -336,11 +361,21 @@ def _interrupted_run(out: str, settings: dict) -> dict:
     try:
         with open(path) as f:
             state = json.load(f)
-        stored = state["settings"]
-        state["fit"], state["checkpoint"]  # noqa: B018 - written by a version with --resume
-    except (ValueError, KeyError, TypeError):
+        ray_run = state.get("distributed")
+        if ray_run is None:
+            stored = state["settings"]
+            state["fit"], state["checkpoint"]  # noqa: B018 - written by a version with --resume
+        else:
+            latest = os.path.join(out, state["checkpoint"])
+            ray_run = f"--workers {ray_run['workers']} --shards {ray_run['shards']}"
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise cli.UsageError(f"{path}: not the state of a resumable run (written by an older "
                              "version, or damaged); start a new run with --overwrite") from None
+    if ray_run is not None:
+        raise cli.UsageError(
+            f"--out {out}: the interrupted run there trained on Ray ({ray_run}); --resume "
+            "continues in-process runs only. Restart it from its checkpoint in Python: "
+            f"{_RESTART_DISTRIBUTED.format(path=latest)}")
     differ = [key for key in _SETTING_NAMES if stored.get(key) != settings.get(key)]
     if differ:
         details = []
@@ -443,4 +478,8 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as the module trainer.train, not as its copy named __main__: trainer.distributed
+    # raises this module's Interrupted, which _main must recognise
+    from trainer.train import main as _module_main
+
+    sys.exit(_module_main())
