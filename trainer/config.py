@@ -6,8 +6,8 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
     compute: structured            # or flat: the same model on samples expanded to the leaves
     seed: 0
     row_gradients: sum             # or mean: see TrainConfig
-    dense_optimizer: {name: adam, lr: 0.003, epochs: 1}   # epochs: the passes that train the
-                                   # dense network (later ones train rows only); null: all
+    dense_optimizer: {name: adam, lr: 0.003, epochs: 1}   # epochs: the passes of a fit that
+                                   # train the dense network (later: rows only); null: all
     embedding:                     # defaults of every table
       dim: 18
       optimizer: {name: adagrad, lr: 0.05, initial_accumulator: 0.1}  # or sgd / adam / ftrl
@@ -170,10 +170,12 @@ def transform_values(values: np.ndarray, transform: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DenseOptimizerConfig:
-    """The Keras optimizer of the dense network, and ``epochs``: in how many passes over the
-    training data the dense network trains (``None``: every pass). The trainer counts the passes
-    its ``fit`` calls start (``Trainer.passes``, kept in checkpoints): from pass ``epochs + 1``
-    on, a step trains the embedding rows only, through the frozen network. Online training
+    """The Keras optimizer of the dense network, and ``epochs``: in how many of a ``fit``'s
+    passes over its data the dense network trains (``None``: every pass; ``0``: none, the
+    network stays frozen). From pass ``epochs + 1`` of a fit on, a step trains the embedding
+    rows only, through the frozen network. It counts per fit, so training on new data (a new
+    day, a restored checkpoint) trains the network again; a loop of one-pass fits over the same
+    data trains it every time, which is what ``fit(data, epochs=N)`` avoids. Online training
     makes no passes and always trains both.
 
     Why one: CTR networks overfit from their second pass on (the "one-epoch phenomenon",
@@ -233,7 +235,7 @@ class TrainConfig:
             raise ConfigError(f"dense_optimizer.name: {self.dense_optimizer.name!r} is not "
                               f"supported; use one of {', '.join(DENSE_OPTIMIZERS)}")
         if self.dense_optimizer.epochs is not None:
-            _check_int("dense_optimizer.epochs", self.dense_optimizer.epochs, 1)
+            _check_int("dense_optimizer.epochs", self.dense_optimizer.epochs, 0)
         if self.row_gradients not in ROW_GRADIENTS:
             raise ConfigError(f"row_gradients: {self.row_gradients!r} is not known; use one of "
                               f"{', '.join(ROW_GRADIENTS)}")
@@ -295,7 +297,7 @@ class TrainConfig:
             raise ConfigError(f"dense_optimizer.lr: expected a positive number, got {lr!r}")
         epochs = raw_dense.get("epochs", DenseOptimizerConfig.epochs)
         if epochs is not None:
-            _check_int("dense_optimizer.epochs", epochs, 1)
+            _check_int("dense_optimizer.epochs", epochs, 0)
         dense = DenseOptimizerConfig(name=raw_dense.get("name", "adam"), lr=float(lr),
                                      epochs=epochs)
         scalars = {k: data[k] for k in ("batch_size", "compute", "seed", "split_trees",

@@ -134,7 +134,6 @@ class Trainer:
         self.step = 0          # training steps so far (the step apply_gradients receives)
         self.samples = 0       # training samples so far
         self.expired = 0       # rows removed by the configured expiry
-        self.passes = 0        # passes over training data that fit started (checkpointed)
         self.ids_fed = 0       # ids looked up in training (per node in structured compute)
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
         self.timings = defaultdict(float)  # seconds per stage: read, lookup, step, update
@@ -239,11 +238,9 @@ class Trainer:
         try:
             for epoch in range(state.epoch, epochs + 1):
                 state.epoch = epoch
-                if not state.batches:  # a new pass (not the rest of one a resumed fit began)
-                    self.passes += 1
-                # The dense network trains in the trainer's first ``dense_epochs`` passes;
-                # later passes (of this fit or a later one) train the rows only.
-                dense = dense_epochs is None or self.passes <= dense_epochs
+                # The dense network trains in this fit's first ``dense_epochs`` passes; later
+                # passes train the rows only. (Per fit: a fit on new data trains it again.)
+                dense = dense_epochs is None or epoch <= dense_epochs
                 if (eval_every and state.batches and self.step % eval_every == 0
                         and (not evaluations or evaluations[-1]["step"] != self.step)):
                     # interrupted right after the step that this evaluation follows
@@ -598,7 +595,7 @@ class Trainer:
         except NotImplementedError:
             model_spec = None
         state = {"version": CHECKPOINT_VERSION, "step": self.step, "samples": self.samples,
-                 "expired": self.expired, "passes": self.passes, "model": model_spec,
+                 "expired": self.expired, "model": model_spec,
                  "config": self.config.to_dict(),
                  "schema": self.schema.to_dict(), "tables": list(self.tables),
                  "variables": [v.path for v in self.network.variables],
@@ -684,7 +681,6 @@ class Trainer:
         self.stores.update(stores)
         self.step, self.samples = state["step"], state["samples"]
         self.expired = state.get("expired", 0)
-        self.passes = state.get("passes", 0)  # older checkpoints: as if no pass was counted
 
 
 def _read_checkpoint(directory: str) -> dict:

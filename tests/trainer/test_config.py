@@ -98,9 +98,9 @@ def test_schema_mismatches_name_the_feature(tmp_path, schema, text, message):
     ("dense: {price: {transform: sqrt}}",
      "dense.price.transform: 'sqrt' is not a transform; use one of auto, none, log1p"),
     ("batch_size: 0", "batch_size: expected an integer >= 1, got 0"),
-    ("dense_optimizer: {epochs: 0}", "dense_optimizer.epochs: expected an integer >= 1, got 0"),
+    ("dense_optimizer: {epochs: -1}", "dense_optimizer.epochs: expected an integer >= 0, got -1"),
     ("dense_optimizer: {epochs: all}",
-     "dense_optimizer.epochs: expected an integer >= 1, got 'all'"),
+     "dense_optimizer.epochs: expected an integer >= 0, got 'all'"),
     ("epochs: 3", "config: unknown key 'epochs'; known keys are batch_size, "),
     ("embedding: {dim: 0}", "embedding.dim: expected an integer in [1, 4096], got 0"),
 ])
