@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from processes import signal_when
 from sample_data import taobao_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,28 +178,11 @@ def test_trainer_train_output_policy(data, tmp_path):
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_training_with_a_checkpoint(data, tmp_path, signum, code):
     run = tmp_path / "run"
-    child = subprocess.Popen(
-        [sys.executable, "-m", "trainer.train", "--schema", SCHEMA, "--train-data",
-         str(data / "raw.parquet"), "--batch-size", "100", "--epochs", "1000000", "--out",
-         str(run)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        # the progress bar appears once training has started (signal handlers in place)
-        seen = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(child.stderr, selectors.EVENT_READ)
-            while b"train:" not in seen:
-                assert sel.select(timeout=300), "no progress bar within 300 s"
-                chunk = os.read(child.stderr.fileno(), 65536)
-                assert chunk, f"the child ended early: {seen.decode()}"
-                seen += chunk
-        child.send_signal(signum)
-        stdout, stderr = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    stderr = (seen + stderr).decode()
-    assert child.returncode == code, stderr
+    # the progress bar appears once training has started (signal handlers in place)
+    returncode, stdout, stderr = signal_when(
+        ["-m", "trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+         "--batch-size", "100", "--epochs", "1000000", "--out", run], b"train:", signum)
+    assert returncode == code, stderr
     assert "Traceback" not in stderr
     name = signal.Signals(signum).name
     assert f"{name}: finishing the current step, then writing a checkpoint" in stderr
@@ -385,33 +368,16 @@ def test_an_interrupted_beam_job_leaves_no_output(tmp_path):
     (or, had the job finished first, a complete output; either way nothing half-written)."""
     pq.write_table(taobao_table(100_000, seed=5), tmp_path / "raw.parquet")
     out = tmp_path / "trees"
-    child = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.compress", "--schema", SCHEMA, "--input",
-         str(tmp_path / "raw.parquet"), "--output", str(out), "--shards", "2",
-         "--chunk-rows", "5000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        seen = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(child.stderr, selectors.EVENT_READ)
-            while b"read " not in seen:
-                assert sel.select(timeout=300), "the job read nothing within 300 s"
-                chunk = os.read(child.stderr.fileno(), 65536)
-                assert chunk, f"the child ended early: {seen.decode()}"
-                seen += chunk
-        child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    stderr = (seen + stderr).decode()
+    returncode, _, stderr = signal_when(
+        ["-m", "pipelines.compress", "--schema", SCHEMA, "--input", tmp_path / "raw.parquet",
+         "--output", out, "--shards", "2", "--chunk-rows", "5000"], b"read ")
     assert "Traceback" not in stderr
-    if child.returncode == 130:
+    if returncode == 130:
         assert stderr.strip().splitlines()[-1] == (
             "python -m pipelines.compress: interrupted")
         assert sorted(os.listdir(tmp_path)) == ["raw.parquet"]
     else:
-        assert child.returncode == 0, stderr
+        assert returncode == 0, stderr
         assert sorted(os.listdir(tmp_path)) == ["raw.parquet", "trees"]
         assert json.loads((out / "_stats.json").read_text())["samples"] == 100_000
 

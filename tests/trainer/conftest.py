@@ -28,3 +28,16 @@ def raw_small(schema):
 @pytest.fixture(scope="session")
 def trees_small(schema, raw_small):
     return compression.build_trees(raw_small, schema)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster for a module's distributed tests (4 CPUs' worth of actors on this
+    machine's cores), started unless one is running, and shut down after the module."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()

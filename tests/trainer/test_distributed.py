@@ -1,13 +1,8 @@
 """Distributed training on a real local Ray cluster (store shards and workers are separate
 processes) equals single-process training on the union of the workers' batches."""
-import dataclasses
 import json
 import os
 import re
-import selectors
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -18,10 +13,11 @@ ray = pytest.importorskip("ray")
 
 import compression  # noqa: E402
 import native  # noqa: E402
-from compression import TreeBatch  # noqa: E402
 from trainer import TrainConfig, Trainer, models  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.distributed import DistributedTrainer, shard_of, tree_workers  # noqa: E402
+from processes import signal_when  # noqa: E402
+from ray_reference import single_process_run  # noqa: E402
 from trainer_data import ROOT, generated  # noqa: E402
 
 W, S = 2, 2
@@ -43,16 +39,6 @@ def config(**changes):
             "features": {"clicked_cats": {"table": "cate"}, "cate_id": {"table": "cate"}}}
     base.update(changes)
     return TrainConfig.from_dict(base)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +71,6 @@ def test_placement_is_stable_and_keeps_trees_whole(schema, trees):
     assert 0.3 < owner.mean() < 0.7
 
 
-def union_batches(schema, cfg, data, epoch):
-    """The single-process reference: batch k is the workers' batches k side by side."""
-    parts = [list(distributed.worker_batches(data, schema, cfg, w, W, epoch, shuffle=True))
-             for w in range(W)]
-    steps = max(len(p) for p in parts)
-    return [TreeBatch.concat([p[k] for p in parts if k < len(p)]) for k in range(steps)]
-
-
 def sorted_rows(rows):
     order = np.argsort(rows["ids"])
     return {k: v[order] for k, v in rows.items()}
@@ -104,17 +82,10 @@ def test_two_shards_two_workers_equal_single_process(cluster, schema, trees, mod
     and a new set of actors restored from it trains the second pass; ESMM (two heads) runs
     with row gradients of the batch mean, the MLP with per-sample sums (the default)."""
     cfg = config() if model == "mlp" else config(row_gradients="mean")
-    single = Trainer(schema, MODELS[model](), cfg)
-    single_losses = []
-    for epoch in range(1, EPOCHS + 1):
-        if model == "esmm" and epoch > 1:
-            # the distributed run makes its passes in one fit, where the dense network trains
-            # in the first pass only (dense_optimizer.epochs 1); these one-pass fits do so
-            # with a frozen network (epochs 0)
-            single.config = single.config.replace(dense_optimizer=dataclasses.replace(
-                cfg.dense_optimizer, epochs=0))
-        single.fit(union_batches(schema, cfg, trees, epoch), shuffle=False,
-                   callback=lambda t, loss, p, y: single_losses.append(loss))
+    # the MLP's distributed run makes its passes in two fits, ESMM's in one (where the dense
+    # network trains in the first pass only)
+    single, single_losses = single_process_run(schema, MODELS[model](), cfg, trees, EPOCHS, W,
+                                               one_fit=model == "esmm")
 
     dt = DistributedTrainer(schema, MODELS[model](), cfg, workers=W, shards=S)
     try:
@@ -362,27 +333,11 @@ def test_cli_sigint_drains_writes_a_checkpoint_and_exits_130(cluster, cli_files,
 
     base, args = cli_files
     run = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, "-m", "trainer.train", *args, "--epochs", "50",
-                              "--out", str(run)], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-    seen = b""
-    try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(child.stderr, selectors.EVENT_READ)
-            # the progress bar shows a rate once a step is trained (before: "?samples/s")
-            while not re.search(rb"\d[kMG]?samples/s", seen):
-                assert sel.select(timeout=300), f"no step within 300 s: {seen.decode()}"
-                chunk = os.read(child.stderr.fileno(), 65536)
-                assert chunk, f"the child ended before training: {seen.decode()}"
-                seen += chunk
-        child.send_signal(signal.SIGINT)
-        stdout, stderr = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    stderr = (seen + stderr).decode()
-    assert child.returncode == 130, stderr
+    # the progress bar shows a rate once a step is trained (before: "?samples/s")
+    returncode, stdout, stderr = signal_when(
+        ["-m", "trainer.train", *args, "--epochs", "50", "--out", run],
+        re.compile(rb"\d[kMG]?samples/s"))
+    assert returncode == 130, stderr
     assert stdout == b"" and "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
     state = read_json(run / "interrupted.json")

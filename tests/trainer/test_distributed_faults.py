@@ -14,11 +14,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import compression  # noqa: E402
-from compression import TreeBatch  # noqa: E402
-from trainer import TrainConfig, Trainer, models  # noqa: E402
-from trainer import distributed  # noqa: E402
+from trainer import TrainConfig, models  # noqa: E402
 from trainer.distributed import DistributedTrainer  # noqa: E402
 from trainer.serving import Predictor  # noqa: E402
+from ray_reference import single_process_run, union_batches  # noqa: E402
 from trainer_data import ROOT, SCHEMA_PATH, generated  # noqa: E402
 
 W, S = 2, 2
@@ -46,16 +45,6 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def raw(schema):
     return generated(schema, SAMPLES, seed=5).drop_columns(["p_click", "p_conversion"])
 
@@ -65,25 +54,13 @@ def trees(schema, raw):
     return compression.build_trees(raw, schema)
 
 
-def union_batches(schema, cfg, data, epoch):
-    """The single-process reference: batch k is the workers' batches k side by side."""
-    parts = [list(distributed.worker_batches(data, schema, cfg, w, W, epoch, shuffle=True))
-             for w in range(W)]
-    return [TreeBatch.concat([p[k] for p in parts if k < len(p)])
-            for k in range(max(len(p) for p in parts))]
-
-
 @pytest.fixture(scope="module")
 def runs(cluster, schema, trees, tmp_path_factory):
     """A 2 x 2 run killed twice (a shard, then a worker) and the single-process run on the
     same batches; the distributed trainer stays open for the tests that follow."""
     tmp = tmp_path_factory.mktemp("faults")
     cfg = config()
-    single = Trainer(schema, model(), cfg)
-    single_losses = []
-    for epoch in range(1, EPOCHS + 1):
-        single.fit(union_batches(schema, cfg, trees, epoch), shuffle=False,
-                   callback=lambda t, loss, p, y: single_losses.append(loss))
+    single, single_losses = single_process_run(schema, model(), cfg, trees, EPOCHS, W)
 
     dt = DistributedTrainer(schema, model(), cfg, workers=W, shards=S, max_restarts=2)
     killed, pending = [], dict(KILLS)
@@ -169,7 +146,9 @@ def test_sharded_export_predicts_as_single_process_and_follows_deltas(runs, sche
     # one more pass on both; the sharded export follows through per-shard deltas
     cfg = config()
     dt.fit(trees, epochs=1)
-    single.fit(union_batches(schema, cfg, trees, EPOCHS + 1), shuffle=False)
+    # a new fit: its first pass trains the dense network again
+    single.config = single.config.replace(dense_optimizer=cfg.dense_optimizer)
+    single.fit(union_batches(schema, cfg, trees, EPOCHS + 1, W), shuffle=False)
     dt.export_increment(tmp / "export-dt")
     assert sharded.update() == S * len(dt.tables)
     assert sorted(os.listdir(tmp / "export-dt" / "deltas" / "cate")) == ["shard-0000",

@@ -2,7 +2,6 @@
 the result of the run that was never interrupted (issue 19)."""
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from processes import signal_when
 from trainer_data import ROOT, SCHEMA_PATH, generated
 
 TIMINGS = ("samples_per_sec", "train_seconds")
@@ -25,25 +25,9 @@ def command(*args) -> subprocess.CompletedProcess:
 def interrupt(args, after: bytes, signum=signal.SIGINT) -> tuple[int, str]:
     """Start ``trainer.train args``, send ``signum`` once its stderr shows ``after``; the exit
     code and the whole stderr."""
-    child = subprocess.Popen([sys.executable, "-m", "trainer.train", *map(str, args)], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    seen = b""
-    try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(child.stderr, selectors.EVENT_READ)
-            while after not in seen:
-                assert sel.select(timeout=300), f"no {after!r} within 300 s: {seen.decode()}"
-                chunk = os.read(child.stderr.fileno(), 65536)
-                assert chunk, f"the child ended before {after!r}: {seen.decode()}"
-                seen += chunk
-        child.send_signal(signum)
-        stdout, stderr = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    code, stdout, stderr = signal_when(["-m", "trainer.train", *args], after, signum)
     assert stdout == b""
-    return child.returncode, (seen + stderr).decode()
+    return code, stderr
 
 
 @pytest.fixture(scope="module")
