@@ -95,12 +95,24 @@ def _read(path: str) -> str:
         return f.read()
 
 
+PROG = "python -m pipelines.local_broker"
+
+
 def main(argv=None) -> int:
+    from compression import cli
+
+    return cli.run_command(PROG, _main, argv)
+
+
+def _main(argv) -> int:
+    from compression import cli
+
     parser = argparse.ArgumentParser(
-        prog="python -m pipelines.local_broker",
+        prog=PROG,
         description="Run a local Kafka-protocol broker (Tansu, memory storage) until Ctrl-C.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m pipelines.local_broker --port 9092")
+        epilog=cli.epilog(f"{PROG} --port 9092", exit_codes=cli.SERVICE_EXIT_CODES))
+    cli.add_debug_flag(parser)
     parser.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
     args = parser.parse_args(argv)
     with tansu(args.port) as (bootstrap, process, _):

@@ -22,7 +22,8 @@ from sample_data import taobao_table
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = str(ROOT / "schemas" / "examples" / "taobao_like.yaml")
 COMMANDS = ("compression.compress", "compression.inspect", "pipelines.compress",
-            "trainer.train", "trainer.evaluate", "trainer.online")
+            "pipelines.generate", "pipelines.replay", "pipelines.stream_compress",
+            "pipelines.local_broker", "trainer.train", "trainer.evaluate", "trainer.online")
 TF_NOISE = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS")
 
 
