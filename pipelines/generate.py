@@ -960,8 +960,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", required=True, type=int,
                    help="number of samples (rows) to write")
     p.add_argument("--out", required=True,
-                   help="output directory; created if missing; part-*.parquet and _truth.json "
-                        "from an earlier run are replaced")
+                   help="output directory (part-*.parquet and _truth.json); a non-empty one is "
+                        "refused unless --overwrite; written through a temporary directory "
+                        "renamed into place at the end")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed; the same seed and options give the same rows (default 0)")
     p.add_argument("--shards", type=int, default=None,
@@ -974,6 +975,7 @@ def _parser() -> argparse.ArgumentParser:
                         "rate is close (default 0.04)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (shown by default from 200k samples)")
+    cli.add_overwrite_flag(p)
     cli.add_debug_flag(p)
     return p
 
@@ -984,9 +986,12 @@ def run(argv=None) -> dict:
     args = _parser().parse_args(argv)
     schema = schemas.load(args.schema)
     started = time.perf_counter()
-    truth = generate(schema, args.samples, args.out, args.seed, shards=args.shards,
-                     samples_per_user=args.samples_per_user, ctr=args.ctr,
-                     progress=not args.no_progress and args.samples >= 200_000)
+    # the output policy of every command: a failed or interrupted run leaves no --out
+    with cli.StagedOutput(args.out, args.overwrite, "--out", [args.schema]) as staged:
+        truth = generate(schema, args.samples, staged.tmp, args.seed, shards=args.shards,
+                         samples_per_user=args.samples_per_user, ctr=args.ctr,
+                         progress=not args.no_progress and args.samples >= 200_000)
+        staged.commit()
     seconds = time.perf_counter() - started
     print(f"{truth['samples']:,} samples of {truth['schema']} in {len(truth['files'])} files "
           f"({truth['bytes'] / 1e6:.1f} MB) in {seconds:.1f} s "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -399,3 +400,39 @@ def test_cli_errors_take_the_shared_path(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file"]
     help_text = run_cli("--help").stdout
     assert "--debug" in help_text and "exit status: 0 done; 2 usage or input error" in help_text
+
+
+def test_cli_output_policy(tmp_path):
+    """A non-empty --out is refused (exit 2) and left as it was; --overwrite replaces it whole;
+    a run that fails midway leaves no --out and no temporary directory."""
+    out = tmp_path / "raw"
+    out.mkdir()
+    (out / "stray.txt").write_text("mine")
+    result = run_cli("--schema", TAOBAO_PATH, "--samples", 1_000, "--out", out)
+    assert result.returncode == 2
+    assert result.stderr == (f"python -m pipelines.generate: error: --out {out}: the directory "
+                             "is not empty (1 entry); pass --overwrite to replace it whole, "
+                             "or choose another directory\n")
+    assert sorted(os.listdir(out)) == ["stray.txt"]
+    result = run_cli("--schema", TAOBAO_PATH, "--samples", 1_000, "--out", out, "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(out)) == ["_truth.json", "part-00000.parquet"]
+    assert pq.read_table(out).num_rows == 1_000
+    result = run_cli("--schema", TAOBAO_PATH, "--samples", 100, "--shards", 200, "--out",
+                     tmp_path / "failed")
+    assert result.returncode == 2
+    assert sorted(os.listdir(tmp_path)) == ["raw"]
+
+
+def test_cli_interrupted_leaves_no_output(tmp_path):
+    """SIGINT once rows are being written (the progress bar shows a count): exit 130, no --out
+    and no temporary directory."""
+    from processes import signal_when
+
+    out = tmp_path / "raw"
+    code, stdout, stderr = signal_when(
+        ["-m", "pipelines.generate", "--schema", TAOBAO_PATH, "--samples", 50_000_000, "--out",
+         out], re.compile(rb"generate: +\d+%"))
+    assert code == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "python -m pipelines.generate: interrupted"
+    assert os.listdir(tmp_path) == []
