@@ -436,7 +436,7 @@ def test_train_progress_bar_has_a_total_for_tree_files(short_run):
 def test_without_eval_data_auc_is_none(short_run):
     _, run, result, stderr = short_run
     assert result["auc"] is None and result["logloss"] is None and result["eval_samples"] == 0
-    assert 0 <= result["train_auc"] <= 1
+    assert result["train_auc"] > 0.5  # it learned its own training data (planted signal)
     assert stderr.strip().splitlines()[-1].startswith(f"train AUC {result['train_auc']:.4f} | ")
     assert json.loads((run / "result.json").read_text())["auc"] is None
 

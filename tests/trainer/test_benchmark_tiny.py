@@ -10,12 +10,9 @@ def test_trainer_benchmark_tiny():
         "--ceiling"])
     (run,) = result["runs"]
     assert run["samples_per_user"] == 10 and run["timed_samples"] == 3000
-    for mode in ("structured", "flat", "keras", "ceiling"):
-        assert run[mode]["samples_per_sec"] > 0
     for mode in ("structured", "flat"):
         assert set(run[mode]["ms_per_step_sequential"]) == {"prepare", "lookup", "step", "update"}
     assert run["nodes_per_batch"][0] < run["nodes_per_batch"][-1] == 1000
-    assert run["ceiling_over_flat"] > 0
 
 
 def test_all_upper_shared_keeps_the_leaves_under_one_node_per_upper_layer():

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 
 import compression
 
@@ -45,8 +46,7 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
                           "--compute", "structured", "--batch-size", "200", "--epochs", "2",
                           "--out", str(run_dir)])
     assert result["samples"] == 2 * raw_small.num_rows and result["eval_samples"] == 600
-    assert result["steps"] == 20 and result["samples_per_sec"] > 0
-    assert 0 <= result["auc"] <= 1 and result["logloss"] > 0
+    assert result["steps"] == 20
     assert result["id_compression"] > 1.5   # ~10 samples per user: user ids looked up once
     assert result["store_rows"] > 0 and result["admitted"] >= result["store_rows"]
     assert "train" in stderr and "samples" in stderr      # the progress bar
@@ -66,7 +66,8 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
     best = max(result["evaluations"], key=lambda e: e["auc"])
     assert (result["checkpoint_step"], result["auc"]) == (best["step"], best["auc"])
     assert evaluation["samples"] == 600 and evaluation["step"] == best["step"]
-    assert evaluation["auc"] == result["auc"]
+    assert evaluation["auc"] == result["auc"]  # the run's AUC is its kept checkpoint's
+    assert evaluation["logloss"] == pytest.approx(result["logloss"], rel=1e-6)
     assert evaluation["store_rows"] == result["store_rows"]
 
 

@@ -203,7 +203,7 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     assert not (tmp_path / "run" / "rollback").exists()
     assert result["samples"] >= SAMPLES and result["eval_samples"] == SAMPLES
     assert result["workers"] == 2 and result["shards"] == 2 and result["store_rows"] > 0
-    assert 0 <= result["auc"] <= 1 and result["id_compression"] > 1.5
+    assert result["id_compression"] > 1.5  # (its AUC is the best evaluation's: above)
     assert (tmp_path / "run" / "result.json").exists()
     assert [p for p in os.listdir(tmp_path / "run" / "train") if p.startswith("events.")]
 
