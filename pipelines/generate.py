@@ -774,7 +774,6 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
     names = [f"part-{i:05d}.parquet" for i in range(shards)]
     shard_writer = _ShardWriter(out_dir, names, math.ceil(samples / shards),
                                 schema.raw_arrow_schema())
-    bar = _progress_bar(samples, progress)
     probs_all = {name: np.empty(samples, np.float32) for name in schema.labels}
     labels_all = {name: np.empty(samples, bool) for name in schema.labels}
     root_counts = None
@@ -783,7 +782,10 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
     # the next chunk. Waiting for the previous write first keeps at most two chunks in memory.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-writer")
     pending = None
+    bar = _NoBar()
     try:
+        # made inside the try, so that an interrupt closes it (ends its line) whenever it comes
+        bar = _progress_bar(samples, progress)
         for plan, rows, table, labels, probs in _stream(schema, samples, seed, samples_per_user,
                                                          ctr, chunk_rows):
             if root_counts is None:

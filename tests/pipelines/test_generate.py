@@ -425,14 +425,14 @@ def test_cli_output_policy(tmp_path):
 
 
 def test_cli_interrupted_leaves_no_output(tmp_path):
-    """SIGINT once rows are being written (the progress bar shows a count): exit 130, no --out
-    and no temporary directory."""
+    """SIGINT once rows are being written (the progress bar counts some): exit 130, the message
+    on a line of its own, no --out and no temporary directory."""
     from processes import signal_when
 
     out = tmp_path / "raw"
     code, stdout, stderr = signal_when(
-        ["-m", "pipelines.generate", "--schema", TAOBAO_PATH, "--samples", 50_000_000, "--out",
-         out], re.compile(rb"generate: +\d+%"))
+        ["-m", "pipelines.generate", "--schema", TAOBAO_PATH, "--samples", 5_000_000, "--out",
+         out], re.compile(rb"\| [1-9][0-9.]*[kM]?/5\.00M"))
     assert code == 130, stderr
     assert stderr.strip().splitlines()[-1] == "python -m pipelines.generate: interrupted"
     assert os.listdir(tmp_path) == []
