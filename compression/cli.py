@@ -44,17 +44,17 @@ EXIT_USAGE = 2
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
-EXIT_CODES = ("exit status: 0 done; 2 usage or input error (a flag, the schema or config, an "
-              "input that is missing, empty or unreadable, an output directory that is not "
-              "empty), checked before work starts where possible; 1 failure while running "
-              "(I/O, a worker, a bug); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). "
-              "Errors print one line; --debug adds the traceback.")
+def _exit_codes(on_signal: str) -> str:
+    return ("exit status: 0 done; 2 usage or input error (a flag, the schema or config, an "
+            "input that is missing, empty or unreadable, an output directory that is not "
+            "empty), checked before work starts where possible; 1 failure while running "
+            f"(I/O, a worker, a bug); {on_signal}. Errors print one line; --debug adds the "
+            "traceback.")
 
 
-# A service that stops cleanly on a signal (trainer.online) exits 0 then.
-SERVICE_EXIT_CODES = EXIT_CODES.replace(
-    "130 interrupted (Ctrl-C), 143 terminated (SIGTERM)",
-    "0 also after SIGINT or SIGTERM, which stop it cleanly")
+EXIT_CODES = _exit_codes("130 interrupted (Ctrl-C), 143 terminated (SIGTERM)")
+# A service that stops cleanly on a signal (trainer.online, the local broker) exits 0 then.
+SERVICE_EXIT_CODES = _exit_codes("0 also after SIGINT or SIGTERM, which stop it cleanly")
 
 
 class UsageError(ValueError):

@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Iterator
 
+from compression import cli
+
 # Client settings for this broker: Tansu holds a consumer group's first join for half the
 # session timeout (23 s with librdkafka's 45 s default, 3 s with these). Pass them as
 # `-X session.timeout.ms=6000 -X heartbeat.interval.ms=500` (or in PREFIXREC_KAFKA_OPTIONS);
@@ -99,14 +101,10 @@ PROG = "python -m pipelines.local_broker"
 
 
 def main(argv=None) -> int:
-    from compression import cli
-
     return cli.run_command(PROG, _main, argv)
 
 
 def _main(argv) -> int:
-    from compression import cli
-
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Run a local Kafka-protocol broker (Tansu, memory storage) until Ctrl-C.",
