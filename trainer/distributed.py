@@ -29,7 +29,8 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
      shards sent, and hands out its next batch's requests (``_Worker.train_step``);
   2. every worker applies step ``k``'s dense update: all workers' dense gradients, their
      leaf-weighted mean in worker order, the same numbers on every worker, so their weights
-     stay identical (``_Worker.apply_dense``; it runs while the shards work);
+     stay identical (``_Worker.apply_dense``; it runs while the shards work; a worker keeps
+     its own gradients, only the others' travel, so one worker sends none);
   3. every shard, in one call (``Shard.step``), concatenates the gradients of all workers per
      table and calls ``apply_gradients`` once per table with step ``k`` (the store sums a
      row's gradients over the workers), runs the configured expiry when ``k`` is a multiple of
@@ -375,6 +376,8 @@ def _shard_class():
 
             self._check()
             t0 = time_.perf_counter()
+            # a worker's step message (n, gradients, request) or its request alone
+            requests = [r[2] if isinstance(r, tuple) else r for r in requests]
             out = [{} for _ in requests]
             empty = np.zeros(0, np.int64)
             for table, store in self.stores.items():
@@ -418,14 +421,15 @@ def _shard_class():
             return removed
 
         def step(self, step: int, mean: bool, workers: int, lookup: bool, *messages):
-            """:meth:`apply` of step ``step`` (``messages[:workers]``: every worker's
-            gradients), then, with ``lookup``, the training :meth:`lookup` of the next step
-            (``messages[workers:]``: every worker's requests). Returns ``(rows expired,
-            rows for worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
-            removed = self.apply(step, mean, *messages[:workers])
+            """:meth:`apply` of step ``step``, then, with ``lookup``, the training
+            :meth:`lookup` of the next step. ``messages[w]``: worker ``w``'s ``(leaves,
+            gradients, next request)`` for this shard (one object per worker and shard: each
+            object costs a hop its own store and lookup). Returns ``(rows expired, rows for
+            worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
+            removed = self.apply(step, mean, *[(n, grads) for n, grads, _ in messages])
             if not lookup:
                 return removed
-            rows = self.lookup(True, *messages[workers:])
+            rows = self.lookup(True, *messages)
             return (removed,) + (tuple(rows) if workers > 1 else (rows,))
 
         def _expire(self, table: str, step: int) -> int:
@@ -568,6 +572,7 @@ class _Worker:
         self._dedupe = native.EmbeddingStore(native.StoreConfig(dim=1))
         self._streams: dict[str, _Stream] = {}
         self._current: dict = {}  # stream -> the batch taken from it last (None: its end)
+        self._own_dense = None  # this worker's dense message of the last step
         self.timings = defaultdict(float)
         # a process Ray restarted has fresh weights: refuse steps until ``reset``
         self.restarted = _reconstructed()
@@ -692,11 +697,11 @@ class _Worker:
                 state.queue.put(_END)  # later calls see the end too
             return ({"n": 0},) + tuple({} for _ in range(self.shards))
         prepared, tables, requests, meta = item
-        self._current[stream] = (prepared, tables)
+        self._current[stream] = (prepared, tables, meta)
         return (meta,) + tuple(requests)
 
     def _feed(self, current, shard_rows):
-        prepared, tables = current
+        prepared, tables, _ = current
         stores = {}
         for table, (unique, inverse, positions) in tables.items():
             dim = self.trainer.layout.dims[table]
@@ -709,12 +714,18 @@ class _Worker:
     def train_step(self, *shard_rows):
         """The loss and gradients of the current training batch on the rows the shards sent
         (one message per shard), then the next batch taken from the training stream.
-        Returns ``(meta, dense message, message for shard 0, ..., shard S-1, next meta,
-        next request for shard 0, ..., shard S-1)``. Messages hold per-sample sums (``n *
-        gradient of the mean loss``) and the leaf count ``n``; requests as
-        :meth:`next_step`. One call per step: the shards then apply this step and look the
-        next one up in one call too (``Shard.step``)."""
-        return self._gradient_messages(shard_rows) + self.next_step("train")
+        Returns ``(result, dense message, message for shard 0, ..., shard S-1)``: the
+        result (loss, predictions, the batch's ``meta``) for the driver; the dense message
+        for the other workers (None with one worker: a worker keeps its own, see
+        :meth:`apply_dense`); shard ``s``'s message ``(n, {table: (ids, gradients)}, next
+        request)`` with per-sample sums (``n * gradient of the mean loss``), the leaf count
+        ``n`` and the next batch's ids this shard owns (as :meth:`next_step`). One call per
+        step: the shards then apply this step and look the next one up in one call too
+        (``Shard.step``)."""
+        out = self._gradient_messages(shard_rows)
+        _, *requests = self.next_step("train")
+        return out[:2] + tuple((n, grads, request)
+                               for (n, grads), request in zip(out[2:], requests))
 
     def _gradient_messages(self, shard_rows) -> tuple:
         from trainer.network import sum_row_slices
@@ -722,7 +733,8 @@ class _Worker:
         self._check()
         current = self._current.get("train")
         if current is None:
-            return ({"n": 0}, (0, None)) + tuple((0, {}) for _ in range(self.shards))
+            self._own_dense = (0, None)
+            return ({"n": 0}, None) + tuple((0, {}) for _ in range(self.shards))
         t0 = time.perf_counter()
         feed = self._feed(current, shard_rows)
         n = feed.num_leaves
@@ -730,7 +742,7 @@ class _Worker:
         rows = sum_row_slices(row_slices, feed.feed["rows"])
         scale = np.float32(n)
         messages = [{} for _ in range(self.shards)]
-        _, tables = current
+        _, tables, batch_meta = current
         for table, (dim, a, b) in feed.row_ranges.items():
             unique, _, positions = tables[table]
             grads = rows[str(dim)][a:b]
@@ -738,18 +750,24 @@ class _Worker:
             for s, pos in enumerate(positions):
                 messages[s][table] = (unique[pos], grads[pos])
         dense = [g.numpy() * scale for g in dense]
-        meta = {"n": n, "loss": float(loss),
+        meta = {"n": n, "loss": float(loss), "meta": batch_meta,
                 "probabilities": {k: v.numpy() for k, v in probabilities.items()},
                 "labels": feed.labels, "ids_fed": feed.ids_fed, "leaf_ids": feed.leaf_ids,
                 "dense_bytes": sum(g.nbytes for g in dense),
                 "grad_bytes": sum(i.nbytes + g.nbytes for m in messages for i, g in m.values())}
         self.timings["step"] += time.perf_counter() - t0
-        return (meta, (n, dense)) + tuple((n, m) for m in messages)
+        self._own_dense = (n, dense)
+        return (meta, (n, dense) if self.workers > 1 else None) + tuple(
+            (n, m) for m in messages)
 
     def apply_dense(self, *messages) -> None:
-        """Apply the leaf-weighted mean of all workers' dense gradients (in worker order)."""
+        """Apply the leaf-weighted mean of all workers' dense gradients of the last step, in
+        worker order (the same sums on every worker, so their weights stay equal):
+        ``messages[w]``, worker ``w``'s dense message, or None for this worker's own, which
+        it kept (it does not travel)."""
         self._check()
         t0 = time.perf_counter()
+        messages = [self._own_dense if m is None else m for m in messages]
         total = sum(n for n, _ in messages)
         summed = None
         for n, grads in messages:
@@ -1103,37 +1121,34 @@ class DistributedTrainer:
             train, *[request_refs[w][s] for w in range(W)]), W)
             for s, shard in enumerate(self._shards)]
 
-    def _submit_step(self, step: int, mean: bool, rows, metas, lookup_next: bool) -> dict:
+    def _submit_step(self, step: int, mean: bool, rows, lookup_next: bool) -> dict:
         """Submit training step ``step``: every worker's ``train_step`` on ``rows``
         (``[shard][worker]`` refs), a dense update of every worker right after it (it runs
         while the shards work), and every shard's ``step``: apply this step's row gradients
         and, with ``lookup_next``, look the workers' next batches up. Returns the refs:
-        ``results`` (per worker), ``metas`` (this step's batches, given), ``applied`` (rows
-        expired, per shard), ``dense_applied``, ``next_metas``, ``next_requests``
-        (``[worker][shard]``) and ``next_rows`` (``[shard][worker]``; None without
-        ``lookup_next``)."""
+        ``results`` (per worker), ``applied`` (rows expired, per shard), ``dense_applied``,
+        ``messages`` (``[worker][shard]``: gradients and next requests) and ``next_rows``
+        (``[shard][worker]``; None without ``lookup_next``)."""
         W, S = self.workers, self.shards
-        outs = [_refs(worker.train_step.options(num_returns=2 * S + 3).remote(
-            *[rows[s][w] for s in range(S)]), 2 * S + 3)
+        outs = [_refs(worker.train_step.options(num_returns=S + 2).remote(
+            *[rows[s][w] for s in range(S)]), S + 2)
             for w, worker in enumerate(self._workers)]
-        dense = [o[1] for o in outs]
-        dense_applied = ([worker.apply_dense.remote(*dense) for worker in self._workers]
-                         if self._dense_trains else [])
-        next_requests = [o[S + 3:] for o in outs]
+        dense_applied = ([worker.apply_dense.remote(
+            *[None if v == w else outs[v][1] for v in range(W)])
+            for w, worker in enumerate(self._workers)] if self._dense_trains else [])
+        messages = [o[2:] for o in outs]
         applied, next_rows = [], [] if lookup_next else None
         for s, shard in enumerate(self._shards):
-            grads = [outs[w][2 + s] for w in range(W)]
+            to_shard = [messages[w][s] for w in range(W)]
             if lookup_next:
                 refs = _refs(shard.step.options(num_returns=W + 1).remote(
-                    step, mean, W, True, *grads, *[next_requests[w][s] for w in range(W)]),
-                    W + 1)
+                    step, mean, W, True, *to_shard), W + 1)
                 applied.append(refs[0])
                 next_rows.append(refs[1:])
             else:
-                applied.append(shard.step.remote(step, mean, W, False, *grads))
-        return {"results": [o[0] for o in outs], "metas": metas, "applied": applied,
-                "dense_applied": dense_applied, "next_metas": [o[S + 2] for o in outs],
-                "next_requests": next_requests, "next_rows": next_rows}
+                applied.append(shard.step.remote(step, mean, W, False, *to_shard))
+        return {"results": [o[0] for o in outs], "applied": applied,
+                "dense_applied": dense_applied, "messages": messages, "next_rows": next_rows}
 
     def _next(self, stream: str, dense_refs=None):
         dense_refs = list(dense_refs or [])
@@ -1362,20 +1377,19 @@ class DistributedTrainer:
             return due(eval_every, step) or due(checkpoint_every, step) or stop_requested()
 
         nxt = self._next("train")
-        metas, requests = [refs[0] for refs in nxt], [refs[1:] for refs in nxt]
-        current = self._submit_step(self.step + 1, mean, self._lookup(requests, True), metas,
+        current = self._submit_step(self.step + 1, mean,
+                                    self._lookup([refs[1:] for refs in nxt], True),
                                     not drained(self.step + 1))
         while True:
             following = None if current["next_rows"] is None else self._submit_step(
-                self.step + 2, mean, current["next_rows"], current["next_metas"],
-                not drained(self.step + 2))
+                self.step + 2, mean, current["next_rows"], not drained(self.step + 2))
             results = ray.get(current["results"])
             if not any(r["n"] for r in results):
                 outstanding = [current] + ([following] if following else [])
                 ray.get([ref for c in outstanding for ref in c["results"] + c["applied"]
                          + c["dense_applied"]])
                 return False
-            metas = ray.get(current["metas"])
+            metas = [r.get("meta", {}) for r in results]
             self.expired += sum(ray.get(current["applied"]))
             self.step += 1
             for w, r in enumerate(results):
@@ -1393,8 +1407,8 @@ class DistributedTrainer:
             if due(checkpoint_every, self.step):
                 checkpoint()
             current = self._submit_step(self.step + 1, mean,
-                                        self._lookup(current["next_requests"], True),
-                                        current["next_metas"], not drained(self.step + 1))
+                                        self._lookup(current["messages"], True),
+                                        not drained(self.step + 1))
 
     def _attempt(self, body, run: _FitProgress | None = None, pass_index: int | None = None):
         """``body()``; when an actor dies in it, roll back to the last checkpoint fit wrote
