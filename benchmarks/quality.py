@@ -39,7 +39,10 @@ passes; ``epochs`` in the JSON says how many.
 
 Data sets (``--datasets``): ``generated`` (``pipelines.generate`` with the taobao_like schema, one
 data set per ``--samples`` size, data seed ``--data-seed``; the Bayes-optimal AUC and log loss
-of the planted probabilities on the eval split are reported with every model's gap to them) and
+of the planted probabilities on the eval split are reported with every model's gap to them, and
+two more rows of the planted model with the users' hidden taste groups unknown: inferred from
+each user's train rows, and not at all; their difference is what learning the interaction can
+add at most, see ``pipelines.generate.taste_oracles``) and
 ``movielens`` (MovieLens 100K from the RecBole wheel, as a CTR task: see benchmarks/datasets.py).
 
 Prints a markdown table per data set on stdout, progress on stderr, and writes everything as
@@ -117,6 +120,7 @@ class DataSet:
                      "eval_samples": self.eval.num_rows,
                      "train_rate": float(pc.mean(self.train[label]).as_py()),
                      "eval_rate": float(pc.mean(self.eval[label]).as_py())}
+        self.taste = None  # generated data: taste_bounds
         self._trees = None
         self._selection = None
 
@@ -149,9 +153,11 @@ def load_datasets(args) -> list[DataSet]:
                 table = datasets.generated(schema, samples, args.data_seed, hidden=True)
                 log(f"generated {samples:,} samples (seed {args.data_seed}) in "
                     f"{time.perf_counter() - started:.1f} s")
-                out.append(DataSet(f"generated-{_size_name(samples)}", schema, table, {},
-                                   {"source": "pipelines.generate", "samples": samples,
-                                    "data_seed": args.data_seed}))
+                data = DataSet(f"generated-{_size_name(samples)}", schema, table, {},
+                               {"source": "pipelines.generate", "samples": samples,
+                                "data_seed": args.data_seed})
+                data.taste = taste_bounds(data, schema, samples, args.data_seed)
+                out.append(data)
         elif name == "movielens":
             schema = schemas.load(datasets.MOVIELENS_SCHEMA)
             table = datasets.movielens_100k(args.movielens_dir, schema=schema)
@@ -164,6 +170,23 @@ def load_datasets(args) -> list[DataSet]:
         else:
             raise ValueError(f"--datasets: unknown data set {name!r}; use generated, movielens")
     return out
+
+
+def taste_bounds(data: "DataSet", schema, samples: int, seed: int) -> dict | None:
+    """The planted model's AUC and log loss on the eval part with the users' taste groups
+    unknown: inferred from each user's train rows (``history``: the most any model of the
+    observed data can know) and not at all (``prior``); see
+    ``pipelines.generate.taste_oracles``."""
+    from pipelines.generate import taste_oracles
+    from trainer.metrics import auc, logloss
+
+    oracles = taste_oracles(schema, samples, seed, train_rows=data.info["train_samples"])
+    if oracles is None:
+        return None
+    y = data.eval[data.label].to_numpy()
+    if len(y) != len(oracles["prior"]):
+        raise RuntimeError("taste oracles: not the rows of this data set's eval part")
+    return {k: {"auc": auc(p, y), "logloss": logloss(p, y)} for k, p in oracles.items()}
 
 
 # --- our trainer --------------------------------------------------------------------------------
@@ -626,7 +649,7 @@ def summarize(runs: list[dict], bayes: dict | None) -> dict:
 def markdown(results: dict) -> str:
     lines = []
     for name, entry in results["datasets"].items():
-        info, bayes = entry["info"], entry["bayes"]
+        info, bayes, taste = entry["info"], entry["bayes"], entry.get("taste")
         lines.append(f"### {name}: {info['schema']}, {info['train_samples']:,} train / "
                      f"{info['eval_samples']:,} eval samples (time split 80/20), click rate "
                      f"{info['train_rate']:.3f} / {info['eval_rate']:.3f}")
@@ -642,6 +665,15 @@ def markdown(results: dict) -> str:
             row = ["**Bayes-optimal (planted p_click)**", "-", f"**{bayes['auc']:.4f}**", "-",
                    "0", f"{bayes['logloss']:.4f}", "-", "0", "-", "-"]
             lines.append("| " + " | ".join(row) + " |")
+            for key, label in (("history", "planted model, taste groups inferred from each "
+                                           "user's train rows"),
+                               ("prior", "planted model, taste groups unknown")):
+                if taste:
+                    t = taste[key]
+                    row = [f"*{label}*", "-", f"*{t['auc']:.4f}*", "-",
+                           f"{bayes['auc'] - t['auc']:.4f}", f"{t['logloss']:.4f}", "-",
+                           f"{t['logloss'] - bayes['logloss']:.4f}", "-", "-"]
+                    lines.append("| " + " | ".join(row) + " |")
         for model, s in entry["models"].items():
             if "error" in s:
                 lines.append(f"| {model} | 0 | failed: {s['error'][:120]} |")
@@ -665,9 +697,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def comparisons(models: dict) -> list[str]:
+def comparisons(models: dict, taste: dict | None = None) -> list[str]:
     """The issue's targets: defaults vs hashed LR, defaults vs the plain Keras model."""
     out = []
+    if taste:
+        value = taste["history"]["auc"] - taste["prior"]["auc"]
+        out.append(f"the interaction's learnable value: {value:+.4f} AUC (the planted model with each user's taste group inferred from their train "
+                   "rows, over the planted model without it): the most any model of the observed "
+                   "data can gain from the interaction over one that ignores it")
     default = models.get("default", {})
     if "auc" not in default:
         return out
@@ -766,7 +803,10 @@ def run(argv=None) -> dict:
     for data in load_datasets(args):
         log(f"{data.name}: {data.info['train_samples']:,} train / "
             f"{data.info['eval_samples']:,} eval samples"
-            + (f", Bayes-optimal AUC {data.bayes['auc']:.4f}" if data.bayes else ""))
+            + (f", Bayes-optimal AUC {data.bayes['auc']:.4f}" if data.bayes else "")
+            + (f", planted model with taste groups inferred from train rows / unknown: AUC "
+               f"{data.taste['history']['auc']:.4f} / {data.taste['prior']['auc']:.4f}"
+               if data.taste else ""))
         entry = {"info": data.info, "bayes": data.bayes, "models": {}}
         _, dropped = config_for(args.config, data.schema)
         if dropped:
@@ -789,7 +829,8 @@ def run(argv=None) -> dict:
                 r["seed"] = seed
                 runs.append(r)
             entry["models"][name] = summarize(runs, data.bayes)
-        entry["comparisons"] = comparisons(entry["models"])
+        entry["taste"] = data.taste
+        entry["comparisons"] = comparisons(entry["models"], data.taste)
         results["datasets"][data.name] = entry
         data._trees = None
     results["seconds"] = time.perf_counter() - started

@@ -749,6 +749,58 @@ def generate_tables(schema: Schema, samples: int, seed: int = 0, *,
         yield table
 
 
+def taste_oracles(schema: Schema, samples: int, seed: int = 0, *, train_rows: int,
+                  samples_per_user: float = DEFAULT_SAMPLES_PER_USER,
+                  ctr: float = DEFAULT_CTR,
+                  chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict | None:
+    """What the planted interaction is worth to a model of the OBSERVED data: click
+    probabilities of rows ``train_rows:`` of :func:`generate_tables` (same arguments, so the
+    same rows; time order) by the planted model itself, knowing every hidden per-id weight
+    but not the users' taste groups:
+
+    - ``history``: each user's group inferred from that user's rows before ``train_rows``
+      (their labels; a uniform prior over the groups, Bayes' rule with the planted
+      likelihood), the prediction averaged over the posterior. No model trained on those rows
+      can know more about a user's taste, so ``AUC(history) - AUC(prior)`` bounds what
+      learning the interaction can add to any model;
+    - ``prior``: the group unknown (the prediction averaged over the groups): the planted main
+      effects alone.
+
+    Returns ``{"history": float64[m], "prior": float64[m]}`` for the first label, or None when
+    the schema has no interaction (one layer, or no id below the root). Memory: ~8 bytes per
+    row and taste group."""
+    _check(schema, samples, seed, samples_per_user, ctr, chunk_rows)
+    if not 0 < train_rows < samples:
+        raise ValueError(f"train_rows: expected 0 < train_rows < samples ({samples}), "
+                         f"got {train_rows!r}")
+    users, logits, labels = [], [], []
+    plan = None
+    for plan, rows, _, drawn, _ in _stream(schema, samples, seed, samples_per_user, ctr,
+                                           chunk_rows):
+        if rows.taste_rank is None:
+            return None
+        r, label = plan.rand, schema.labels[0]
+        actual = r.bits("taste", rows.user) % np.uint64(_TASTE_GROUPS)
+        base = plan.bias[0] + plan.gain[0] * (
+            plan.raw_logit(rows, 0) - 0.7 * r.normal("w0:taste", actual, rows.taste_rank))
+        groups = [r.normal("w0:taste", np.full(rows.n, g, np.uint64), rows.taste_rank)
+                  for g in range(_TASTE_GROUPS)]
+        logits.append(base[:, None] + plan.gain[0] * 0.7 * np.stack(groups, axis=1))
+        users.append(np.asarray(rows.user, np.int64))
+        labels.append(drawn[label].astype(np.float64))
+    user, logit, y = (np.concatenate(users), np.concatenate(logits), np.concatenate(labels))
+    # log-likelihood of every user's train rows under each group, summed per user
+    log_p, log_q = -np.logaddexp(0.0, -logit[:train_rows]), -np.logaddexp(0.0, logit[:train_rows])
+    ids, which = np.unique(user, return_inverse=True)
+    evidence = np.zeros((len(ids), _TASTE_GROUPS))
+    np.add.at(evidence, which[:train_rows],
+              y[:train_rows, None] * log_p + (1.0 - y[:train_rows, None]) * log_q)
+    posterior = np.exp(evidence - evidence.max(axis=1, keepdims=True))
+    posterior /= posterior.sum(axis=1, keepdims=True)
+    p = _sigmoid(logit[train_rows:])
+    return {"history": (posterior[which[train_rows:]] * p).sum(axis=1), "prior": p.mean(axis=1)}
+
+
 def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int = 0, *,
              shards: int | None = None, samples_per_user: float = DEFAULT_SAMPLES_PER_USER,
              ctr: float = DEFAULT_CTR, chunk_rows: int = DEFAULT_CHUNK_ROWS,

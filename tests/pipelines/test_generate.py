@@ -436,3 +436,28 @@ def test_cli_interrupted_leaves_no_output(tmp_path):
     assert code == 130, stderr
     assert stderr.strip().splitlines()[-1] == "python -m pipelines.generate: interrupted"
     assert os.listdir(tmp_path) == []
+
+
+def test_taste_oracles_bound_what_a_users_history_can_tell():
+    """The planted model with each user's taste group inferred from their train rows: better
+    than with the group unknown when users have many rows; equal to it for a user with none;
+    worse than knowing the group (the planted probabilities)."""
+    samples, train = 40_000, 32_000
+    kwargs = dict(samples_per_user=400.0, chunk_rows=7_000)
+    oracles = gen.taste_oracles(TAOBAO, samples, seed=3, train_rows=train, **kwargs)
+    table = concat(gen.generate_tables(TAOBAO, samples, seed=3, with_probabilities=True,
+                                       **kwargs)).slice(train)
+    y, p = table.column("click").to_numpy(), table.column("p_click").to_numpy()
+    history, prior = oracles["history"], oracles["prior"]
+    assert history.shape == prior.shape == (samples - train,)
+    assert reference_auc(p, y) > reference_auc(history, y) > reference_auc(prior, y) + 0.005
+    # a user without train rows: the posterior is the prior
+    users = concat(gen.generate_tables(TAOBAO, samples, seed=3, **kwargs)).column(
+        "user_id").to_numpy(zero_copy_only=False)
+    unseen = ~np.isin(users[train:], users[:train])
+    assert unseen.any() and (~unseen).any()
+    np.testing.assert_allclose(history[unseen], prior[unseen], rtol=1e-12)
+    assert not np.allclose(history[~unseen], prior[~unseen])
+    assert gen.taste_oracles(FLAT, 3_000, seed=2, train_rows=2_000) is None
+    with pytest.raises(ValueError, match="train_rows"):
+        gen.taste_oracles(TAOBAO, 3_000, seed=2, train_rows=3_000)
