@@ -264,6 +264,49 @@ class EmbeddingStore:
         Returns the delta's sequence number. A refused delta changes nothing."""
         return self._native.apply_delta(os.fspath(path))
 
+    # -- entry-filter state ----------------------------------------------------------------
+
+    def filter_state(self) -> dict[str, np.ndarray]:
+        """The entry filter's state (what a snapshot keeps of it), to carry it to another
+        store, e.g. when a sharded table is split anew: ``ids`` (int64, sorted) and
+        ``counts`` (uint32) are a :class:`CounterFilter`'s pending sightings of ids without a
+        row; ``bloom`` (uint8, flat) is every counter of a :class:`CountingBloomFilter`
+        (``num_shards`` blocks, one layout for every store of equal filter options and
+        ``num_shards``). Arrays the filter does not keep are empty. A probability filter's
+        state is its random streams' positions, not kept here."""
+        return dict(self._native.filter_state())
+
+    def merge_filter_state(self, ids=(), counts=(), bloom=None) -> int:
+        """Adds a filter state (as :meth:`filter_state` gives it) to this store's filter.
+
+        CounterFilter: each id's count is added to its pending sightings, capped at
+        ``min_count - 1`` (its next sighting then admits it); ids that hold a row here are
+        left out. CountingBloomFilter: ``bloom`` is added counter by counter (saturating at
+        255), so the stores' states add up to that of one store that saw every sighting when
+        their options are equal. Returns the counts and counters changed. Raises
+        InvalidInputError, changing nothing, for a state this filter cannot take (counts for
+        another kind of filter, a Bloom filter of another size, a count < 1, an id twice)."""
+        ids = _as_ids(ids)
+        counts = np.asarray(counts)
+        if counts.size == 0:
+            counts = np.zeros(0, np.uint32)
+        if counts.dtype == np.bool_ or not np.issubdtype(counts.dtype, np.integer):
+            raise InvalidDtypeError(f"counts must be integers, got dtype {counts.dtype}")
+        if counts.shape != ids.shape:
+            raise InvalidInputError(f"counts must have the shape of ids {ids.shape}, got "
+                                    f"{counts.shape}")
+        if counts.size and (int(counts.min()) < 1 or int(counts.max()) > 2**32 - 1):
+            raise InvalidInputError("counts must be in 1 .. 2**32 - 1, got "
+                                    f"{int(counts.min())} .. {int(counts.max())}")
+        bloom = np.zeros(0, np.uint8) if bloom is None else np.asarray(bloom)
+        if bloom.size == 0:
+            bloom = np.zeros(0, np.uint8)
+        if bloom.dtype != np.uint8:
+            raise InvalidDtypeError(f"bloom must be uint8 counters, got dtype {bloom.dtype}")
+        return self._native.merge_filter_state(
+            ids, np.ascontiguousarray(counts, dtype=np.uint32),
+            np.ascontiguousarray(bloom.reshape(-1)))
+
     # -- inspection ------------------------------------------------------------------------
 
     def stats(self) -> StoreStats:

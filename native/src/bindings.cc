@@ -291,6 +291,45 @@ PYBIND11_MODULE(_store, m) {
              return d;
            },
            py::arg("with_values"))
+      .def("filter_state",
+           [](const EmbeddingStore& s) {
+             prefixrec::FilterState state;
+             {
+               py::gil_scoped_release release;
+               state = s.ExportFilter();
+             }
+             auto n = static_cast<py::ssize_t>(state.ids.size());
+             auto bloom = static_cast<py::ssize_t>(state.bloom.size());
+             py::dict d;
+             d["ids"] = ToNumpy(std::move(state.ids), {n});
+             d["counts"] = ToNumpy(std::move(state.counts), {n});
+             d["bloom"] = ToNumpy(std::move(state.bloom), {bloom});
+             return d;
+           })
+      .def("merge_filter_state",
+           [](EmbeddingStore& s, const py::array& ids, const py::array& counts, const py::array& bloom) {
+             auto [id_data, n] = IdsOf(ids);
+             if (!py::isinstance<py::array_t<uint32_t>>(counts) || counts.dtype().kind() != 'u' ||
+                 counts.itemsize() != 4) {
+               Invalid("counts must be a uint32 numpy array");
+             }
+             if (counts.ndim() != 1 || static_cast<size_t>(counts.shape(0)) != n) {
+               Invalid("counts must have shape (" + std::to_string(n) + ",) like ids");
+             }
+             if (!(counts.flags() & py::array::c_style)) Invalid("counts must be C-contiguous");
+             if (!py::isinstance<py::array_t<uint8_t>>(bloom) || bloom.dtype().kind() != 'u' ||
+                 bloom.itemsize() != 1) {
+               Invalid("bloom must be a uint8 numpy array");
+             }
+             if (bloom.ndim() != 1) Invalid("bloom must be 1-D");
+             if (!(bloom.flags() & py::array::c_style)) Invalid("bloom must be C-contiguous");
+             const uint32_t* count_data = static_cast<const uint32_t*>(counts.data());
+             const uint8_t* bloom_data = static_cast<const uint8_t*>(bloom.data());
+             auto bloom_size = static_cast<size_t>(bloom.shape(0));
+             py::gil_scoped_release release;
+             return s.MergeFilter(id_data, count_data, n, bloom_data, bloom_size);
+           },
+           py::arg("ids"), py::arg("counts"), py::arg("bloom"))
       .def("initial_rows",
            [](const EmbeddingStore& s, const py::array& ids) {
              auto [data, n] = IdsOf(ids);

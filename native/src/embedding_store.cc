@@ -1013,6 +1013,100 @@ void EmbeddingStore::InitialRows(const int64_t* ids, size_t n, float* out) const
   for (size_t i = 0; i < n; ++i) impl_->InitialValues(ids[i], out + i * impl_->dim);
 }
 
+FilterState EmbeddingStore::ExportFilter() const {
+  const Impl& s = *impl_;
+  FilterState out;
+  for (const auto& shard_ptr : s.shards) {
+    const Shard& shard = *shard_ptr;
+    std::shared_lock<std::shared_mutex> lock(shard.mu);
+    out.bloom.insert(out.bloom.end(), shard.bloom.begin(), shard.bloom.end());
+    for (const auto& entry : shard.counts) {
+      out.ids.push_back(entry.first);
+      out.counts.push_back(entry.second);
+    }
+  }
+  // sorted by id, so equal filters give equal arrays
+  std::vector<size_t> order(out.ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return out.ids[a] < out.ids[b]; });
+  FilterState sorted;
+  sorted.bloom = std::move(out.bloom);
+  sorted.ids.reserve(order.size());
+  sorted.counts.reserve(order.size());
+  for (size_t i : order) {
+    sorted.ids.push_back(out.ids[i]);
+    sorted.counts.push_back(out.counts[i]);
+  }
+  return sorted;
+}
+
+size_t EmbeddingStore::MergeFilter(const int64_t* ids, const uint32_t* counts, size_t n,
+                                   const uint8_t* bloom, size_t bloom_size) {
+  Impl& s = *impl_;
+  const FilterOptions& f = s.options.filter;
+  // Everything is checked before anything changes.
+  if (n > 0 && f.kind != FilterKind::kCounter) {
+    Invalid("filter counts merge into a CounterFilter only; this store's filter keeps none");
+  }
+  const uint64_t bloom_total = s.bloom_counters * s.shards.size();
+  if (bloom_size > 0 && f.kind != FilterKind::kCountingBloom) {
+    Invalid("Bloom counters merge into a CountingBloomFilter only; this store's filter keeps none");
+  }
+  if (f.kind == FilterKind::kCountingBloom && bloom_size != 0 && bloom_size != bloom_total) {
+    Invalid("Bloom counters: got " + std::to_string(bloom_size) + ", this store's filter has " +
+            std::to_string(bloom_total) + " (another capacity, false_positive_rate or num_shards)");
+  }
+  if (n > 0 && (ids == nullptr || counts == nullptr)) Invalid("filter counts without ids");
+  if (n >= 0xffffffffULL) Invalid("at most 2**32 - 2 filter counts per call");
+  if (bloom_size > 0 && bloom == nullptr) Invalid("Bloom counters without data");
+  for (size_t i = 0; i < n; ++i) {
+    if (counts[i] == 0) Invalid("filter count of id " + std::to_string(ids[i]) + " is 0");
+  }
+  if (n > 1) {
+    std::vector<int64_t> sorted(ids, ids + n);
+    std::sort(sorted.begin(), sorted.end());
+    auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+    if (twice != sorted.end()) Invalid("filter counts: id " + std::to_string(*twice) + " given twice");
+  }
+  std::atomic<size_t> changed{0};
+  const uint64_t cap = f.min_count > 0 ? f.min_count - 1 : 0;
+  if (n > 0) {
+    Impl::Partition p = s.Bucketize(ids, n);
+    ParallelFor(s.ThreadsFor(n), s.shards.size(), [&](size_t shard_index) {
+      size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
+      if (begin == end) return;
+      Shard& shard = *s.shards[shard_index];
+      std::unique_lock<std::shared_mutex> lock(shard.mu);
+      size_t count = 0;
+      for (size_t k = begin; k < end; ++k) {
+        uint32_t pos = p.order[k];
+        if (cap == 0 || shard.Find(ids[pos], p.hash[pos]) != Shard::kEmpty) continue;
+        auto found = shard.counts.find(ids[pos]);
+        uint64_t total = uint64_t{counts[pos]} + (found == shard.counts.end() ? 0 : found->second);
+        shard.counts[ids[pos]] = static_cast<uint32_t>(std::min(total, cap));
+        ++count;
+      }
+      changed.fetch_add(count);
+    });
+  }
+  if (bloom_size > 0) {
+    const size_t per_shard = static_cast<size_t>(s.bloom_counters);
+    ParallelFor(s.ThreadsFor(bloom_size), s.shards.size(), [&](size_t shard_index) {
+      Shard& shard = *s.shards[shard_index];
+      const uint8_t* add = bloom + shard_index * per_shard;
+      std::unique_lock<std::shared_mutex> lock(shard.mu);
+      size_t count = 0;
+      for (size_t i = 0; i < per_shard; ++i) {
+        if (add[i] == 0) continue;
+        shard.bloom[i] = static_cast<uint8_t>(std::min<uint32_t>(255, uint32_t{shard.bloom[i]} + add[i]));
+        ++count;
+      }
+      changed.fetch_add(count);
+    });
+  }
+  return changed.load();
+}
+
 StoreStats EmbeddingStore::Stats() const {
   const Impl& s = *impl_;
   StoreStats stats;

@@ -133,6 +133,17 @@ struct RowArrays {
   std::vector<float> state;     // rows x dim * OptimizerStateWidth
 };
 
+// An entry filter's state, to carry it from store to store (e.g. when a sharded table is
+// split anew). kCounter: the pending sightings of ids without a row, sorted by id.
+// kCountingBloom: every counter, num_shards x BloomCountersPerShard (shard after shard); the
+// same options give every store the same layout, so counters of stores with equal options add
+// up element-wise. Empty for the other filters.
+struct FilterState {
+  std::vector<int64_t> ids;      // kCounter
+  std::vector<uint32_t> counts;  // kCounter: sightings of ids[i], 1 .. min_count - 1
+  std::vector<uint8_t> bloom;    // kCountingBloom
+};
+
 class EmbeddingStore {
  public:
   // Throws StoreError(kInvalidArgument) naming the first bad option.
@@ -177,6 +188,18 @@ class EmbeddingStore {
   size_t Remove(const int64_t* ids, size_t n);
 
   RowArrays ExportRows(bool with_values) const;  // O(rows)
+
+  // The entry filter's state (see FilterState). O(pending ids + Bloom counters).
+  FilterState ExportFilter() const;
+  // Adds `state` (as ExportFilter gives it) to this store's filter. kCounter: each id's count
+  // is added to its pending count, capped at min_count - 1 (its next sighting admits it); ids
+  // that hold a row are left out (a row needs no count). kCountingBloom: counters added
+  // element-wise, saturating at 255. Throws kInvalidArgument, changing nothing, when the state
+  // does not fit this store's filter: another kind, another Bloom size, a count of 0, an id
+  // twice, ids and counts of different lengths. Returns the counter entries and Bloom
+  // counters changed. O(n + Bloom counters).
+  size_t MergeFilter(const int64_t* ids, const uint32_t* counts, size_t n, const uint8_t* bloom,
+                     size_t bloom_size);
 
   // The row a newly admitted id would start with (values only). O(n * dim).
   void InitialRows(const int64_t* ids, size_t n, float* out) const;
