@@ -47,7 +47,9 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
   snapshots, worker 0 gives the dense weights and optimizer state, and the driver writes
   ``manifest.json`` last, with every worker's input position (the pass, and the batches each
   worker took from it); :meth:`DistributedTrainer.restore` reads the manifest and may use
-  another number of workers or shards (resharding moves every row exactly).
+  another number of workers or shards (resharding moves every row and a counter filter's
+  pending counts exactly; a counting Bloom filter's counters cannot be split by id, so every
+  new shard starts from their sum: ``Shard._reshard``).
 - **Faults** (``fit(checkpoint_dir=..., checkpoint_every=...)``): actors are created with
   ``max_restarts`` and no task retries. When an actor's process dies, the calls that needed it
   fail; Ray restarts the process (the constructor runs again, so its state is fresh, and it
@@ -88,7 +90,6 @@ import os
 import queue
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -110,6 +111,7 @@ from trainer import models as models_lib
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import _file_tables, is_tree_table
 from trainer.metrics import StreamingAUC, auc, logloss
+from trainer.ray_address import check_ray_address
 
 MANIFEST_VERSION = 1
 # Shards are processes; past a few thousand the per-step calls (one per shard and worker)
@@ -332,8 +334,24 @@ def _shard_class():
             other ids removed, and its rows (all unexported since the snapshot: deltas carry
             rows changed since the previous delta) moved over as one delta, numbered in
             sequence with empty deltas. Rows, optimizer state, update counts, last steps and
-            times, and the global step move exactly; entry-filter counts of ids without a row
-            and the admitted/rejected counters start over."""
+            times, and the global step move exactly.
+
+            The entry filter's state moves too (``EmbeddingStore.filter_state``):
+
+            - a counter filter's pending sightings of ids without a row go to the shard that
+              owns each id, exactly, so admission after resharding is what it would have been
+              without it (and what one store does);
+            - a counting Bloom filter cannot be split: its counters are shared by every id
+              that hashes to them, whatever shard owns the id. Every new shard starts from
+              the old shards' counters added up (each old shard counted its own ids'
+              sightings in the same layout), i.e. every sighting counted so far, as one
+              store counts them. No id is admitted later than before resharding; ids may be
+              admitted earlier than in a never-resharded run (the other shards' ids' counts
+              are false positives here), which is what a Bloom filter trades anyway;
+            - a probability filter's random streams start anew (each sighting is an
+              independent draw either way).
+
+            The admitted/rejected counters start over."""
             import shutil as shutil_
             import tempfile
 
@@ -357,6 +375,14 @@ def _shard_class():
                     old.expire_where(lambda ids, *rows: ~self._owned(ids))
                     os.makedirs(os.path.join(tmp, f"part-{i}"))
                     store.apply_delta(old.export_delta(os.path.join(tmp, f"part-{i}")))
+                    state = old.filter_state()
+                    own = self._owned(state["ids"])
+                    try:
+                        store.merge_filter_state(state["ids"][own], state["counts"][own],
+                                                 state["bloom"])
+                    except native_.StoreError as e:
+                        raise ValueError(f"{directory}/{table}: its entry filter's state does "
+                                         f"not fit this run's filter ({e})") from None
                     del old
             finally:
                 shutil_.rmtree(tmp, ignore_errors=True)
@@ -829,25 +855,6 @@ def _check_count(name: str, value) -> int:
     return value
 
 
-def check_ray_address(address: str, timeout: float = 10.0) -> None:
-    """Raise ConnectionError naming ``address`` when nothing answers there within
-    ``timeout`` seconds (``ray.init`` itself would retry for a long time)."""
-    if address in ("auto", "local"):
-        return
-    target = address.split("://", 1)[-1]
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"Ray address {address!r}: expected HOST:PORT (the head node's GCS "
-                         "port, 6379 by default), ray://HOST:PORT, or auto")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
-    except OSError as e:
-        raise ConnectionError(f"Ray address {address!r} does not answer ({e}; waited up to "
-                              f"{timeout:g} s); start a cluster there with `ray start --head "
-                              f"--port {port}` or omit the address for a local cluster") from None
-
-
 def _table_specs(config: TrainConfig, tables, shards: int) -> dict:
     from trainer.trainer import _table_seed
 
@@ -1159,7 +1166,8 @@ class DistributedTrainer:
             log_dir: str | None = None, shuffle: bool = True, callback=None,
             eval_data=None, eval_every: int | None = None, patience: int | None = None,
             best_dir: str | None = None, checkpoint_dir: str | None = None,
-            checkpoint_every: int | None = None, should_stop=None) -> dict:
+            checkpoint_every: int | None = None, should_stop=None,
+            resume: dict | None = None) -> dict:
         """Train ``epochs`` synchronous passes over ``data``: tree or raw files (a path, glob
         or list), a pyarrow Table (each worker keeps its own trees, :func:`worker_batches`),
         or one list of TreeBatches per worker. A trainer restored from a checkpoint taken
@@ -1178,7 +1186,8 @@ class DistributedTrainer:
 
         Returns what ``Trainer.fit`` returns (samples, steps, seconds, samples_per_sec, loss,
         train_auc, store_rows, with ``eval_data`` evaluations, best, stopped_early) plus
-        ``bytes_per_step`` (per worker and per shard), ``recoveries`` and ``interrupted``.
+        ``bytes_per_step`` (per worker and per shard), ``recoveries``, ``interrupted`` and
+        ``fit_state`` (where the fit is, JSON-ready: what ``resume`` takes).
         ``callback(trainer, loss)`` runs after every step with the union batch's loss.
 
         ``should_stop()``: asked before every step is submitted; once it returns True the
@@ -1186,8 +1195,16 @@ class DistributedTrainer:
         batch looked up ahead) and fit returns with ``interrupted`` True, at most two steps
         later, without the pending evaluation and with the trainer at the last step (not
         back at the best model): :meth:`save` then writes a consistent checkpoint, and
-        :meth:`restore` of it and ``fit`` go on from there (the interrupted pass first)."""
-        from trainer.trainer import _progress_bar
+        :meth:`restore` of it and ``fit`` go on from there (the interrupted pass first).
+
+        ``resume``: the ``fit_state`` an interrupted fit returned (JSON-ready), on this trainer
+        restored from the checkpoint :meth:`save` wrote right after that fit returned, with
+        the same data and arguments: the fit goes on where the interrupted one stopped (its
+        pass, the evaluation it did not wait for, its evaluations and early-stopping state,
+        and its counters, so the result is the whole fit's) and ends as the uninterrupted
+        fit would (``python -m trainer.train --resume`` of a Ray run). Without it, the
+        evaluations and early-stopping state start over."""
+        from trainer.trainer import FitState, _progress_bar
 
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs: expected a positive integer, got {epochs!r}")
@@ -1212,10 +1229,25 @@ class DistributedTrainer:
 
             writer = tf.summary.create_file_writer(os.path.join(log_dir, "train"))
         run = _FitProgress()
-        started = time.perf_counter()
-        samples0, steps0, ids0, leaf_ids0 = self.samples, self.step, self.ids_fed, self.leaf_ids
-        bytes0, recoveries0 = dict(self.bytes), len(self.recoveries)
-        marks = {"time": started, "samples": self.samples}
+        state, carried = None, {"bytes": {}, "recoveries": []}
+        if resume is not None:
+            raw = dict(resume)
+            carried = {"bytes": dict(raw.pop("bytes", {})),
+                       "recoveries": list(raw.pop("recoveries", []))}
+            state = FitState.from_dict(raw)
+            run.train_auc, run.loss, run.stale = state.train_auc, state.loss, state.stale
+            run.evaluations = list(state.evaluations)
+            run.best = None if state.best is None else run.evaluations[state.best]
+        # this fit's counters start where the interrupted fit's started
+        started = time.perf_counter() - (state.seconds if state else 0.0)
+        samples0 = self.samples - (state.samples if state else 0)
+        steps0 = self.step - (state.steps if state else 0)
+        ids0 = self.ids_fed - (state.ids_fed if state else 0)
+        leaf_ids0 = self.leaf_ids - (state.leaf_ids if state else 0)
+        bytes0 = {k: self.bytes.get(k, 0) - carried["bytes"].get(k, 0)
+                  for k in set(self.bytes) | set(carried["bytes"])}
+        recoveries0 = len(self.recoveries)
+        marks = {"time": time.perf_counter(), "samples": self.samples}
         self._rollback = None
         stop_asked = False
 
@@ -1267,15 +1299,26 @@ class DistributedTrainer:
                 self._log(writer, bar, run, marks)
 
         stopped = completed = False
+        epoch = 0
+        # a resumed fit goes on in the pass it stopped in (pass `passes`, this fit's epoch
+        # `state.epoch`): its rest if it stopped in it, else the evaluation it did not wait for
+        resuming = state is not None and state.epoch >= 1 and self.passes >= 1
+        if resuming:
+            epoch = state.epoch - 1
         try:
             if checkpoint_dir:
                 self._attempt(checkpoint)  # the state before this fit: roll back to it
-            epoch = 0
             while epoch < epochs and not stopped and not stop_requested():
                 epoch += 1
-                if self._positions is None:
+                if resuming:
+                    resuming = False
+                    continued = True
+                elif self._positions is None:
                     self.passes += 1
                     self._positions = [0] * W
+                    continued = False
+                else:
+                    continued = False
                 pass_index = self.passes
                 # as in process: the dense network trains in this fit's first
                 # dense_optimizer.epochs passes, later ones train the rows only
@@ -1285,6 +1328,13 @@ class DistributedTrainer:
                 def one_pass() -> bool:
                     """The rest of pass ``pass_index``, its evaluation and checkpoint; True to
                     stop training. Run again after a rollback."""
+                    if (continued and eval_every and self._positions is not None
+                            and any(self._positions) and self.step % eval_every == 0
+                            and (not run.evaluations
+                                 or run.evaluations[-1]["step"] != self.step)):
+                        # the resumed fit stopped right after the step this evaluation follows
+                        if stop_requested() or evaluate(epoch):
+                            return True
                     if self._positions is not None:
                         self._start_pass(data, pass_index, shuffle, "train", self._positions)
                         if self._train_steps(mean, after_step, evaluate if eval_every else None,
@@ -1317,12 +1367,15 @@ class DistributedTrainer:
         seconds = time.perf_counter() - started
         steps = self.step - steps0
         samples = self.samples - samples0
-        per_step = {k: (v - bytes0.get(k, 0)) / max(steps, 1) for k, v in self.bytes.items()}
+        fit_bytes = {k: self.bytes.get(k, 0) - bytes0.get(k, 0)
+                     for k in set(self.bytes) | set(bytes0)}
+        per_step = {k: v / max(steps, 1) for k, v in fit_bytes.items()}
+        recoveries = carried["recoveries"] + self.recoveries[recoveries0:]
         out = {"samples": samples, "steps": steps, "seconds": seconds,
                "samples_per_sec": samples / max(seconds, 1e-9), "loss": run.loss,
                "train_auc": run.train_auc.result(), "store_rows": self.store_rows(),
                "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
-               "recoveries": self.recoveries[recoveries0:],
+               "recoveries": recoveries,
                "bytes_per_step": {
                    "per_worker": (per_step.get("worker_sent", 0)
                                   + per_step.get("worker_received", 0)) / self.workers,
@@ -1337,6 +1390,15 @@ class DistributedTrainer:
                     and not stop_asked:
                 self.load(best_dir)  # back to the best model
         out["interrupted"] = stop_asked
+        # where this fit is, for fit(resume=...) on the checkpoint saved now
+        best = (None if run.best is None else
+                next(i for i, e in enumerate(run.evaluations) if e is run.best))
+        fit_state = FitState(
+            epoch=epoch, batches=sum(self._positions or []), samples=samples, steps=steps,
+            ids_fed=self.ids_fed - ids0, leaf_ids=self.leaf_ids - leaf_ids0, seconds=seconds,
+            loss=run.loss, evaluations=run.evaluations, best=best, stale=run.stale,
+            train_auc=run.train_auc).to_dict()
+        out["fit_state"] = {**fit_state, "bytes": fit_bytes, "recoveries": recoveries}
         return out
 
     def _log(self, writer, bar, run: _FitProgress, marks: dict) -> None:
@@ -1627,8 +1689,8 @@ class DistributedTrainer:
                 shards: int | None = None, **kwargs) -> "DistributedTrainer":
         """The run saved in ``directory`` (read from its manifest only), continuing where it
         stopped. ``workers`` may differ from the checkpoint's; so may ``shards``
-        (resharding: every id then looks up the same row; see ``Shard._reshard`` for what
-        starts over). A checkpoint taken in the middle of a pass needs its own number of
+        (resharding: every id then looks up the same row, a counter filter's pending counts
+        move with their ids; see ``Shard._reshard`` for the other filters). A checkpoint taken in the middle of a pass needs its own number of
         workers (the pass deals trees by worker)."""
         manifest = read_manifest(directory)
         shards = manifest["shards"] if shards is None else _check_count("shards", shards)
@@ -1751,7 +1813,7 @@ class DistributedTrainer:
 # -- the command line (trainer/train.py dispatches here) ----------------------------------
 
 def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
-            settings: dict) -> dict:
+            settings: dict, resume: dict | None = None, go_on: str = "") -> dict:
     """``python -m trainer.train ... --workers W --shards S [--ray-address ADDR]``: train on
     Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the result dict train.py prints
     and writes. ``staged``: the run directory (a :class:`compression.cli.StagedOutput`; this
@@ -1765,10 +1827,13 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
 
     SIGINT or SIGTERM (``settings``: train.py's, for ``interrupted.json``) stops as in
     process: the pipeline drains, ``OUT/checkpoint`` (and with early stopping ``OUT/latest``)
-    and ``OUT/interrupted.json`` are written, the run directory is put in place and
-    ``trainer.train.Interrupted`` is raised (exit 130/143); a second signal stops at once."""
-    from trainer.train import (_RESTART_DISTRIBUTED, DEFAULT_EPOCHS_WITH_EVAL, _interrupted,
-                               _StopOnSignal)
+    and ``OUT/interrupted.json`` (with the fit's state) are written, the run directory is put
+    in place and ``trainer.train.Interrupted`` is raised (exit 130/143; its message ends with
+    ``go_on``); a second signal stops at once. ``resume``: that ``interrupted.json`` (checked
+    by train.py against this command): the trainer is restored from the interrupted run's
+    checkpoint and its fit goes on to the result of an uninterrupted run (the run directory
+    ``staged.tmp`` then starts as a copy of the interrupted one)."""
+    from trainer.train import DEFAULT_EPOCHS_WITH_EVAL, _interrupted, _StopOnSignal
 
     for name in ("workers", "shards"):
         value = getattr(args, name)
@@ -1778,8 +1843,13 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
         parser.error(f"--shards {args.shards}: more than {MAX_SHARDS} shards is not sensible "
                      "(each shard is a process holding a part of every table)")
     try:
-        trainer = DistributedTrainer(schema, model, config, workers=args.workers,
-                                     shards=args.shards, ray_address=args.ray_address)
+        if resume is None:
+            trainer = DistributedTrainer(schema, model, config, workers=args.workers,
+                                         shards=args.shards, ray_address=args.ray_address)
+        else:  # the interrupted run's checkpoint: its step, stores, input positions
+            trainer = DistributedTrainer.restore(
+                os.path.join(staged.path, resume["checkpoint"]), model, workers=args.workers,
+                shards=args.shards, ray_address=args.ray_address)
     except (ConnectionError, ValueError, ConfigError) as e:
         parser.error(str(e))
     try:
@@ -1795,18 +1865,16 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
                                   patience=args.patience if keep_best else None,
                                   best_dir=checkpoint if keep_best else None,
                                   checkpoint_dir=rollback,
-                                  should_stop=lambda: stop.signum is not None)
+                                  should_stop=lambda: stop.signum is not None,
+                                  resume=None if resume is None else resume["fit"])
             if keep_best:
                 shutil.rmtree(rollback, ignore_errors=True)
             if history["interrupted"]:
-                latest = os.path.join(staged.path, "latest" if keep_best else "checkpoint")
                 raise _interrupted(
                     trainer, staged, stop.signum,
-                    {"settings": settings,
+                    {"settings": settings, "fit": history["fit_state"],
                      "distributed": {"workers": args.workers, "shards": args.shards}},
-                    keep_best, history.get("best"),
-                    "A distributed run does not take --resume; restart it from its checkpoint "
-                    f"in Python: {_RESTART_DISTRIBUTED.format(path=latest)}")
+                    keep_best, history.get("best"), go_on)
             if not keep_best:
                 trainer.save(checkpoint)
         stats = trainer.store_stats()

@@ -14,8 +14,8 @@ Ctrl-C or SIGTERM stops after the current step with the checkpoint and ``RUN_DIR
 interrupted.json`` (the settings and where the fit stopped) in place; the same command plus
 ``--resume`` continues the run to the result an uninterrupted run has (the same pass order,
 evaluations and early-stopping state; exact with the defaults: no dropout, no stale lookups).
-With ``--workers``/``--shards`` (Ray) the run directory and a signal are handled alike; such a
-run has no ``--resume`` but restarts from its checkpoint in Python (``DistributedTrainer.restore``).
+With ``--workers``/``--shards`` (Ray) the run directory, a signal and ``--resume`` are handled
+alike (the pipeline drains first; resumed with the same ``--workers`` and ``--shards``).
 """
 
 from __future__ import annotations
@@ -164,30 +164,41 @@ def run(argv=None) -> dict:
     settings = _settings(args, schema, config, model_args, train_files, eval_files, epochs)
     interrupted = None
     if args.resume:
-        if distributed_run:
-            latest = os.path.join(args.out, "latest")  # where it stopped, with early stopping
-            if not os.path.isdir(latest):
-                latest = os.path.join(args.out, "checkpoint")
-            parser.error("--resume continues in-process runs only, not with --workers, --shards "
-                         "or --ray-address; a distributed run restarts from its checkpoint in "
-                         f"Python: {_RESTART_DISTRIBUTED.format(path=latest)}")
         cli.check_output(args.out, True, "--out", inputs)
-        interrupted = _interrupted_run(args.out, settings)
+        interrupted = _interrupted_run(args.out, settings, {
+            "workers": args.workers, "shards": args.shards} if distributed_run else None)
     else:
         cli.check_output(args.out, args.overwrite, "--out", inputs)
+    if args.ray_address:
+        # before TensorFlow is imported (~10 s): an address where nothing answers is told now
+        from trainer.ray_address import check_ray_address
+
+        try:
+            check_ray_address(args.ray_address)
+        except (ConnectionError, ValueError) as e:
+            parser.error(str(e))
     load_tensorflow(args.debug)
     from trainer import models
     from trainer.trainer import FitState, Trainer
 
+    again = argv if "--resume" in argv else [*argv, "--resume"]
+    go_on = ("continue the run where it stopped with the same command plus --resume: "
+             f"{PROG} {shlex.join(again)}")
     if distributed_run:
         from trainer import distributed
 
         # as in process: a failed run leaves no run directory, --overwrite replaces one whole,
-        # an interrupted one is put in place with its checkpoint (run_cli raises Interrupted)
-        with cli.StagedOutput(args.out, args.overwrite, "--out", inputs) as staged:
+        # an interrupted one is put in place with its checkpoint (run_cli raises Interrupted),
+        # a resumed one starts as a copy of the interrupted one (which a failure or a second
+        # interrupt leaves as it was)
+        with cli.StagedOutput(args.out, args.overwrite or args.resume, "--out",
+                              inputs) as staged:
+            if interrupted is not None:
+                _link_tree(staged.path, staged.tmp, skip=("interrupted.json", "latest"))
             result = distributed.run_cli(args, parser, schema, config,
                                          models.MODELS[args.model](**model_args), staged,
-                                         settings)
+                                         settings, resume=interrupted,
+                                         go_on=go_on[0].upper() + go_on[1:])
             result = {k: _json_number(v) for k, v in result.items()}
             with open(os.path.join(staged.tmp, "result.json"), "w") as f:
                 json.dump(result, f, indent=1)
@@ -221,13 +232,11 @@ def run(argv=None) -> dict:
         except _Stop as e:
             state = trainer.fit_state
             best = None if state.best is None else state.evaluations[state.best]
-            again = argv if "--resume" in argv else [*argv, "--resume"]
             raise _interrupted(
                 trainer, staged, e.signum, {"settings": settings, "fit": state.to_dict()},
                 keep_best, best,
                 f"Score it with python -m trainer.evaluate --run {staged.path} --data DATA; "
-                "continue the run where it stopped with the same command plus --resume: "
-                f"{PROG} {shlex.join(again)}") from None
+                f"{go_on}") from None
         if not keep_best:
             trainer.save(checkpoint)
         result = _result(args, config, trainer, history, keep_best, epochs)
@@ -294,9 +303,9 @@ def _interrupted(trainer, staged, signum: int, state: dict, keep_best: bool,
     ``RUN_DIR/checkpoint`` is the model to score: where training stopped, or with early
     stopping the best evaluation so far (``best``; then where training stopped goes to
     ``RUN_DIR/latest``). ``RUN_DIR/interrupted.json`` holds the signal, the step and ``state``
-    (the run's settings; in process also where the fit stopped,
-    :class:`trainer.trainer.FitState`, for ``--resume``). ``go_on`` ends the message: how to
-    go on from here."""
+    (the run's settings and where the fit stopped, :class:`trainer.trainer.FitState`, for
+    ``--resume``; on Ray also the workers and shards). ``go_on`` ends the message: how to go
+    on from here."""
     name = signal.Signals(signum).name
     checkpoint = os.path.join(staged.tmp, "checkpoint")
     latest = "latest" if keep_best else "checkpoint"
@@ -319,13 +328,6 @@ def _interrupted(trainer, staged, signum: int, state: dict, keep_best: bool,
         f"checkpoint written to {checkpoint}{kept}. {go_on}", 128 + signum)
 
 
-# how a distributed run goes on (it has no --resume): its manifest holds every worker's input
-# position, so fit finishes the interrupted pass first
-_RESTART_DISTRIBUTED = ("trainer.distributed.DistributedTrainer.restore('{path}').fit(...) "
-                        "finishes the interrupted pass and goes on (its evaluations and "
-                        "early-stopping state start over)")
-
-
 def _settings(args, schema, config, model_args: dict, train_files: list, eval_files: list,
               epochs: int) -> dict:
     """What decides a run's result, as JSON: a resumed run must have the same."""
@@ -346,9 +348,15 @@ _SETTING_NAMES = {"schema": "--schema", "config": "--config (or --compute, --bat
                   "epochs": "--epochs", "patience": "--patience", "eval_every": "--eval-every"}
 
 
-def _interrupted_run(out: str, settings: dict) -> dict:
+def _ray_setting(distributed: dict | None) -> str:
+    return ("in process" if distributed is None else
+            f"--workers {distributed['workers']} --shards {distributed['shards']}")
+
+
+def _interrupted_run(out: str, settings: dict, distributed: dict | None = None) -> dict:
     """The state of the interrupted run in ``out`` if this command continues it; otherwise a
-    :class:`cli.UsageError` that says why not."""
+    :class:`cli.UsageError` that says why not. ``distributed``: this command's workers and
+    shards on Ray (None: in process); a run resumes with the same."""
     path = os.path.join(out, "interrupted.json")
     if not os.path.isfile(path):
         if os.path.isfile(os.path.join(out, "result.json")):
@@ -361,24 +369,21 @@ def _interrupted_run(out: str, settings: dict) -> dict:
     try:
         with open(path) as f:
             state = json.load(f)
+        stored = state["settings"]
+        # written by a version with --resume (of Ray runs too)
+        state["fit"]["epoch"], state["checkpoint"]  # noqa: B018
         ray_run = state.get("distributed")
-        if ray_run is None:
-            stored = state["settings"]
-            state["fit"], state["checkpoint"]  # noqa: B018 - written by a version with --resume
-        else:
-            latest = os.path.join(out, state["checkpoint"])
-            ray_run = f"--workers {ray_run['workers']} --shards {ray_run['shards']}"
+        ray_run = None if ray_run is None else {"workers": int(ray_run["workers"]),
+                                                 "shards": int(ray_run["shards"])}
     except (ValueError, KeyError, TypeError, AttributeError):
         raise cli.UsageError(f"{path}: not the state of a resumable run (written by an older "
                              "version, or damaged); start a new run with --overwrite") from None
-    if ray_run is not None:
-        raise cli.UsageError(
-            f"--out {out}: the interrupted run there trained on Ray ({ray_run}); --resume "
-            "continues in-process runs only. Restart it from its checkpoint in Python: "
-            f"{_RESTART_DISTRIBUTED.format(path=latest)}")
     differ = [key for key in _SETTING_NAMES if stored.get(key) != settings.get(key)]
-    if differ:
+    if differ or ray_run != distributed:
         details = []
+        if ray_run != distributed:
+            details.append(f"--workers/--shards: {_ray_setting(ray_run)} then, "
+                           f"{_ray_setting(distributed)} now")
         for key in differ:
             if key in ("train_data", "eval_data", "epochs", "patience", "eval_every", "model",
                        "model_args"):

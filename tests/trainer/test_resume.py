@@ -201,3 +201,93 @@ def test_a_signal_before_training_leaves_no_run_or_a_resumable_one(files, tmp_pa
         assert resumed.returncode == 0, resumed.stderr
     else:
         assert names == []
+
+
+RAY = ["--workers", "2", "--shards", "2"]
+
+
+def ray_checkpoint(run):
+    """Dense weights and every table's rows (sorted by id, all shards) of a Ray run's
+    checkpoint, read from its files."""
+    import native
+
+    checkpoint = run / "checkpoint"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    with np.load(checkpoint / "dense.npz") as npz:
+        dense = [npz[k] for k in sorted(npz.files) if k.startswith("model/")]
+    rows = {}
+    for table in manifest["tables"]:
+        parts = [native.EmbeddingStore.load(checkpoint / d / table).to_numpy()
+                 for d in manifest["shard_dirs"]]
+        joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        order = np.argsort(joined["ids"])
+        rows[table] = {k: joined[k][order] for k in ("ids", "values", "state",
+                                                     "update_counts", "last_steps")}
+    return manifest["step"], dense, rows
+
+
+def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, files, tmp_path):
+    """The same for --workers 2 --shards 2: a real SIGINT to the command once it evaluated
+    (in the middle of its first pass), then the same command plus --resume (here in this
+    process, on the test's Ray cluster, as the uninterrupted run) ends with the uninterrupted
+    run's result, checkpoint and evaluations. A command that differs is refused."""
+    from compression import cli
+    from trainer import train
+
+    expected = train.run([*train_args(files, tmp_path / "straight"), *RAY, "--no-progress"])
+    assert expected["steps"] > 12 and len(expected["evaluations"]) > 2
+
+    run = tmp_path / "run"
+    args = [*map(str, train_args(files, run)), *RAY]
+    code, stderr = interrupt(args, b"eval after epoch 1 (step 7)")
+    assert code == 130, stderr
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "Continue the run where it stopped with the same command plus --resume: " \
+           "python -m trainer.train --schema" in last and last.endswith(
+               f"--out {run} --workers 2 --shards 2 --resume")
+    state = json.loads((run / "interrupted.json").read_text())
+    assert state["distributed"] == {"workers": 2, "shards": 2}
+    assert 7 <= state["step"] < expected["steps"] and state["checkpoint"] == "latest"
+    assert sorted(os.listdir(run)) == ["checkpoint", "interrupted.json", "latest", "train"]
+
+    before = sorted(p.name for p in run.iterdir())
+    for changed, said in (([*args[:-4], "--workers", "1", "--shards", "2"],
+                           "--workers 2 --shards 2 then, --workers 1 --shards 2 now"),
+                          (args[:-4], "--workers 2 --shards 2 then, in process now")):
+        with pytest.raises(cli.UsageError, match=f"not the interrupted run's: --workers/"
+                                                 f"--shards: {said}. Resume with the same"):
+            train.run([*changed, "--resume"])
+    assert sorted(p.name for p in run.iterdir()) == before
+
+    result = train.run([*args, "--resume", "--no-progress"])
+    assert sorted(os.listdir(run)) == ["checkpoint", "result.json", "train"]
+    assert sorted(os.listdir(tmp_path)) == ["run", "straight"]
+    for key in set(expected) | set(result):
+        if key in TIMINGS:
+            continue
+        if key == "run_dir":
+            assert result[key] == str(run)
+        elif key == "evaluations":
+            assert [(e["epoch"], e["step"]) for e in result[key]] == [
+                (e["epoch"], e["step"]) for e in expected[key]]
+            np.testing.assert_allclose([e["auc"] for e in result[key]],
+                                       [e["auc"] for e in expected[key]], rtol=1e-5)
+        elif isinstance(expected[key], float):
+            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
+        else:
+            assert result[key] == expected[key], key
+
+    step, dense, rows = ray_checkpoint(run)
+    expected_step, expected_dense, expected_rows = ray_checkpoint(tmp_path / "straight")
+    assert step == expected_step == expected["checkpoint_step"]
+    for a, b in zip(dense, expected_dense, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert rows.keys() == expected_rows.keys()
+    for table in rows:
+        np.testing.assert_array_equal(rows[table]["ids"], expected_rows[table]["ids"])
+        for key in ("values", "state"):
+            np.testing.assert_allclose(rows[table][key], expected_rows[table][key], rtol=1e-5,
+                                       atol=1e-7, err_msg=f"{table} {key}")
+        for key in ("update_counts", "last_steps"):
+            np.testing.assert_array_equal(rows[table][key], expected_rows[table][key])
