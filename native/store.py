@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import os
 import time
@@ -165,12 +166,18 @@ class EmbeddingStore:
         ``ids == unique_ids[inverse]``, and float32[len(unique_ids), dim] rows."""
         return tuple(self._native.lookup_unique(_as_ids(ids), bool(train), _now(now)))
 
-    def apply_gradients(self, ids, grads, step: int, *, now: float | None = None) -> None:
+    def apply_gradients(self, ids, grads, step: int, *, now: float | None = None,
+                        l2: float = 0.0) -> None:
         """One optimizer update per distinct id (rows of equal ids summed first, in order).
 
         ``grads`` is float[n, dim] (cast to float32) and must be finite. Ids without a row are
         ignored. Each updated row records update_count + 1, ``step`` and ``now``. Bad input
         raises before anything changes.
+
+        ``l2`` > 0: lazy L2 regularization, as if every step's loss held ``l2 / 2 * |w|^2`` for
+        every row: a row's gradient gets ``l2 * idle * w`` added, ``idle`` the steps since its
+        last update (at least 1), so a row used once in k steps is decayed for all k in its
+        next update; rows not updated keep their values.
         """
         ids = _as_ids(ids)
         step = _as_step(step)
@@ -186,7 +193,10 @@ class EmbeddingStore:
                 f"grads has {grads.shape[1]} columns but the store's dim is {self.dim}")
         with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf: refused below
             grads = np.ascontiguousarray(grads, dtype=np.float32)
-        self._native.apply_gradients(ids, grads, step, _now(now))
+        if isinstance(l2, bool) or not isinstance(l2, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(l2) or l2 < 0:
+            raise InvalidInputError(f"l2 must be a finite number >= 0, got {l2!r}")
+        self._native.apply_gradients(ids, grads, step, _now(now), float(l2))
 
     # -- expiry ----------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -241,7 +243,8 @@ PYBIND11_MODULE(_store, m) {
            },
            py::arg("ids"), py::arg("train"), py::arg("now"))
       .def("apply_gradients",
-           [](EmbeddingStore& s, const py::array& ids, const py::array& grads, int64_t step, double now) {
+           [](EmbeddingStore& s, const py::array& ids, const py::array& grads, int64_t step, double now,
+              double l2) {
              auto [data, n] = IdsOf(ids);
              if (!py::isinstance<py::array_t<float>>(grads) || grads.dtype().kind() != 'f' ||
                  grads.itemsize() != 4) {
@@ -253,10 +256,13 @@ PYBIND11_MODULE(_store, m) {
              }
              if (!(grads.flags() & py::array::c_style)) Invalid("grads must be C-contiguous");
              const float* g = static_cast<const float*>(grads.data());
+             if (!(std::isfinite(l2) && l2 >= 0.0 && l2 <= std::numeric_limits<float>::max())) {
+               Invalid("l2 must be a finite number >= 0, got " + std::to_string(l2));
+             }
              py::gil_scoped_release release;
-             s.ApplyGradients(data, g, n, step, now);
+             s.ApplyGradients(data, g, n, step, now, static_cast<float>(l2));
            },
-           py::arg("ids"), py::arg("grads"), py::arg("step"), py::arg("now"))
+           py::arg("ids"), py::arg("grads"), py::arg("step"), py::arg("now"), py::arg("l2") = 0.0)
       .def("expire",
            [](EmbeddingStore& s, int64_t max_idle_steps, double max_idle_seconds, double now) {
              py::gil_scoped_release release;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <shared_mutex>
 #include <sstream>
@@ -713,11 +714,14 @@ void EmbeddingStore::Deduplicate(const int64_t* ids, size_t n, std::vector<int64
 }
 
 void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step,
-                                    double now) {
+                                    double now, float l2) {
   Impl& s = *impl_;
   const size_t dim = static_cast<size_t>(s.dim);
   if (step < 0) Invalid("step must be >= 0, got " + std::to_string(step));
   if (!std::isfinite(now)) Invalid("now must be a finite number of seconds");
+  if (!(std::isfinite(l2) && l2 >= 0.0f)) {
+    Invalid("l2 must be a finite number >= 0, got " + std::to_string(l2));
+  }
   // Ids are split by shard into `parts` groups of whole shards. Phase 1 hashes the ids and
   // groups the positions by part; the shards are dealt to the parts by their number of
   // positions (largest first, each to the part with the fewest so far), since a Zipf batch is
@@ -887,6 +891,7 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
     const size_t chunk_begin = total_distinct * c / chunks;
     const size_t chunk_end = total_distinct * (c + 1) / chunks;
     uint64_t chunk_updated = 0;
+    std::vector<float> decayed(l2 > 0.0f ? dim : 0);  // a row's gradient plus its L2 decay
     for (size_t part = 0; part < parts; ++part) {
       const size_t begin = std::max(chunk_begin, group_start[part]);
       const size_t end = std::min(chunk_end, group_start[part + 1]);
@@ -917,12 +922,23 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
         if (row != Shard::kEmpty && shard.IdOf(row) != key[d]) row = shard.Find(key[d], hash[i]);
         if (row == Shard::kEmpty) continue;  // never admitted (or expired): reads as zeros
         RowHeader* header = shard.Header(row);
+        float* values = shard.Floats(row);
+        const float* g = sums + d * dim;
+        if (l2 > 0.0f) {  // the decay of the steps since the row's last update
+          const int64_t idle = std::max<int64_t>(step - internal::StepOf(header->step, step), 1);
+          // in double, clamped: a huge l2 or idle makes a huge but finite step, never inf/NaN
+          const double scale = static_cast<double>(l2) * static_cast<double>(idle);
+          constexpr double kMax = std::numeric_limits<float>::max();
+          for (size_t j = 0; j < dim; ++j) {
+            decayed[j] = static_cast<float>(std::clamp(g[j] + scale * values[j], -kMax, kMax));
+          }
+          g = decayed.data();
+        }
         header->add_update();
         header->set_dirty();
         header->step = step32;
         header->time = time32;
-        float* values = shard.Floats(row);
-        s.Update(values, values + dim, sums + d * dim, header->update_count());
+        s.Update(values, values + dim, g, header->update_count());
         ++chunk_updated;
       }
     }

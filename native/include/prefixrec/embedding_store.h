@@ -175,9 +175,16 @@ class EmbeddingStore {
 
   // grads is n x dim. Rows of equal ids are summed (in input order), then each distinct id that
   // has a row gets one optimizer update and records (update_count + 1, step, now); ids without a
-  // row are ignored. Throws kInvalidArgument before changing anything if a gradient is NaN/Inf
-  // or step < 0. O(n * dim).
-  void ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step, double now);
+  // row are ignored. Throws kInvalidArgument before changing anything if a gradient is NaN/Inf,
+  // step < 0 or l2 is not a finite number >= 0. O(n * dim).
+  //
+  // l2 > 0: lazy L2 regularization, as if every step's loss held (l2 / 2) * |w|^2 of every row.
+  // A row's gradient gets l2 * idle * w added before its update, idle = step - the row's last
+  // step (at least 1; a new row's last step is the step it was admitted at), so a row idle for
+  // k steps takes the k steps of decay it missed in one update. Rows that are never updated
+  // again keep their values (a lookup does not decay them).
+  void ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step, double now,
+                      float l2 = 0.0f);
 
   // Removes rows idle for more than max_idle_steps (global_step - last_step; < 0 = not used) or
   // more than max_idle_seconds (now - last_time, last_time being whole seconds; < 0 = not
