@@ -109,7 +109,7 @@ from compression import TreeBatch
 from schemas import Schema, stable_hash_strings
 from trainer import models as models_lib
 from trainer.config import ConfigError, TrainConfig, resolve_function
-from trainer.data import _file_tables, is_tree_table
+from trainer.data import _file_tables, count_samples, is_tree_table
 from trainer.metrics import StreamingAUC, auc, logloss
 from trainer.ray_address import check_ray_address
 
@@ -417,10 +417,11 @@ def _shard_class():
             self.timings["lookup"] += time_.perf_counter() - t0
             return out if len(out) > 1 else out[0]
 
-        def apply(self, step: int, mean: bool, *messages):
+        def apply(self, step: int, mean: bool, l2_scale: float, *messages):
             """``messages[w] = (leaves, {table: (ids, per-sample-summed row gradients)})``.
-            One ``apply_gradients`` per table (every table, every step), then the expiry
-            due at ``step``; returns the rows expired."""
+            One ``apply_gradients`` per table (every table, every step; the rows' L2 of
+            ``row_l2(table l2, the step's leaves, l2_scale)``, as in process), then the
+            expiry due at ``step``; returns the rows expired."""
             import time as time_
 
             self._check()
@@ -438,7 +439,9 @@ def _shard_class():
                     ids, grads = np.zeros(0, np.int64), np.zeros((0, store.dim), np.float32)
                 if mean and total:
                     grads = grads / np.float32(total)
-                store.apply_gradients(ids, grads, step)
+                # trainer.trainer.row_l2's formula (the trainer package is not imported here)
+                l2 = float(self.tables[table]["l2"]) * float(total) * float(l2_scale)
+                store.apply_gradients(ids, grads, step, l2=l2)
                 expiry = self.expiry[table]
                 if expiry is not None and step % expiry["every_steps"] == 0:
                     removed += self._expire(table, step)
@@ -446,13 +449,15 @@ def _shard_class():
             self.timings["apply"] += time_.perf_counter() - t0
             return removed
 
-        def step(self, step: int, mean: bool, workers: int, lookup: bool, *messages):
+        def step(self, step: int, mean: bool, l2_scale: float, workers: int, lookup: bool,
+                 *messages):
             """:meth:`apply` of step ``step``, then, with ``lookup``, the training
             :meth:`lookup` of the next step. ``messages[w]``: worker ``w``'s ``(leaves,
             gradients, next request)`` for this shard (one object per worker and shard: each
             object costs a hop its own store and lookup). Returns ``(rows expired, rows for
             worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
-            removed = self.apply(step, mean, *[(n, grads) for n, grads, _ in messages])
+            removed = self.apply(step, mean, l2_scale,
+                                 *[(n, grads) for n, grads, _ in messages])
             if not lookup:
                 return removed
             rows = self.lookup(True, *messages)
@@ -865,6 +870,7 @@ def _table_specs(config: TrainConfig, tables, shards: int) -> dict:
             tc = dataclasses.replace(tc, max_rows=math.ceil(tc.max_rows / shards))
         expire = tc.expire
         specs[table] = {"store": tc.store_config(seed=_table_seed(config.seed, table)),
+                        "l2": tc.l2,
                         "expire": None if expire is None else {
                             "every_steps": expire.every_steps,
                             "max_idle_steps": expire.max_idle_steps,
@@ -1012,6 +1018,7 @@ class DistributedTrainer:
         self.expired = 0
         self.passes = 0        # training passes started
         self._dense_trains = True  # whether this pass's steps update the dense weights
+        self.row_l2_scale = 0.0  # as Trainer.row_l2_scale: 1 / samples of a pass, or 0
         # batches each worker took from pass `passes` (the input position a checkpoint
         # records); None once that pass is finished
         self._positions: list[int] | None = None
@@ -1149,11 +1156,12 @@ class DistributedTrainer:
             to_shard = [messages[w][s] for w in range(W)]
             if lookup_next:
                 refs = _refs(shard.step.options(num_returns=W + 1).remote(
-                    step, mean, W, True, *to_shard), W + 1)
+                    step, mean, self.row_l2_scale, W, True, *to_shard), W + 1)
                 applied.append(refs[0])
                 next_rows.append(refs[1:])
             else:
-                applied.append(shard.step.remote(step, mean, W, False, *to_shard))
+                applied.append(shard.step.remote(step, mean, self.row_l2_scale, W, False,
+                                                 *to_shard))
         return {"results": [o[0] for o in outs], "applied": applied,
                 "dense_applied": dense_applied, "messages": messages, "next_rows": next_rows}
 
@@ -1250,6 +1258,12 @@ class DistributedTrainer:
         marks = {"time": time.perf_counter(), "samples": self.samples}
         self._rollback = None
         stop_asked = False
+        # the rows' L2 unit, as in process: the data's samples where cheap to count, else
+        # those of the fit's first pass
+        pass_samples = state.pass_samples if state is not None else None
+        if pass_samples is None:
+            pass_samples = (sum(b.num_leaves for part in data for b in part)
+                            if _per_worker_lists(data, W) else count_samples(data, self.schema))
 
         def stop_requested() -> bool:
             """Whether should_stop asked to stop, once or since (a stop is not taken back)."""
@@ -1324,6 +1338,7 @@ class DistributedTrainer:
                 # dense_optimizer.epochs passes, later ones train the rows only
                 self._dense_trains = (self.config.dense_optimizer.epochs is None
                                       or epoch <= self.config.dense_optimizer.epochs)
+                self.row_l2_scale = 1.0 / pass_samples if pass_samples else 0.0
 
                 def one_pass() -> bool:
                     """The rest of pass ``pass_index``, its evaluation and checkpoint; True to
@@ -1354,8 +1369,11 @@ class DistributedTrainer:
                     return stop
 
                 stopped = self._attempt(one_pass, run, pass_index)
+                if epoch == 1 and self._positions is None and not pass_samples:
+                    pass_samples = self.samples - samples0  # the data's size, counted
             completed = True
         finally:
+            self.row_l2_scale = 0.0
             try:
                 if writer is not None and completed:
                     self._log(writer, bar, run, marks)
@@ -1397,7 +1415,7 @@ class DistributedTrainer:
             epoch=epoch, batches=sum(self._positions or []), samples=samples, steps=steps,
             ids_fed=self.ids_fed - ids0, leaf_ids=self.leaf_ids - leaf_ids0, seconds=seconds,
             loss=run.loss, evaluations=run.evaluations, best=best, stale=run.stale,
-            train_auc=run.train_auc).to_dict()
+            train_auc=run.train_auc, pass_samples=pass_samples or None).to_dict()
         out["fit_state"] = {**fit_state, "bytes": fit_bytes, "recoveries": recoveries}
         return out
 
@@ -1690,8 +1708,9 @@ class DistributedTrainer:
         """The run saved in ``directory`` (read from its manifest only), continuing where it
         stopped. ``workers`` may differ from the checkpoint's; so may ``shards``
         (resharding: every id then looks up the same row, a counter filter's pending counts
-        move with their ids; see ``Shard._reshard`` for the other filters). A checkpoint taken in the middle of a pass needs its own number of
-        workers (the pass deals trees by worker)."""
+        move with their ids; see ``Shard._reshard`` for the other filters). A checkpoint
+        taken in the middle of a pass needs its own number of workers (the pass deals trees
+        by worker)."""
         manifest = read_manifest(directory)
         shards = manifest["shards"] if shards is None else _check_count("shards", shards)
         if model is None:
@@ -1700,7 +1719,9 @@ class DistributedTrainer:
                                  "model= (a function returning a fresh DenseNet)")
             model = models_lib.from_spec(manifest["model"])
         schema = schemas.from_dict(manifest["schema"])
-        config = TrainConfig.from_dict(manifest["config"])
+        from trainer.trainer import config_before_l2
+
+        config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
         trainer = cls(schema, model, config, workers=workers or manifest["workers"],
                       shards=shards, **kwargs)
         try:
@@ -1752,7 +1773,9 @@ class DistributedTrainer:
         expired = manifest["shard_expired"]
         if self.shards != manifest["shards"]:  # resharded: the total on shard 0
             expired = [sum(expired)] + [0] * (self.shards - 1)
-        self.config = TrainConfig.from_dict(manifest["config"])
+        from trainer.trainer import config_before_l2
+
+        self.config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
         ray.get([s.load.remote(_shard_snapshot_spec(directory, manifest, i, self.shards), e)
                  for i, (s, e) in enumerate(zip(self._shards, expired))]
                 + [w.reset.remote(self.config.to_dict(), arrays) for w in self._workers])

@@ -74,12 +74,13 @@ class FitState:
     best: int | None = None      # index of the best evaluation in ``evaluations``
     stale: int = 0               # evaluations since the best one
     train_auc: StreamingAUC = field(default_factory=StreamingAUC)
+    pass_samples: int | None = None  # samples of one pass (the rows' L2 unit), once known
 
     def to_dict(self) -> dict:
         """JSON-ready (the train AUC histogram as its non-empty bins)."""
         out = {k: getattr(self, k) for k in ("epoch", "batches", "samples", "steps", "ids_fed",
                                              "leaf_ids", "seconds", "loss", "evaluations",
-                                             "best", "stale")}
+                                             "best", "stale", "pass_samples")}
         histogram = self.train_auc
         out["train_auc"] = {"bins": histogram.bins, **{
             name: {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
@@ -138,6 +139,9 @@ class Trainer:
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
         self.timings = defaultdict(float)  # seconds per stage: read, lookup, step, update
         self.fit_state: FitState | None = None  # where the latest fit is (see fit)
+        # the rows' L2 per sample trained, as a share of the pass: 1 / samples of a pass while
+        # a fit knows that number, else 0 (see TableConfig.l2)
+        self.row_l2_scale = 0.0
         self._dense_lock = threading.Lock()
 
     # -- training ---------------------------------------------------------------------------
@@ -176,6 +180,8 @@ class Trainer:
                               shuffle_seed=self.config.seed if shuffle else None)
         total = count_samples(data, self.schema)
         state = self.fit_state = resume if resume is not None else FitState()
+        if state.pass_samples is None and total:
+            state.pass_samples = total
         bar = _progress_bar(progress, None if total is None else total * epochs, "train")
         if state.samples:
             bar.update(state.samples)
@@ -241,6 +247,8 @@ class Trainer:
                 # The dense network trains in this fit's first ``dense_epochs`` passes; later
                 # passes train the rows only. (Per fit: a fit on new data trains it again.)
                 dense = dense_epochs is None or epoch <= dense_epochs
+                # the rows' L2 once a pass's samples are known (from the data, or pass 1)
+                self.row_l2_scale = 1.0 / state.pass_samples if state.pass_samples else 0.0
                 if (eval_every and state.batches and self.step % eval_every == 0
                         and (not evaluations or evaluations[-1]["step"] != self.step)):
                     # interrupted right after the step that this evaluation follows
@@ -265,6 +273,8 @@ class Trainer:
                     if eval_every and self.step % eval_every == 0 and evaluate(epoch):
                         stopped = True
                         break
+                if epoch == 1 and not stopped and not state.pass_samples:
+                    state.pass_samples = state.samples  # the data's size, counted
                 if stopped or (eval_data is not None and (
                         not evaluations or evaluations[-1]["step"] != self.step)
                         and evaluate(epoch)):
@@ -272,6 +282,7 @@ class Trainer:
                 state.batches = 0
             completed = True
         finally:
+            self.row_l2_scale = 0.0
             try:
                 if self.step != logged_step:
                     # the last step's scalars, so a run shorter than log_every has some too
@@ -311,8 +322,9 @@ class Trainer:
         t1 = time.perf_counter()
         self.step += 1
         for table, (dim, start, stop) in feed.row_ranges.items():
-            self.stores[table].apply_gradients(feed.unique_ids[table],
-                                               row_grads[str(dim)][start:stop], self.step)
+            self.stores[table].apply_gradients(
+                feed.unique_ids[table], row_grads[str(dim)][start:stop], self.step,
+                l2=row_l2(self.config.table(table).l2, feed.num_leaves, self.row_l2_scale))
         for table in self.tables:
             expiry = self.config.table(table).expire
             if expiry is not None and self.step % expiry.every_steps == 0:
@@ -636,7 +648,7 @@ class Trainer:
         schema = schemas.from_dict(state["schema"])
         if state["version"] == 1:
             state["config"] = _config_v1(state["config"], schema)
-        config = TrainConfig.from_dict(state["config"])
+        config = TrainConfig.from_dict(config_before_l2(state["config"]))
         trainer = cls(schema, model, config)
         trainer._load_state(directory, state)
         return trainer
@@ -646,7 +658,7 @@ class Trainer:
         (e.g. the best one ``fit`` kept) in place."""
         directory = os.fspath(directory)
         state = _read_checkpoint(directory)
-        config = TrainConfig.from_dict(state["config"])
+        config = TrainConfig.from_dict(config_before_l2(state["config"]))
         self._load_state(directory, state, config)
 
     def _load_state(self, directory: str, state: dict, config: TrainConfig | None = None) -> None:
@@ -723,6 +735,28 @@ def _read_dense(directory: str) -> dict:
         raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file "
                                      f"({type(e).__name__}: {e})") from None
     return arrays
+
+
+def row_l2(l2: float, samples: int, scale: float) -> float:
+    """A step's L2 weight for the rows (``TableConfig.l2``): the table's ``l2`` per pass times
+    this step's share of the pass, ``samples * scale`` (scale: 1 / samples of a pass, or 0
+    while that is not known). One formula for the in-process trainer and the Ray shards, so
+    they apply the same floats."""
+    return float(l2) * float(samples) * float(scale)
+
+
+def config_before_l2(config: dict) -> dict:
+    """A checkpoint's config written before the rows' L2 existed (no ``l2`` in its tables)
+    with that version's behaviour written out: no L2."""
+    config = dict(config)
+    embedding = dict(config.get("embedding") or {})
+    if "l2" in embedding:
+        return config
+    embedding["l2"] = 0.0
+    config["embedding"] = embedding
+    config["tables"] = {name: {**(raw or {}), "l2": (raw or {}).get("l2", 0.0)}
+                        for name, raw in (config.get("tables") or {}).items()}
+    return config
 
 
 def _config_v1(config: dict, schema) -> dict:

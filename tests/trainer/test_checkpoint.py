@@ -24,8 +24,11 @@ def test_restored_run_continues_exactly(schema, trees_small, tmp_path):
     batches = list(compression.iter_batches(trees_small, schema, config.batch_size))
     assert len(batches) >= 8
     k = 5
+    # uninterrupted: the same two fits in one trainer (a fit spreads the rows' L2 of one pass
+    # over its own data, so one fit of all batches is another run)
     straight = Trainer(schema, models.MLP(hidden=(16, 8)), config)
-    straight.fit(batches)
+    straight.fit(batches[:k])
+    straight.fit(batches[k:])
 
     first = Trainer(schema, models.MLP(hidden=(16, 8)), config)
     first.fit(batches[:k])

@@ -17,6 +17,9 @@ def test_pipelined_fit_equals_the_sequential_loop(schema, trees_small):
     piped = Trainer(schema, models.MLP(hidden=(8,)), config(pipeline_depth=3))
     piped.fit(trees_small, shuffle=False)   # read, batch, look up in threads
     sequential = Trainer(schema, models.MLP(hidden=(8,)), config())
+    # fit's rows' L2: its default l2 (7 per pass) spread over the pass's samples
+    assert sequential.config.embedding.l2 == 7.0
+    sequential.row_l2_scale = 1.0 / sum(b.num_leaves for b in batches)
     for batch in batches:
         feed = sequential.builder.lookup(sequential.prepare_numpy(batch), sequential.stores,
                                          train=True)
