@@ -34,8 +34,9 @@ shuffling). Models:
 
 Our models get the same protocol (``--epochs``, default 10, the default of ``trainer.train``
 with ``--eval-data``): the passes are chosen on the validation slice with ``Trainer.fit``'s
-early stopping (patience 1), then the model is retrained on the whole train part for that many
-passes; ``epochs`` in the JSON says how many.
+early stopping (``--patience``, default ``trainer.train``'s: 3), then the model is retrained on
+the whole train part for that many passes; ``epochs`` in the JSON says how many. The Keras
+model chooses its epochs with the same patience.
 
 Data sets (``--datasets``): ``generated`` (``pipelines.generate`` with the taobao_like schema, one
 data set per ``--samples`` size, data seed ``--data-seed``; the Bayes-optimal AUC and log loss
@@ -71,6 +72,7 @@ from benchmarks import datasets
 from benchmarks.trainer import keras_input_spec
 from pipelines._shards import _mix  # splitmix64's finaliser
 from schemas.hashing import stable_hash, stable_hash_strings
+from trainer.train import DEFAULT_PATIENCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")
@@ -209,11 +211,11 @@ def config_for(path: str, schema) -> tuple[dict, list[str]]:
 
 
 def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: str,
-                epochs: int = 1) -> dict:
+                epochs: int = 1, patience: int = 1) -> dict:
     """``model_name`` None: the defaults; else MODELS[model_name] with the config file.
 
     With ``epochs`` above 1 the number of passes is chosen as ``trainer.train`` chooses it
-    (an evaluation after every pass, stop after the first one without a better AUC), but on the
+    (an evaluation after every pass, stop after ``patience`` without a better AUC), but on the
     validation slice of the train part; the model is then retrained on the whole train part for
     that many passes (the protocol of the baselines' choices)."""
     from trainer import TrainConfig, Trainer, models
@@ -238,7 +240,8 @@ def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: s
     chosen, validation = 1, None
     if epochs > 1:
         fit_part, validation_part = data.selection_trees()
-        history = fresh().fit(fit_part, epochs=epochs, eval_data=validation_part, patience=1)
+        history = fresh().fit(fit_part, epochs=epochs, eval_data=validation_part,
+                              patience=patience)
         validation = [e["auc"] for e in history["evaluations"]]
         chosen = 1 + int(np.nanargmax(validation))
     train, test = data.trees()
@@ -560,8 +563,9 @@ def _keras_train(cols, labels, schema, args, seed, epochs, evaluate=None):
             model.train_step(inputs.batch(rows), inputs.labels[rows])
         if evaluate is not None:
             scores.append(evaluate(model, vocab, scaler))
-            if len(scores) > 1 and not scores[-1] > max(scores[:-1]):
-                break  # the first epoch without a better AUC ends the choice (patience 1)
+            best = int(np.argmax(scores))  # the first of equal bests
+            if len(scores) - 1 - best >= args.patience:
+                break  # ``patience`` epochs without a better AUC end the choice
     return model, vocab, scaler, scores
 
 
@@ -616,14 +620,15 @@ def model_names(selected: list[str] | None) -> list[str]:
 
 def run_model(data: DataSet, name: str, seed: int, args) -> dict:
     if name == "default":
-        return run_trainer(data, None, seed, args.config, args.epochs)
+        return run_trainer(data, None, seed, args.config, args.epochs, args.patience)
     if name == "lr":
         return run_lr(data, args)
     if name == ORACLE:
         return run_lr(data, args, hidden=True)
     if name == "keras":
         return run_keras(data, seed, args)
-    return run_trainer(data, name.split("/", 1)[1], seed, args.config, args.epochs)
+    return run_trainer(data, name.split("/", 1)[1], seed, args.config, args.epochs,
+                       args.patience)
 
 
 def _stats(values: list[float]) -> dict:
@@ -776,6 +781,10 @@ def _parser() -> argparse.ArgumentParser:
                         "trainer.train does (stop at the first pass without a better AUC) on "
                         "the train part's validation slice, then retrained on the whole train "
                         "part (default 10, trainer.train's default with --eval-data)")
+    p.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
+                   help="our models and the Keras model: validation evaluations without a "
+                        f"better AUC that end the choice of passes (default {DEFAULT_PATIENCE}, "
+                        "trainer.train's)")
     p.add_argument("--keras-epochs", type=int, default=10,
                    help="plain Keras model: at most this many epochs, the number chosen as for "
                         "our models (default 10); above 1, the best count up to it is chosen "

@@ -496,7 +496,7 @@ def test_train_progress_bar_ends_cleanly_when_training_stops_early(data, short_r
                    tmp_path / "no_clicks.parquet")
     out = command("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--eval-data",
                   tmp_path / "no_clicks.parquet", "--batch-size", "200", "--epochs", "4",
-                  "--out", tmp_path / "run")
+                  "--patience", "1", "--out", tmp_path / "run")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["stopped_early"] and result["samples"] == 1200 and result["auc"] is None
