@@ -20,7 +20,7 @@ from trainer import TrainConfig, Trainer, models  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.distributed import DistributedTrainer, shard_of, tree_workers  # noqa: E402
 from processes import signal_when  # noqa: E402
-from ray_reference import single_process_run  # noqa: E402
+from ray_reference import assert_rows_equal, single_process_run, sorted_rows  # noqa: E402
 from trainer_data import ROOT, generated  # noqa: E402
 
 W, S = 2, 2
@@ -74,11 +74,6 @@ def test_placement_is_stable_and_keeps_trees_whole(schema, trees):
     assert 0.3 < owner.mean() < 0.7
 
 
-def sorted_rows(rows):
-    order = np.argsort(rows["ids"])
-    return {k: v[order] for k, v in rows.items()}
-
-
 @pytest.mark.parametrize("model", ["mlp", "esmm"])
 def test_two_shards_two_workers_equal_single_process(cluster, schema, trees, model, tmp_path):
     """For the MLP the distributed run also stops after the first pass, writes a checkpoint,
@@ -122,17 +117,10 @@ def test_two_shards_two_workers_equal_single_process(cluster, schema, trees, mod
 
         tables = dt.table_rows()
         per_shard = ray.get([s.rows.remote() for s in dt._shards])
-        for table, store in single.stores.items():
+        for table in single.stores:
             for s, rows in enumerate(per_shard):  # every id on its own shard
                 assert (shard_of(rows[table]["ids"], S) == s).all()
-            got, want = sorted_rows(tables[table]), sorted_rows(store.to_numpy())
-            np.testing.assert_array_equal(got["ids"], want["ids"], err_msg=table)
-            np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5, atol=1e-7,
-                                       err_msg=table)
-            np.testing.assert_allclose(got["state"], want["state"], rtol=1e-5, atol=1e-7,
-                                       err_msg=table)
-            np.testing.assert_array_equal(got["update_counts"], want["update_counts"])
-            np.testing.assert_array_equal(got["last_steps"], want["last_steps"])
+        assert_rows_equal(tables, single.stores)
         stats, want = dt.store_stats(), single.store_stats()
         for key in ("rows", "admitted", "rejected", "expired"):
             assert stats[key] == want[key], key
@@ -273,15 +261,7 @@ def test_resharding_keeps_the_counter_filters_pending_counts(cluster, schema, tr
             np.testing.assert_allclose(losses + dt.losses, single_losses, rtol=1e-5)
             for a, b in zip(dt.dense_weights(0), single.network.variables):
                 np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-7)
-            tables = dt.table_rows()
-            for table, store in single.stores.items():
-                got, want = sorted_rows(tables[table]), sorted_rows(store.to_numpy())
-                np.testing.assert_array_equal(got["ids"], want["ids"], err_msg=table)
-                for key in ("values", "state"):
-                    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7,
-                                               err_msg=f"{shards} shards: {table} {key}")
-                for key in ("update_counts", "last_steps"):
-                    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+            assert_rows_equal(dt.table_rows(), single.stores, f"{shards} shards: ")
             assert dt.store_rows() == sum(len(st) for st in single.stores.values())
 
 

@@ -17,7 +17,8 @@ import compression  # noqa: E402
 from trainer import TrainConfig, models  # noqa: E402
 from trainer.distributed import DistributedTrainer  # noqa: E402
 from trainer.serving import Predictor  # noqa: E402
-from ray_reference import single_process_run, union_batches  # noqa: E402
+from ray_reference import (assert_rows_equal, single_process_run,  # noqa: E402
+                           union_batches)
 from trainer_data import ROOT, SCHEMA_PATH, generated  # noqa: E402
 
 W, S = 2, 2
@@ -82,11 +83,6 @@ def runs(cluster, schema, trees, tmp_path_factory):
         dt.close()
 
 
-def sorted_rows(rows):
-    order = np.argsort(rows["ids"])
-    return {k: v[order] for k, v in rows.items()}
-
-
 def test_killed_shard_and_worker_roll_back_and_finish_equal(runs):
     dt, single, history = runs["dt"], runs["single"], runs["history"]
     assert [(k, i) for k, i, _ in runs["killed"]] == list(KILLS.values())
@@ -107,15 +103,7 @@ def test_killed_shard_and_worker_roll_back_and_finish_equal(runs):
     for w in range(W):
         for a, b in zip(dt.dense_weights(w), single.network.variables):
             np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-7)
-    tables = dt.table_rows()
-    for table, store in single.stores.items():
-        got, want = sorted_rows(tables[table]), sorted_rows(store.to_numpy())
-        np.testing.assert_array_equal(got["ids"], want["ids"], err_msg=table)
-        for key in ("values", "state"):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7,
-                                       err_msg=f"{table} {key}")
-        for key in ("update_counts", "last_steps"):
-            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{table} {key}")
+    assert_rows_equal(dt.table_rows(), single.stores)
     stats, want = dt.store_stats(), single.store_stats()
     for key in ("rows", "admitted", "rejected", "expired"):
         assert stats[key] == want[key], key

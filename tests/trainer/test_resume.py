@@ -50,6 +50,25 @@ def train_args(files, out):
             "--seed", "3", "--out", out]
 
 
+def assert_same_result(result: dict, expected: dict, run) -> None:
+    """A resumed run's result line equals the uninterrupted run's (timings aside; floats and
+    evaluation AUCs to float rounding; its own run directory)."""
+    for key in set(expected) | set(result):
+        if key in TIMINGS:
+            continue
+        if key == "run_dir":
+            assert result[key] == str(run)
+        elif key == "evaluations":
+            assert [(e["epoch"], e["step"]) for e in result[key]] == [
+                (e["epoch"], e["step"]) for e in expected[key]]
+            np.testing.assert_allclose([e["auc"] for e in result[key]],
+                                       [e["auc"] for e in expected[key]], rtol=1e-5)
+        elif isinstance(expected[key], float):
+            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
+        else:
+            assert result[key] == expected[key], key
+
+
 def stored_model(run):
     """Dense weights and store rows (sorted by id) of a run's checkpoint."""
     from trainer import Trainer
@@ -97,20 +116,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(files, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["run", "straight"]  # no temporary directory
     assert sorted(os.listdir(run)) == ["checkpoint", "eval", "result.json", "train"]
 
-    for key in set(expected) | set(result):
-        if key in TIMINGS:
-            continue
-        if key == "run_dir":
-            assert result[key] == str(run)
-        elif key == "evaluations":
-            assert [(e["epoch"], e["step"]) for e in result[key]] == [
-                (e["epoch"], e["step"]) for e in expected[key]]
-            np.testing.assert_allclose([e["auc"] for e in result[key]],
-                                       [e["auc"] for e in expected[key]], rtol=1e-5)
-        elif isinstance(expected[key], float):
-            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
-        else:
-            assert result[key] == expected[key], key
+    assert_same_result(result, expected, run)
 
     step, dense, rows = stored_model(run)
     expected_step, expected_dense, expected_rows = stored_model(tmp_path / "straight")
@@ -263,20 +269,7 @@ def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, fil
     result = train.run([*args, "--resume", "--no-progress"])
     assert sorted(os.listdir(run)) == ["checkpoint", "result.json", "train"]
     assert sorted(os.listdir(tmp_path)) == ["run", "straight"]
-    for key in set(expected) | set(result):
-        if key in TIMINGS:
-            continue
-        if key == "run_dir":
-            assert result[key] == str(run)
-        elif key == "evaluations":
-            assert [(e["epoch"], e["step"]) for e in result[key]] == [
-                (e["epoch"], e["step"]) for e in expected[key]]
-            np.testing.assert_allclose([e["auc"] for e in result[key]],
-                                       [e["auc"] for e in expected[key]], rtol=1e-5)
-        elif isinstance(expected[key], float):
-            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
-        else:
-            assert result[key] == expected[key], key
+    assert_same_result(result, expected, run)
 
     step, dense, rows = ray_checkpoint(run)
     expected_step, expected_dense, expected_rows = ray_checkpoint(tmp_path / "straight")
