@@ -69,6 +69,25 @@ def assert_same_result(result: dict, expected: dict, run) -> None:
             assert result[key] == expected[key], key
 
 
+def assert_same_model(got, want, step: int) -> None:
+    """Two checkpoints' (step, dense weights, rows by table) as ``stored_model`` or
+    ``ray_checkpoint`` read them: both at ``step``, equal to float rounding (ids, update counts
+    and last steps exactly)."""
+    got_step, dense, rows = got
+    expected_step, expected_dense, expected_rows = want
+    assert got_step == expected_step == step
+    for a, b in zip(dense, expected_dense, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert rows.keys() == expected_rows.keys()
+    for table in rows:
+        np.testing.assert_array_equal(rows[table]["ids"], expected_rows[table]["ids"])
+        for key in ("values", "state"):
+            np.testing.assert_allclose(rows[table][key], expected_rows[table][key], rtol=1e-5,
+                                       atol=1e-7, err_msg=f"{table} {key}")
+        for key in ("update_counts", "last_steps"):
+            np.testing.assert_array_equal(rows[table][key], expected_rows[table][key])
+
+
 def stored_model(run):
     """Dense weights and store rows (sorted by id) of a run's checkpoint."""
     from trainer import Trainer
@@ -118,19 +137,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(files, tmp_path)
 
     assert_same_result(result, expected, run)
 
-    step, dense, rows = stored_model(run)
-    expected_step, expected_dense, expected_rows = stored_model(tmp_path / "straight")
-    assert step == expected_step == expected["checkpoint_step"]
-    for a, b in zip(dense, expected_dense):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert rows.keys() == expected_rows.keys()
-    for table in rows:
-        np.testing.assert_array_equal(rows[table]["ids"], expected_rows[table]["ids"])
-        for key in ("values", "state"):
-            np.testing.assert_allclose(rows[table][key], expected_rows[table][key], rtol=1e-5,
-                                       atol=1e-7, err_msg=f"{table} {key}")
-        for key in ("update_counts", "last_steps"):
-            np.testing.assert_array_equal(rows[table][key], expected_rows[table][key])
+    assert_same_model(stored_model(run), stored_model(tmp_path / "straight"),
+                      expected["checkpoint_step"])
 
     # the run is finished now: nothing to resume
     again = command(*args, "--resume")
@@ -271,16 +279,5 @@ def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, fil
     assert sorted(os.listdir(tmp_path)) == ["run", "straight"]
     assert_same_result(result, expected, run)
 
-    step, dense, rows = ray_checkpoint(run)
-    expected_step, expected_dense, expected_rows = ray_checkpoint(tmp_path / "straight")
-    assert step == expected_step == expected["checkpoint_step"]
-    for a, b in zip(dense, expected_dense, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert rows.keys() == expected_rows.keys()
-    for table in rows:
-        np.testing.assert_array_equal(rows[table]["ids"], expected_rows[table]["ids"])
-        for key in ("values", "state"):
-            np.testing.assert_allclose(rows[table][key], expected_rows[table][key], rtol=1e-5,
-                                       atol=1e-7, err_msg=f"{table} {key}")
-        for key in ("update_counts", "last_steps"):
-            np.testing.assert_array_equal(rows[table][key], expected_rows[table][key])
+    assert_same_model(ray_checkpoint(run), ray_checkpoint(tmp_path / "straight"),
+                      expected["checkpoint_step"])
