@@ -161,3 +161,9 @@ def test_distributed_benchmark_tiny():
     assert result["overhead_ratio"] > 0 and result["ray_2x2"]["samples_per_sec"] > 0
     assert result["ray_2x2"]["bytes_per_step_per_worker"] > 0
     assert result["ray_2x2"]["bytes_per_step_per_shard"] > 0
+    transport = result["transport"]
+    assert transport["send_bytes"] == int(result["ray_1x1"]["bytes_per_step"]["worker_sent"]) > 0
+    assert 0 < transport["touched"] < 1
+    for kind in ("empty", "whole", "split"):
+        assert transport[kind]["median_ms"] >= transport[kind]["min_ms"] > 0
+    assert transport["whole"]["ratio"] > 1 and transport["split"]["ratio"] > 1
