@@ -10,6 +10,7 @@
 #include <sstream>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "internal/hash.h"
 #include "internal/kernels.h"
@@ -1032,28 +1033,21 @@ void EmbeddingStore::InitialRows(const int64_t* ids, size_t n, float* out) const
 FilterState EmbeddingStore::ExportFilter() const {
   const Impl& s = *impl_;
   FilterState out;
+  std::vector<std::pair<int64_t, uint32_t>> pending;
   for (const auto& shard_ptr : s.shards) {
     const Shard& shard = *shard_ptr;
     std::shared_lock<std::shared_mutex> lock(shard.mu);
     out.bloom.insert(out.bloom.end(), shard.bloom.begin(), shard.bloom.end());
-    for (const auto& entry : shard.counts) {
-      out.ids.push_back(entry.first);
-      out.counts.push_back(entry.second);
-    }
+    pending.insert(pending.end(), shard.counts.begin(), shard.counts.end());
   }
-  // sorted by id, so equal filters give equal arrays
-  std::vector<size_t> order(out.ids.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return out.ids[a] < out.ids[b]; });
-  FilterState sorted;
-  sorted.bloom = std::move(out.bloom);
-  sorted.ids.reserve(order.size());
-  sorted.counts.reserve(order.size());
-  for (size_t i : order) {
-    sorted.ids.push_back(out.ids[i]);
-    sorted.counts.push_back(out.counts[i]);
+  std::sort(pending.begin(), pending.end());  // by id, so equal filters give equal arrays
+  out.ids.reserve(pending.size());
+  out.counts.reserve(pending.size());
+  for (const auto& [id, count] : pending) {
+    out.ids.push_back(id);
+    out.counts.push_back(count);
   }
-  return sorted;
+  return out;
 }
 
 size_t EmbeddingStore::MergeFilter(const int64_t* ids, const uint32_t* counts, size_t n,
