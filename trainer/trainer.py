@@ -740,8 +740,8 @@ def _read_dense(directory: str) -> dict:
 def row_l2(l2: float, samples: int, scale: float) -> float:
     """A step's L2 weight for the rows (``TableConfig.l2``): the table's ``l2`` per pass times
     this step's share of the pass, ``samples * scale`` (scale: 1 / samples of a pass, or 0
-    while that is not known). One formula for the in-process trainer and the Ray shards, so
-    they apply the same floats."""
+    while that is not known). The Ray shards compute the same floats with this formula written
+    out (``Shard.apply``: a shard process does not import the trainer package)."""
     return float(l2) * float(samples) * float(scale)
 
 
