@@ -26,11 +26,7 @@ from benchmarks import quality
 
 
 def _read(pattern: str, schema) -> pa.Table:
-    tables = []
-    for path in compression.expand_paths(pattern):
-        for chunk, first in compression.iter_raw_chunks(path, schema):
-            tables.append(compression.validate_raw(chunk, schema, source=path, first_row=first))
-    return pa.concat_tables(tables)
+    return compression.read_raw(pattern, schema)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ only by the code that talks to a broker.
 
 from compression.batches import LayerBatch, TreeBatch, iter_batches
 from compression.io import (
+    RawChunk,
     TreeMessageDecoder,
     decode_trees,
     encode_trees,
@@ -40,6 +41,7 @@ __all__ = [
     "ROOT_NODE",
     "LayerBatch",
     "LayerNodes",
+    "RawChunk",
     "TreeBatch",
     "TreeStats",
     "DeadLetter",

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import glob as globlib
 import os
+import re
 import uuid
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from compression.validate import RawDataError, validate_raw
+from compression.validate import RawDataError, split_bad_rows, validate_raw
 from schemas import Schema
 
 RAW_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json",
@@ -61,36 +62,89 @@ def raw_format(path: str, format: str | None = None) -> str:
     return RAW_FORMATS[ext]
 
 
+@dataclass(frozen=True)
+class RawChunk:
+    """Consecutive rows of one raw file, as :func:`iter_raw_chunks` reads them.
+
+    ``table``: the rows, not yet validated (CSV, Parquet; row ``i`` is number ``first_row + i``)
+    or already checked (JSON lines: the native decoder of Kafka messages checks every row as it
+    decodes, so ``table`` holds the good lines only, in the schema's canonical types).
+    ``rejected``: lines the decoder refused (columns ``source``, ``row``, ``reason``, as
+    :func:`compression.split_bad_rows` gives them), or None. Rows are numbered from 1 as editors
+    show them: a CSV file's line number (the header is line 1), a JSON lines file's line
+    number, a Parquet file's row number.
+    """
+
+    table: pa.Table
+    first_row: int
+    rejected: pa.Table | None = None
+
+    def validate(self, schema: Schema, source: str) -> pa.Table:
+        """The rows in canonical types, or :class:`RawDataError` naming the first bad row."""
+        if self.rejected is None:
+            return validate_raw(self.table, schema, source=source, first_row=self.first_row)
+        if self.rejected.num_rows:
+            more = self.rejected.num_rows - 1
+            raise RawDataError(f"{source}: {self.rejected.column('reason')[0].as_py()}" + (
+                f" (and at least {more} more bad line{'s' if more > 1 else ''})" if more else ""))
+        return self.table
+
+    def split(self, schema: Schema, source: str) -> tuple[pa.Table, pa.Table]:
+        """(good rows in canonical types, rejected rows), as :func:`split_bad_rows`."""
+        if self.rejected is None:
+            return split_bad_rows(self.table, schema, source=source, first_row=self.first_row)
+        return self.table, self.rejected
+
+
 def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
-                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[tuple[pa.Table, int]]:
-    """(table, number of its first row) chunks of one raw file, not yet validated. Rows are
-    numbered from 1 as editors show them: a CSV file's line number (the header is line 1), a
-    JSON lines file's line number, a Parquet file's row number (see :func:`validate_raw`)."""
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[RawChunk]:
+    """:class:`RawChunk` s of one raw file, in file order (at least one, maybe empty)."""
     fmt = raw_format(path, format)
-    first = 1
     if fmt == "parquet":
+        first = 1
         try:
-            file = pq.ParquetFile(path)
-        except (pa.ArrowException, OSError) as e:  # e.g. "Parquet file size is 0 bytes"
-            raise RawDataError(f"{path}: cannot read the file as parquet: {e}") from None
-        for batch in file.iter_batches(batch_size=chunk_rows):
-            yield pa.Table.from_batches([batch]), first
-            first += batch.num_rows
+            file = pq.ParquetFile(path)  # e.g. "Parquet file size is 0 bytes"
+            batches = file.iter_batches(batch_size=chunk_rows)
+            while True:
+                try:  # a damaged page: "Corrupt snappy compressed data."
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                yield RawChunk(_checked_batch(batch, path, first), first)
+                first += batch.num_rows
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a column name too
+            raise RawDataError(f"{path}: cannot read the file as parquet"
+                               f"{f' (from row {first})' if first > 1 else ''}: {e}") from None
+    if fmt == "json":
+        yield from _read_json(path, schema, chunk_rows)
         return
-    table = _read_csv(path, schema) if fmt == "csv" else _read_json(path, schema)
-    first = 2 if fmt == "csv" else 1  # below the header line
+    table = _read_csv(path, schema)
     for start in range(0, max(table.num_rows, 1), chunk_rows):
         chunk = table.slice(start, chunk_rows)
         if chunk.num_rows or start == 0:
-            yield chunk, first + start
+            yield RawChunk(chunk, 2 + start)  # below the header line
+
+
+def _checked_batch(batch: pa.RecordBatch, path: str, first: int) -> pa.Table:
+    """A Parquet batch whose strings are valid UTF-8 and whose offsets hold: Parquet readers
+    do not check string bytes, and what is not UTF-8 must not reach the trees."""
+    try:
+        batch.validate(full=True)
+    except pa.ArrowInvalid as e:
+        match = re.match(r"(?:In c|C)olumn (\d+): (.*)", str(e), re.S)
+        where = f"column {batch.schema.names[int(match.group(1))]!r} " if match else ""
+        raise RawDataError(f"{path}: {where}in rows {first}-{first + batch.num_rows - 1}: "
+                           f"{match.group(2) if match else e}; the file holds invalid data "
+                           "(strings must be UTF-8)") from None
+    return pa.Table.from_batches([batch])
 
 
 def read_raw(path_or_glob: str | list[str], schema: Schema, format: str | None = None) -> pa.Table:
     """All rows of the raw files, validated and in the schema's canonical types."""
     tables = []
     for path in expand_paths(path_or_glob):
-        for chunk, first in iter_raw_chunks(path, schema, format):
-            tables.append(validate_raw(chunk, schema, source=path, first_row=first))
+        for chunk in iter_raw_chunks(path, schema, format):
+            tables.append(chunk.validate(schema, path))
     return pa.concat_tables(tables) if tables else schema.raw_arrow_schema().empty_table()
 
 
@@ -109,11 +163,18 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
         table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
             column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False))
     except pa.ArrowInvalid as e:
-        raise RawDataError(f"{path}: {_csv_conversion_error(path, e, types)}") from None
+        raise RawDataError(f"{path}: {_not_utf8(path) or _csv_conversion_error(path, e, types)}"
+                           ) from None
+    except (pa.ArrowException, OSError) as e:
+        raise RawDataError(f"{path}: cannot read the file as csv: {e}") from None
+    try:
+        names = table.column_names
+    except UnicodeDecodeError:  # Arrow checks the cells it converts, not the header
+        raise RawDataError(f"{path}: {_not_utf8(path) or 'the header is not UTF-8'}") from None
     list_features = {f.name: f for f in schema.features if f.kind != "id"}
     columns = []
-    for name in table.column_names:
-        column = table.column(name)
+    for index, name in enumerate(names):  # by index: a name may be repeated
+        column = table.column(index)
         if name in list_features:
             feature = list_features[name]
             column = _split_list_cells(column, name, path)
@@ -122,12 +183,41 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
             try:
                 column = column.cast(pa.list_(item))
             except pa.ArrowInvalid as e:
-                raise RawDataError(f"{path}: {_list_cell_error(table.column(name), name, item, e)}"
-                                   ) from None
+                why = _list_cell_error(table.column(index), name, item, e)
+                raise RawDataError(f"{path}: {why}") from None
         elif name in timestamps:
             column = _parse_timestamps(column, name, path)
         columns.append(column)
-    return pa.Table.from_arrays(columns, names=table.column_names)
+    return pa.Table.from_arrays(columns, names=names)
+
+
+def _not_utf8(path: str) -> str | None:
+    """Where a CSV file stops being UTF-8 (column, line and byte offset), or None. Only on the
+    error path: Arrow's "CSV conversion error to string: invalid UTF8 data" names neither."""
+    import csv
+
+    try:
+        with pa.input_stream(path, compression="detect") as f:
+            data = f.read()
+    except (pa.ArrowException, OSError):
+        return None
+    try:
+        data.decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        offset = e.start
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    line = data.count(b"\n", 0, offset) + 1
+    where = f"line {line}"
+    try:
+        header = next(csv.reader([data[:data.find(b"\n")].decode("utf-8", "replace")]))
+        cells = next(csv.reader([data[line_start:offset].decode("utf-8", "replace") + "x"]))
+        if line > 1 and len(cells) <= len(header):
+            where = f"column {header[len(cells) - 1]!r} {where}"
+    except (csv.Error, StopIteration):
+        pass
+    return (f"{where}: byte 0x{data[offset]:02x} at byte offset {offset} is not UTF-8; the file "
+            "must be UTF-8 encoded (convert it, e.g. with iconv -f latin1 -t utf-8)")
 
 
 def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str:
@@ -150,7 +240,7 @@ def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str
     except (pa.ArrowException, IndexError, OSError, StopIteration, ValueError):
         return text
     kind = types.get(name)
-    parse = float if kind is not None and pa.types.is_floating(kind) else int
+    parse = float if kind is not None and pa.types.is_floating(kind) else _int64
     for i, cell in enumerate(cells.to_pylist()):
         try:
             parse(cell)
@@ -158,6 +248,13 @@ def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str
             return (f"column {name!r} line {i + 2}: invalid value {cell!r}, expected "
                     f"{'a number' if parse is float else 'an integer'} ({match.group(2)})")
     return f"column {name!r}: {match.group(2)}"
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"{text} is out of the int64 range")
+    return value
 
 
 def _list_cell_error(cells: pa.ChunkedArray, name: str, item: pa.DataType,
@@ -204,73 +301,86 @@ def _split_list_cells(column: pa.ChunkedArray, name: str, path: str) -> pa.Array
                                     mask=split.is_null())
 
 
-def _read_json(path: str, schema: Schema) -> pa.Table:
-    raw = schema.raw_arrow_schema()
+JSON_BLOCK_BYTES = 16 << 20
+
+
+def _read_json(path: str, schema: Schema, chunk_rows: int) -> Iterator[RawChunk]:
+    """JSON lines, one sample per line, through the native decoder that Kafka messages take
+    (``compression.decode_json_samples``): the same rows, verdicts and reasons, without the GIL,
+    and no recursion however deeply a line nests. Blank lines (empty or whitespace only) are
+    skipped; a line's number is its 1-based line in the file."""
     try:
-        return pajson.read_json(path, parse_options=pajson.ParseOptions(
-            explicit_schema=raw, unexpected_field_behavior="infer"))
-    except pa.ArrowInvalid as e:
-        raise RawDataError(f"{path}: {_json_error(path, raw, e)}") from None
+        stream = pa.input_stream(path, compression="detect")  # .jsonl.gz too
+    except (pa.ArrowException, OSError) as e:
+        raise RawDataError(f"{path}: cannot read the file as json: {e}") from None
+    values: list[bytes] = []
+    numbers: list[int] = []
+    line = 0
+    yielded = False
+    with stream:
+        for lines in _iter_lines(stream, path):
+            if all(lines):  # no empty line: the usual case, without a loop in Python
+                values += lines
+                numbers.extend(range(line + 1, line + 1 + len(lines)))
+            else:
+                for number, value in enumerate(lines, line + 1):
+                    if value:
+                        values.append(value)
+                        numbers.append(number)
+            line += len(lines)
+            while len(values) >= chunk_rows:
+                yield _decode_lines(values[:chunk_rows], numbers[:chunk_rows], schema, path)
+                yielded = True
+                del values[:chunk_rows], numbers[:chunk_rows]
+    if values or not yielded:
+        yield _decode_lines(values, numbers, schema, path)
 
 
-def _json_error(path: str, raw: pa.Schema, error: pa.ArrowInvalid) -> str:
-    """Arrow's JSON error ("Column(/uid) changed from number to string in row 0", its row
-    counted within a block) as the first bad line of the file, 1-based, and its column; Arrow's
-    own message when no line can be blamed. Reads the file again, line by line: errors only."""
-    import json
-
-    text = str(error)
-    try:
-        with pa.input_stream(path, compression="detect") as f:
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except (pa.ArrowException, OSError):
-        return text
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+def _iter_lines(stream, path: str) -> Iterator[list[bytes]]:
+    """The file's lines (without their newline), in lists, reading JSON_BLOCK_BYTES at a time."""
+    tail = b""
+    while True:
         try:
-            sample = json.loads(line)
-        except ValueError as e:
-            return f"line {number}: not valid JSON ({e})"
-        if not isinstance(sample, dict):
-            return f"line {number}: expected a JSON object, got {type(sample).__name__}"
-        for field in raw:
-            value = sample.get(field.name)
-            if not _json_value_fits(value, field.type):
-                return (f"column {field.name!r} line {number}: invalid value "
-                        f"{json.dumps(value)}, expected {_json_kind(field.type)}")
-    return text
+            block = stream.read(JSON_BLOCK_BYTES)
+        except (pa.ArrowException, OSError) as e:  # e.g. a truncated .gz file
+            raise RawDataError(f"{path}: cannot read the file as json: {e}") from None
+        if not block:
+            break
+        lines = (tail + block).split(b"\n")
+        tail = lines.pop()
+        yield lines
+    if tail:
+        yield [tail]
 
 
-def _json_value_fits(value, kind: pa.DataType) -> bool:
-    if value is None:
-        return True
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
-            pa.types.is_fixed_size_list(kind):
-        return isinstance(value, list) and all(_json_value_fits(v, kind.value_type)
-                                               for v in value)
-    if isinstance(value, bool):
-        return pa.types.is_boolean(kind)
-    if pa.types.is_integer(kind):
-        return isinstance(value, int)
-    if pa.types.is_floating(kind):
-        return isinstance(value, (int, float))
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return isinstance(value, str)
-    return True  # timestamps and the rest: Arrow's own message
+def _decode_lines(values: list[bytes], numbers: list[int], schema: Schema, path: str
+                  ) -> RawChunk:
+    from compression.messages import MESSAGE_INDEX, decode_json_samples
+
+    good, dead = decode_json_samples(values, schema, with_index=True, threads=None)
+    good = good.drop_columns([MESSAGE_INDEX])
+    dead = [(i, reason) for i, reason in dead if values[i].strip()]  # blank: "\r", spaces
+    rows = [numbers[i] for i, _ in dead]
+    rejected = pa.table({
+        "source": pa.array([path] * len(dead), pa.string()),
+        "row": pa.array(rows, pa.int64()),
+        "reason": pa.array([_line_reason(reason, row) for (_, reason), row in zip(dead, rows)],
+                           pa.string()),
+    })
+    return RawChunk(good, numbers[0] if numbers else 1, rejected)
 
 
-def _json_kind(kind: pa.DataType) -> str:
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
-            pa.types.is_fixed_size_list(kind):
-        return f"a JSON array of {_json_kind(kind.value_type).split(' ', 1)[1]}s"
-    if pa.types.is_integer(kind):
-        return "an integer"
-    if pa.types.is_floating(kind):
-        return "a number"
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return "a string"
-    return f"a {kind} value"
+_COLUMN_REASON = re.compile(r"^((?:key column|column|label|carried column) '(?:[^'\\]|\\.)*'): ")
+
+
+def _line_reason(reason: str, line: int) -> str:
+    """A decoder's reason with its line, as :func:`validate_raw` words a file's row problems:
+    ``label 'click': value out of range`` -> ``label 'click' line 3: value out of range``; other
+    reasons get a ``line 3: `` prefix."""
+    match = _COLUMN_REASON.match(reason)
+    if match:
+        return f"{match.group(1)} line {line}: {reason[match.end():]}"
+    return f"line {line}: {reason}"
 
 
 # -- tree tables --------------------------------------------------------------------------
@@ -297,13 +407,30 @@ def read_trees(path_or_glob: str | list[str]) -> pa.Table:
     return pa.concat_tables([pq.read_table(p) for p in expand_paths(path_or_glob)])
 
 
-def iter_trees(path_or_glob: str | list[str], rows: int = 4096) -> Iterator[pa.Table]:
+def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
+               schema: Schema | None = None) -> Iterator[pa.Table]:
     """Tree tables of about ``rows`` roots from the files, one file after another (bounded
-    memory, for streaming into :func:`compression.iter_batches`)."""
+    memory, for streaming into :func:`compression.iter_batches`). With ``schema``, each file is
+    checked to be a tree table of it before its first rows are read. A file that cannot be
+    read, or is not such a tree table, raises ValueError naming it."""
+    from compression.trees import check_tree_schema, check_tree_values
+
     for path in expand_paths(path_or_glob):
-        file = pq.ParquetFile(path)
-        for batch in file.iter_batches(batch_size=rows):
-            yield pa.Table.from_batches([batch])
+        try:
+            file = pq.ParquetFile(path)
+            if schema is not None:
+                check_tree_schema(file.schema_arrow, schema, source=path)
+            for batch in file.iter_batches(batch_size=rows):
+                table = pa.Table.from_batches([batch])
+                if schema is not None:
+                    check_tree_values(table, schema, source=path)
+                yield table
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+            # a damaged file: thrift, page or IO errors, column names that are not UTF-8
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"{path}: cannot read the file as a tree Parquet file: {e}"
+                             ) from None
 
 
 def encode_trees(trees: pa.Table) -> bytes:

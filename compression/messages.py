@@ -3,10 +3,11 @@ decoded in bulk by the native decoder, and the dead-letter record of a rejected 
 
 :func:`decode_json_samples` parses every message in C++ (``native.json_samples``) without
 holding the GIL; the Arrow columns are built on the decoder's buffers without a copy. The one
-JSON sample decoder of the project: the streaming Beam job and the online trainer both use it.
+JSON sample decoder of the project: JSON-lines files (``compression.iter_raw_chunks``, so every
+command that reads files), the streaming Beam job and the online trainer all use it.
 
-Verdicts (those of the file readers: pyarrow's JSON reader with the schema + the row checks of
-``compression.split_bad_rows``): integers must be JSON integers in int64 range (``1.0``, ``1e3``
+Verdicts (those pyarrow's JSON reader with the schema + the row checks of
+``compression.split_bad_rows`` gave, where that reader is right): integers must be JSON integers in int64 range (``1.0``, ``1e3``
 or ``"1"`` are rejected for an int64 id), strings must be strings, dense values and labels are
 numbers (``NaN``, ``Inf``, ``Infinity``, optionally negative, are read and then rejected by the
 row checks), floats are rounded once from their decimal text to float32, unknown and repeated
@@ -26,7 +27,7 @@ readers' texts; syntax and type errors start with ``not a valid sample:``. The v
 not JSON, then not an object, then unknown fields, then a value of the wrong type, then the
 row checks.
 
-Rejected where pyarrow's JSON reader is wrong: a string with invalid UTF-8 (pyarrow builds an
+Rejected where pyarrow's JSON reader is wrong (and why no command calls it any more): a string with invalid UTF-8 (pyarrow builds an
 invalid string array), a raw CR or LF inside a string (JSON forbids it), the message ``null``
 (``pyarrow.json.read_json`` crashes the process on it: a segmentation fault), and a message
 over ``max_message_bytes``.

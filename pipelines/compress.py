@@ -134,16 +134,18 @@ class _ReadShardsFn(_PooledFn):
         rows = bad = 0
         pending = collections.deque()
         try:
-            for chunk, first_row in compression.iter_raw_chunks(path, self._schema,
-                                                                 self._format, self._chunk_rows):
-                rows += chunk.num_rows
-                self._rows.inc(chunk.num_rows)
+            for chunk in compression.iter_raw_chunks(path, self._schema, self._format,
+                                                     self._chunk_rows):
+                read = chunk.table.num_rows + (chunk.rejected.num_rows
+                                               if chunk.rejected is not None else 0)
+                rows += read
+                self._rows.inc(read)
                 if self._pool is None:
-                    split = self._split(chunk, path, first_row)
+                    split = self._split(chunk, path)
                     bad += split[0].num_rows
                     yield from self._emit(*split)
                     continue
-                pending.append(self._pool.submit(self._split, chunk, path, first_row))
+                pending.append(self._pool.submit(self._split, chunk, path))
                 del chunk
                 while pending and (pending[0].done() or len(pending) >= self._threads):
                     split = pending.popleft().result()
@@ -164,10 +166,9 @@ class _ReadShardsFn(_PooledFn):
         self._files.inc()
         log.info("read %s: %s rows, %s bad", path, f"{rows:,}", f"{bad:,}")
 
-    def _split(self, chunk: pa.Table, path: str, first_row: int):
+    def _split(self, chunk: compression.RawChunk, path: str):
         """(rejected rows, [(shard, part), ...]) of one chunk, parts already encoded."""
-        good, rejected = compression.split_bad_rows(chunk, self._schema, source=path,
-                                                    first_row=first_row)
+        good, rejected = chunk.split(self._schema, path)
         if len(self._schema.layers) > 1:
             parts = [(shard, ShardPart(roots, rows)) for shard, (roots, rows)
                      in split_roots_by_shard(good, self._schema, self._shards)]
@@ -285,7 +286,8 @@ class _WriteDeadLetterFn(beam.DoFn):
             for row in rejected.to_pylist():  # rejected rows only: few, and small
                 f.write(json.dumps(row) + "\n")
         os.replace(tmp, path)
-        yield rejected.num_rows
+        # (count, and the chunk's first rejected row for the job's error: source, row, reason)
+        yield rejected.num_rows, source, first, rejected.column("reason")[0].as_py()
 
 
 class _FinishFn(beam.DoFn):
@@ -306,11 +308,12 @@ class _FinishFn(beam.DoFn):
 
     def process(self, _, shard_stats, bad_counts):
         schema = _load_schema(self._schema_yaml)
-        bad_rows = int(sum(bad_counts))
+        bad_rows = int(sum(count for count, *_ in bad_counts))
         if bad_rows > self._max_bad_rows:
+            _, source, _, reason = min(bad_counts, key=lambda c: (c[1], c[2]))
             raise TooManyBadRows(
                 f"{bad_rows:,} rows failed validation, more than --max-bad-rows "
-                f"{self._max_bad_rows:,}; their reasons are in "
+                f"{self._max_bad_rows:,} (the first: {source}: {reason}); their reasons are in "
                 f"{self._rejected_dir}/ (fix the data, or raise "
                 "--max-bad-rows to drop them)")
         total = TreeStats(schema)

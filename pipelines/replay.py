@@ -93,13 +93,13 @@ def iter_messages(paths: Iterable[str], schema: schemas.Schema, format: str | No
     """(keys, JSON values) chunks of the validated rows of the files, at most ``limit`` rows."""
     left = limit
     for path in paths:
-        for chunk, first in compression.iter_raw_chunks(path, schema, format):
+        for chunk in compression.iter_raw_chunks(path, schema, format):
+            if left is not None and left <= 0:
+                return
+            table = chunk.validate(schema, path)
             if left is not None:
-                if left <= 0:
-                    return
-                chunk = chunk.slice(0, left)
-                left -= chunk.num_rows
-            table = compression.validate_raw(chunk, schema, source=path, first_row=first)
+                table = table.slice(0, left)
+                left -= table.num_rows
             if table.num_rows:
                 yield message_keys(table, schema), json_lines(table, schema)
 
@@ -210,7 +210,8 @@ def _main(argv) -> int:
     if args.rate is not None and args.rate <= 0:
         parser.error(f"--rate must be positive, got {args.rate}")
     schema = schemas.load(args.schema)
-    result = replay(schema, args.input, args.bootstrap_servers, args.topic, rate=args.rate,
+    files = cli.check_inputs(args.input, "--input", args.format)  # before the broker wait
+    result = replay(schema, files, args.bootstrap_servers, args.topic, rate=args.rate,
                     limit=args.limit, format=args.format,
                     producer_config=dict(args.kafka_options), progress=not args.no_progress,
                     broker_timeout=args.broker_timeout)

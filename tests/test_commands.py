@@ -111,8 +111,9 @@ def test_pipelines_compress_output_policy(data, tmp_path):
                      "--input", data / "raw.parquet", "--output", out, "--shards", "2")
     line = one_error_line(failed, "pipelines.compress", after_progress=True)
     assert line == (f"python -m pipelines.compress: error: 1 rows failed validation, more than "
-                    f"--max-bad-rows 0; their reasons are in {out}.dead_letter/ (fix the data, "
-                    "or raise --max-bad-rows to drop them)")
+                    f"--max-bad-rows 0 (the first: {data / 'bad_row.parquet'}: label 'click' "
+                    "row 8: value out of range, labels must be in [0, 1]); their reasons are in "
+                    f"{out}.dead_letter/ (fix the data, or raise --max-bad-rows to drop them)")
     # nothing that looks like output: no part file, no temporary directory; the reasons beside
     assert sorted(os.listdir(tmp_path)) == ["trees.dead_letter"]
     reasons = [json.loads(line) for f in (tmp_path / "trees.dead_letter").iterdir()
@@ -521,3 +522,136 @@ def test_every_other_help_shows_an_example(module):
     out = command(module, "--help")
     assert out.returncode == 0, out.stderr
     assert f"\nexamples:\n  python -m {module} --" in out.stdout
+
+
+# -- malformed input files: one clear line, never a signal (issue 30) --------------------------
+
+def _bad_files(base: Path, data: Path) -> dict[str, Path]:
+    """Malformed raw and tree files, by case name. Each must be refused (exit 2) in one line
+    naming it by every command that reads it."""
+    rows = taobao_table(3, seed=1).to_pylist()
+    line = json.dumps(rows[0]).encode()
+    header = ",".join(rows[0]).encode()
+
+    def with_value(column: str, raw: bytes) -> bytes:  # a JSON line whose column holds raw
+        return json.dumps({**rows[0], column: "@"}).encode().replace(b'"@"', raw)
+
+    def csv_line(row):
+        return ",".join("|".join(map(str, v)) if isinstance(v, list) else str(v)
+                        for v in row.values()).encode()
+
+    raw = (data / "raw.parquet").read_bytes()
+    files = {
+        "empty.jsonl": b"",
+        "empty.csv": b"",
+        "empty.parquet": b"",
+        "header_only.csv": header + b"\n",
+        "binary.jsonl": bytes(range(256)) * 8,
+        "binary.csv": bytes(range(255, -1, -1)) * 8,
+        "binary.parquet": b"PAR1" + bytes(range(256)) * 4 + b"PAR1",
+        "truncated.parquet": raw[:len(raw) // 2],
+        "truncated_tail.parquet": raw[:-7],
+        "null.jsonl": b"null\nnull\n",
+        "deep.jsonl": b"[" * 100_000 + b"\n",
+        "deep_field.jsonl": line + b"\n" + b'{"user_id": ' + b"[" * 100_000 + b"\n",
+        "huge.jsonl": with_value("user_id", b"9" * 400) + b"\n",
+        "huge_float.jsonl": with_value("click", b"1e999") + b"\n",
+        "huge.csv": header + b"\n" + csv_line({**rows[0], "user_id": 10 ** 30}) + b"\n",
+        "nul.jsonl": line + b"\n" + line[:20] + b"\x00" + line[20:] + b"\n",
+        "nul.csv": header + b"\n" + csv_line(rows[0]).replace(b",", b",\x00", 1) + b"\n",
+        "latin1.jsonl": with_value("pid", b'"241_\xe9"') + b"\n",
+        "latin1.csv": header + b"\n" + csv_line({**rows[0], "pid": "@"}).replace(
+            b"@", b"241_\xe9") + b"\n",
+        "utf16.jsonl": line.decode().encode("utf-16") + b"\n",
+    }
+    paths = {}
+    for name, content in files.items():
+        (base / name).write_bytes(content)
+        paths[name] = base / name
+    for name in ("dir.jsonl", "dir.parquet"):
+        (base / name).mkdir()
+        paths[name] = base / name
+    unreadable = base / "unreadable.jsonl"
+    if os.geteuid() == 0:  # root reads any file: a path whose read fails with EIO instead
+        unreadable.symlink_to("/proc/self/mem")
+    else:
+        unreadable.write_bytes(line + b"\n")
+        unreadable.chmod(0)
+    paths["unreadable.jsonl"] = unreadable
+    return paths
+
+
+# where the refusal must also point inside the file
+_WHERE = {"null.jsonl": "line 1", "deep.jsonl": "line 1", "deep_field.jsonl": "line 2",
+          "huge.jsonl": "line 1", "huge_float.jsonl": "line 1", "nul.jsonl": "line 2",
+          "latin1.jsonl": "line 1", "latin1.csv": "byte offset", "binary.jsonl": "line 1",
+          "huge.csv": "line 2", "nul.csv": "line 2", "binary.csv": "byte offset"}
+
+
+def _sweep(module: str, cases: list[dict], base: Path) -> dict[str, dict]:
+    """Run the command on every case in one child process (tests/support/sweep.py)."""
+    spec = base / f"{module}.cases.json"
+    spec.write_text(json.dumps(cases))
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "sweep.py"), module,
+                          str(spec)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    started = [line[6:] for line in out.stdout.splitlines() if line.startswith("start ")]
+    assert out.returncode == 0, (f"{module} died (exit {out.returncode}) on {started[-1:]}: "
+                                 f"{out.stderr[-2000:]}")
+    return {r["name"]: r for r in map(json.loads, (line for line in out.stdout.splitlines()
+                                                   if line.startswith("{")))}
+
+
+@pytest.fixture(scope="module")
+def bad_files(data, tmp_path_factory) -> dict[str, Path]:
+    return _bad_files(tmp_path_factory.mktemp("bad_files"), data)
+
+
+@pytest.mark.parametrize("module", ["compression.compress", "pipelines.compress",
+                                    "trainer.train", "trainer.evaluate", "compression.inspect"])
+def test_every_malformed_file_is_refused_in_one_line(module, bad_files, short_run, tmp_path):
+    """Each command that reads input files, on each malformed file: exit 2, one line naming
+    the file (and the line or byte offset where there is one), no traceback, no output left."""
+    _, run, _, _ = short_run
+    cases = []
+    for name, path in bad_files.items():
+        out = tmp_path / f"out-{name}"
+        argv = {"compression.compress": ["--schema", SCHEMA, "--input", path, "--output", out],
+                "pipelines.compress": ["--schema", SCHEMA, "--input", path, "--output", out],
+                "trainer.train": ["--schema", SCHEMA, "--train-data", path, "--out", out,
+                                  "--batch-size", "100"],
+                "trainer.evaluate": ["--run", run, "--data", path],
+                "compression.inspect": [path]}[module]
+        cases.append({"name": name, "argv": list(map(str, argv))})
+    results = _sweep(module, cases, tmp_path)
+    assert sorted(results) == sorted(bad_files)
+    wrong = []
+    for name, path in bad_files.items():
+        result = results[name]
+        lines = result["stderr"].strip().splitlines() or [""]
+        where = _WHERE.get(name, "") if module != "compression.inspect" else ""
+        if not (result["code"] == 2 and "Traceback" not in result["stderr"]
+                and lines[-1].startswith(f"python -m {module}: error: ")
+                and str(path) in lines[-1] and where in lines[-1]):
+            wrong.append((name, result["code"], result["stderr"][-600:]))
+    assert wrong == [], "\n".join(map(str, wrong))
+    # nothing that looks like output: only the Beam job's rejected rows, beside their output
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".cases.json"))
+    assert [n for n in left if not n.endswith(".dead_letter")] == [], left
+
+
+def test_replay_refuses_every_malformed_file_and_sends_nothing(bad_files, kafka_broker,
+                                                               tmp_path):
+    """pipelines.replay validates a chunk before sending it: a malformed file is refused in one
+    line naming it (exit 2) and none of its samples reaches the topic."""
+    topic = kafka_broker.create_topic()
+    cases = [{"name": name, "argv": ["--schema", SCHEMA, "--input", str(path),
+                                     "--bootstrap-servers", kafka_broker.bootstrap,
+                                     "--topic", topic, "--no-progress"]}
+             for name, path in bad_files.items()]
+    results = _sweep("pipelines.replay", cases, tmp_path)
+    wrong = [(name, r["code"], r["stderr"][-600:]) for name, r in results.items()
+             if not (r["code"] == 2 and "Traceback" not in r["stderr"]
+                     and str(bad_files[name]) in r["stderr"].strip().splitlines()[-1]
+                     and _WHERE.get(name, "") in r["stderr"])]
+    assert sorted(results) == sorted(bad_files) and wrong == [], "\n".join(map(str, wrong))
+    assert kafka_broker.consume_all(topic, idle_seconds=2.0) == []

@@ -60,3 +60,31 @@ def test_importing_schemas_and_compression_loads_neither_beam_nor_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def _uses_pyarrow_json(path: pathlib.Path) -> bool:
+    """``import pyarrow.json``, ``from pyarrow.json import ...``, ``from pyarrow import json``
+    or ``pa.json`` / ``pyarrow.json`` used as an attribute."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith("pyarrow.json")
+                                                for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module.startswith("pyarrow.json")
+                or (node.module == "pyarrow" and any(a.name == "json" for a in node.names))):
+            return True
+        if (isinstance(node, ast.Attribute) and node.attr == "json"
+                and isinstance(node.value, ast.Name) and node.value.id in ("pa", "pyarrow")):
+            return True
+    return False
+
+
+def test_pyarrow_json_reader_never_reads_user_input():
+    """JSON samples, in files and in Kafka messages alike, go through the one native decoder
+    (compression.decode_json_samples): pyarrow's JSON reader crashes the process on a `null`
+    line, so no package of the project may call it."""
+    users = [str(path.relative_to(ROOT)) for package in PACKAGES
+             for path in sorted((ROOT / package).rglob("*.py")) if _uses_pyarrow_json(path)]
+    assert users == []
+    assert _uses_pyarrow_json(ROOT / "benchmarks" / "json_decode.py")  # the check sees it

@@ -167,7 +167,6 @@ def _file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
                 pq.ParquetFile(path).schema_arrow, schema):
             yield from compression.iter_trees(path)
             continue
-        for chunk, first in compression.iter_raw_chunks(path, schema,
-                                                       chunk_rows=RAW_CHUNK_ROWS):
-            flat = compression.validate_raw(chunk, schema, source=path, first_row=first)
+        for chunk in compression.iter_raw_chunks(path, schema, chunk_rows=RAW_CHUNK_ROWS):
+            flat = chunk.validate(schema, path)
             yield compression.build_trees(flat, schema, validate=False)

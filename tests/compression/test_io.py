@@ -1,6 +1,7 @@
 """Raw readers (Parquet, CSV, JSON lines), nested Parquet tree files, IPC messages, and the
 inspect and compress commands."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -60,13 +61,13 @@ def test_raw_errors_name_the_file_and_row(tmp_path):
                                for i, r in enumerate(ROWS)) + "\n")
     with pytest.raises(RawDataError, match=r"bad.jsonl: label 'click' line 2: value out of "):
         compression.read_raw(str(jsonl), SCHEMA)
-    # a value of the wrong JSON type: Arrow's row is counted within a block; the line is not
+    # a value of the wrong JSON type: the reason a Kafka message gets, with the file's line
     jsonl.write_text("\n".join(json.dumps({**r, "aid": "ten" if i == 2 else r["aid"]})
                                for i, r in enumerate(ROWS)) + "\n")
     with pytest.raises(RawDataError) as err:
         compression.read_raw(str(jsonl), SCHEMA)
-    assert str(err.value) == f"{jsonl}: column 'aid' line 3: invalid value \"ten\", expected an " \
-                             "integer"
+    assert str(err.value) == (f"{jsonl}: line 3: not a valid sample: field 'aid': expected an "
+                              "integer (kind id, dtype int64), got a string")
     parquet = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([{**r, "uid": None if i == 2 else r["uid"]}
                                          for i, r in enumerate(ROWS)],
@@ -164,3 +165,54 @@ def test_inspect_reports_a_missing_path():
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "no input files match '/nonexistent/x'" in result.stderr
+
+
+def test_json_lines_go_through_the_native_decoder_with_file_line_numbers(tmp_path):
+    """JSON-lines files take the decoder of Kafka messages: blank and CRLF lines are skipped,
+    every rejected line keeps its 1-based line in the file across chunks, and what killed
+    pyarrow's reader (a `null` line: SIGSEGV) or Python's (deep nesting: RecursionError) is
+    a rejected line like any other."""
+    good = [json.dumps(r).encode() for r in ROWS]
+    lines = [good[0] + b"\r", b"", b"  \r", b"null", good[1], b"[" * 100_000, good[2],
+             b"{\"uid\": 1, \"extra\": 2}", good[0]]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    chunks = list(compression.iter_raw_chunks(str(path), SCHEMA, chunk_rows=2))
+    assert len(chunks) > 1
+    table = pa.concat_tables([c.table for c in chunks])
+    assert table.to_pylist() == [ROWS[0], ROWS[1], ROWS[2], ROWS[0]]
+    rejected = pa.concat_tables([c.rejected for c in chunks]).to_pylist()
+    assert [(r["row"], r["reason"]) for r in rejected] == [
+        (4, "line 4: not a valid sample: expected a JSON object, got null"),
+        (6, "line 6: not a valid sample: not JSON (the message ends too early)"),
+        (8, "line 8: not a valid sample: unexpected field(s) 'extra'; the schema has no such "
+            "column"),
+    ] and {r["source"] for r in rejected} == {str(path)}
+    with pytest.raises(RawDataError) as err:  # the strict readers name the first bad line
+        compression.read_raw(str(path), SCHEMA)
+    assert str(err.value) == f"{path}: line 4: not a valid sample: expected a JSON object, " \
+                             "got null (and at least 2 more bad lines)"
+    gz = tmp_path / "good.jsonl.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(b"\n".join(good))  # no newline at the end
+    assert compression.read_raw(str(gz), SCHEMA).to_pylist() == ROWS
+    null_only = tmp_path / "null.jsonl"
+    null_only.write_bytes(b"null\nnull\n")
+    with pytest.raises(RawDataError, match=r"null.jsonl: line 1: not a valid sample: expected a "
+                                           r"JSON object, got null \(and at least 1 more bad "
+                                           r"line\)$"):
+        compression.read_raw(str(null_only), SCHEMA)
+
+
+def test_a_csv_that_is_not_utf8_is_named_by_column_line_and_byte_offset(tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b"uid,hist,aid,price,click\n1,x|y,10,1.5|2,1\n2,caf\xe9,11,0.5|0,0\n")
+    with pytest.raises(RawDataError) as err:
+        compression.read_raw(str(path), SCHEMA)
+    assert str(err.value) == (f"{path}: column 'hist' line 3: byte 0xe9 at byte offset 47 is not "
+                              "UTF-8; the file must be UTF-8 encoded (convert it, e.g. with iconv"
+                              " -f latin1 -t utf-8)")
+    path.write_bytes(b"uid,hist,aid,price,click\n1,x|y,99999999999999999999,1.5|2,1\n")
+    with pytest.raises(RawDataError, match=r"column 'aid' line 2: invalid value "
+                                           r"'99999999999999999999', expected an integer"):
+        compression.read_raw(str(path), SCHEMA)

@@ -193,7 +193,9 @@ def test_bad_rows_go_to_the_dead_letter_and_fail_the_job_past_the_limit(tmp_path
     pq.write_table(taobao_table(100, seed=4), raw / "good.parquet")
 
     with pytest.raises(job.TooManyBadRows,
-                       match=r"^3 rows failed validation, more than --max-bad-rows 2; their "
+                       match=r"^3 rows failed validation, more than --max-bad-rows 2 \(the "
+                             r"first: .*/raw/bad\.parquet: label 'click' row 6: value out of "
+                             r"range, labels must be in \[0, 1\]\); their "
                              r"reasons are in .*/out\.dead_letter/ \(fix the data, or raise "
                              r"--max-bad-rows to drop them\)$"):
         _run(TAOBAO_PATH, str(raw), tmp_path / "out", "--max-bad-rows", 2, "--chunk-rows", 128)
