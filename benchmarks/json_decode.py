@@ -15,6 +15,11 @@ pipelines.replay sends to Kafka, and decodes the same messages, in the same run,
 Both give the same table (checked on the first repeat). Reports samples/s and input MB/s (best
 of ``--repeats``), samples per CPU second (the per-core cost, whatever the threads), the
 native/pyarrow ratios, the machine's load, and a final JSON line.
+
+JSON-lines files go through the same native decoder (``compression.read_raw``, as every command
+that reads files): the same samples written as one file are also read with it and with
+``pyarrow.json.read_json`` + ``compression.validate_raw`` (the file reader before), same table
+checked (``file_rows_per_s``, ``file_native_over_pyarrow``).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import pyarrow as pa
@@ -70,6 +76,26 @@ def _time(fn, batches, repeats: int) -> tuple[float, float]:
     return best, best_cpu
 
 
+def _time_files(values: list[bytes], schema, repeats: int) -> dict[str, float]:
+    """Best seconds to read the messages as one JSON-lines file, validated: the project's
+    reader (the native decoder) and pyarrow's JSON reader + validate_raw."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "samples.jsonl")
+        with open(path, "wb") as f:
+            f.write(b"\n".join(values) + b"\n")
+
+        def with_pyarrow():
+            table = pajson.read_json(path, parse_options=pajson.ParseOptions(
+                explicit_schema=schema.raw_arrow_schema(), unexpected_field_behavior="infer"))
+            return compression.validate_raw(table, schema, source=path)
+
+        if not compression.read_raw(path, schema).equals(with_pyarrow()):
+            raise AssertionError("reading the JSON-lines file: native differs from pyarrow")
+        return {"pyarrow": _time(lambda _: with_pyarrow(), [None], repeats)[0],
+                "native": _time(lambda _: compression.read_raw(path, schema), [None],
+                                repeats)[0]}
+
+
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200_000)
@@ -99,6 +125,7 @@ def run(argv=None) -> dict:
         "native_2_threads": _time(lambda b: native_decode(b, schema, with_index=True, threads=2),
                                   batches, args.repeats),
     }
+    files = _time_files(values, schema, args.repeats)
     seconds = {k: wall for k, (wall, _) in timed.items()}
     cpu = {k: c for k, (_, c) in timed.items()}
     result = {
@@ -111,6 +138,8 @@ def run(argv=None) -> dict:
         "samples_per_cpu_s": {k: round(len(values) / max(c, 1e-9)) for k, c in cpu.items()},
         "native_1_thread_over_pyarrow": round(seconds["pyarrow"] / seconds["native_1_thread"], 2),
         "native_2_threads_over_pyarrow": round(seconds["pyarrow"] / seconds["native_2_threads"], 2),
+        "file_rows_per_s": {k: round(len(values) / s) for k, s in files.items()},
+        "file_native_over_pyarrow": round(files["pyarrow"] / files["native"], 2),
         "cpus": os.cpu_count(),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
@@ -128,6 +157,9 @@ def main(argv=None) -> int:
         print(f"  {name:18s} {rate:>10,d} samples per CPU second", file=sys.stderr)
     print(f"  native/pyarrow: {result['native_1_thread_over_pyarrow']}x (1 thread), "
           f"{result['native_2_threads_over_pyarrow']}x (2 threads)", file=sys.stderr)
+    print(f"  JSON-lines file, read and validated: native {result['file_rows_per_s']['native']:,d}"
+          f" rows/s, pyarrow {result['file_rows_per_s']['pyarrow']:,d} rows/s "
+          f"({result['file_native_over_pyarrow']}x)", file=sys.stderr)
     print(json.dumps(result, sort_keys=True))
     return 0
 

@@ -71,6 +71,7 @@ def test_json_decode_benchmark_tiny():
     result = benchmarks.json_decode.run(["--samples", "1500", "--batch", "500", "--repeats", "1"])
     assert result["samples"] == 1500
     assert set(result["samples_per_s"]) == {"pyarrow", "native_1_thread", "native_2_threads"}
+    assert set(result["file_rows_per_s"]) == {"pyarrow", "native"}
 
 
 def test_quality_benchmark_tiny(capsys, tmp_path):
