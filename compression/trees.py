@@ -199,6 +199,7 @@ def flat_layers(trees: pa.Table, schema: Schema) -> list[LayerNodes]:
     Reads Arrow list offsets only (no search): node ``i`` of layer ``l`` is the child of node
     ``parent[i]`` of layer ``l - 1``.
     """
+    check_tree_values(trees, schema)
     root = trees.combine_chunks()
     levels = len(schema.layers)
     columns = {name: root.column(name).chunk(0) if root.column(name).num_chunks == 1
@@ -229,6 +230,101 @@ def flat_layers(trees: pa.Table, schema: Schema) -> list[LayerNodes]:
         # StructArray.flatten() (unlike .field()) honours the array's own offset.
         columns = dict(zip([field.name for field in struct.type], struct.flatten()))
     return out
+
+
+def check_tree_schema(arrow_schema: pa.Schema, schema: Schema, source: str | None = None
+                      ) -> None:
+    """Raise ValueError unless ``arrow_schema`` is a tree table of ``schema``: every column of
+    ``schema.tree_arrow_schema()`` with its type, nested lists and structs included (list
+    element names, nullability and metadata may differ: other writers spell them otherwise).
+    ``source`` (a file name) starts the message."""
+    where = f"{source}: " if source else ""
+    for expected in schema.tree_arrow_schema():
+        index = arrow_schema.get_field_index(expected.name)
+        if index < 0:
+            hint = ("; it looks like raw samples: compress them first (python -m "
+                    "compression.compress)") if len(schema.layers) > 1 and all(
+                name in arrow_schema.names for name in schema.raw_arrow_schema().names) else ""
+            raise ValueError(f"{where}not a tree table of schema {schema.name!r}: no column "
+                             f"{expected.name!r}{hint}")
+        problem = _type_problem(arrow_schema.field(index).type, expected.type, expected.name)
+        if problem:
+            raise ValueError(f"{where}not a tree table of schema {schema.name!r}: {problem}")
+
+
+def check_tree_values(trees: pa.Table, schema: Schema, source: str | None = None) -> None:
+    """Raise ValueError unless ``trees`` is a tree table of ``schema`` (its types, see
+    :func:`check_tree_schema`) whose values batches can hold: no null node, children list,
+    feature value or label (carried columns may be null) and dense vectors of exactly ``dim``
+    values. ``source`` (a file name) starts the message."""
+    check_tree_schema(trees.schema, schema, source)
+    where = f"{source}: " if source else ""
+    root = trees.combine_chunks()
+    columns = {name: root.column(name).combine_chunks() for name in root.column_names}
+    for level, layer in enumerate(schema.layers):
+        values = [(f.name, f) for f in layer.features]
+        if level == len(schema.layers) - 1:
+            values += [(label, None) for label in schema.labels]
+        for name, feature in values:
+            column = columns[name]
+            nulls = column.null_count
+            if feature is not None and feature.kind != "id" and not nulls:
+                items = column.flatten()
+                nulls = items.null_count
+                if feature.kind == "dense":
+                    lengths = pc.list_value_length(column)
+                    if len(column) and (pc.min(lengths).as_py() != feature.dim or
+                                        pc.max(lengths).as_py() != feature.dim):
+                        raise ValueError(
+                            f"{where}tree table: dense feature {name!r} (layer {layer.name!r}) "
+                            f"holds vectors of {pc.min(lengths).as_py()} to "
+                            f"{pc.max(lengths).as_py()} values; the schema says dim "
+                            f"{feature.dim}")
+            if nulls:
+                what = "label" if feature is None else f"feature {name!r} of layer"
+                what = f"label {name!r}" if feature is None else f"{what} {layer.name!r}"
+                raise ValueError(f"{where}tree table: {nulls} null values in {what}; only "
+                                 "carried columns may hold nulls")
+        if level == len(schema.layers) - 1:
+            return
+        child = schema.layers[level + 1].name
+        children = columns[child]
+        if children.null_count:
+            raise ValueError(f"{where}tree table: {children.null_count} null {child!r} lists "
+                             f"under layer {layer.name!r}; a node's children list cannot be null")
+        if len(children) and pc.min(pc.list_value_length(children)).as_py() == 0:
+            empty = pc.sum(pc.equal(pc.list_value_length(children), 0)).as_py()
+            raise ValueError(f"{where}tree table: {empty} {layer.name!r} nodes with an empty "
+                             f"{child!r} list; every node of a tree has at least one child")
+        struct = children.flatten()
+        if struct.null_count:
+            raise ValueError(f"{where}tree table: null {child!r} nodes; nodes cannot be null")
+        columns = dict(zip([field.name for field in struct.type], struct.flatten()))
+
+
+def _type_problem(found: pa.DataType, expected: pa.DataType, name: str) -> str | None:
+    """Where ``found`` differs from ``expected`` (a dotted column path and both types), or
+    None."""
+    if pa.types.is_list(expected):
+        if not pa.types.is_list(found):
+            return f"column {name!r} is {found}, expected {expected}"
+        return _type_problem(found.value_type, expected.value_type, name)
+    if pa.types.is_struct(expected):
+        if not pa.types.is_struct(found):
+            return f"column {name!r} is {found}, expected {expected}"
+        names = [found.field(i).name for i in range(found.num_fields)]
+        for i in range(expected.num_fields):
+            child = expected.field(i)
+            if child.name not in names:
+                return f"column {name!r} has no field {child.name!r}"
+            problem = _type_problem(found.field(names.index(child.name)).type, child.type,
+                                    f"{name}.{child.name}")
+            if problem:
+                return problem
+        return None
+    if found != expected:
+        return f"column {name!r} is {found}, expected {expected}"
+    return None
 
 
 def _cast(array, target: pa.DataType):

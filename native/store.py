@@ -12,7 +12,8 @@ import numpy as np
 
 from native import _store
 from native.config import StoreConfig
-from native.errors import IncompatibleStoreError, InvalidDtypeError, InvalidInputError
+from native.errors import (CorruptFileError, IncompatibleStoreError, InvalidDtypeError,
+                           InvalidInputError)
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -249,7 +250,13 @@ class EmbeddingStore:
     def load(cls, directory: str | os.PathLike, config: StoreConfig | None = None) -> "EmbeddingStore":
         """The store saved in ``directory``, equal bit for bit to the one saved. With ``config``,
         refuses a snapshot whose dim or optimizer differ from it."""
-        store = cls._wrap(_store.Store.load(os.fspath(directory)))
+        native_store = _store.Store.load(os.fspath(directory))
+        try:
+            store = cls._wrap(native_store)
+        except InvalidInputError as e:  # options the C++ side reads but the facade refuses
+            path = os.path.join(os.fspath(directory), "store.snapshot")
+            raise CorruptFileError(f"corrupt store file {path}: its options are not a valid "
+                                   f"StoreConfig ({e})") from None
         if config is not None:
             found = store.config
             if found.dim != config.dim or type(found.optimizer) is not type(config.optimizer):

@@ -226,12 +226,18 @@ def load(path: str | os.PathLike) -> Schema:
     """Read and validate a schema YAML file."""
     path = os.fspath(path)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise SchemaError(f"{path}: schema file not found") from None
     except yaml.YAMLError as e:
         raise SchemaError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); save the schema file as UTF-8") from None
+    except RecursionError:
+        raise SchemaError(f"{path}: nested too deeply to be a schema (a schema nests a few "
+                          "levels: layers, features, their fields)") from None
     try:
         return from_dict(data)
     except SchemaError as e:

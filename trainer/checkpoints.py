@@ -107,6 +107,9 @@ def read_json(path: str) -> dict:
     except (UnicodeDecodeError, ValueError) as e:
         raise CheckpointDamagedError(f"{path}: damaged checkpoint file, not valid JSON "
                                      f"({e})") from None
+    except RecursionError:  # json.loads of thousands of nested [ or {
+        raise CheckpointDamagedError(f"{path}: damaged checkpoint file, JSON nested too "
+                                     "deeply") from None
     if not isinstance(value, dict):
         raise CheckpointDamagedError(f"{path}: damaged checkpoint file, expected a JSON "
                                      f"object, found {type(value).__name__}")

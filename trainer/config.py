@@ -270,12 +270,18 @@ class TrainConfig:
         """Read and check a YAML config file."""
         path = os.fspath(path)
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                              f"offset {e.start}); save the config file as UTF-8") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a training config (a config "
+                              "nests a few levels: tables, their optimizer...)") from None
         try:
             return cls.from_dict(data or {})
         except ConfigError as e:
@@ -290,12 +296,21 @@ class TrainConfig:
                  "log_every", "row_gradients")
         _no_unknown(data, known, "config")
         defaults = _table(data.get("embedding") or {}, "embedding", TableConfig())
+        for key, example in (("features", "{clicked_cats: {pooling: mean}}"),
+                             ("tables", "{cate: {dim: 18}}"),
+                             ("dense", "{price: {transform: log1p}}")):
+            if not isinstance(data.get(key) or {}, Mapping):
+                raise ConfigError(f"{key}: expected a mapping by name like `{example}`, got "
+                                  f"{type(data.get(key)).__name__}")
         features = []
         for name, raw in (data.get("features") or {}).items():
             if not isinstance(raw, Mapping):
                 raise ConfigError(f"features.{name}: expected a mapping like "
                                   "`{table: t, pooling: sum}`")
             _no_unknown(raw, ("table", "pooling"), f"features.{name}")
+            if raw.get("table") is not None and not isinstance(raw.get("table"), str):
+                raise ConfigError(f"features.{name}.table: expected a table name, got "
+                                  f"{raw.get('table')!r}")
             features.append((str(name), FeatureConfig(table=raw.get("table"),
                                                       pooling=raw.get("pooling", "mean"))))
         tables = [(str(name), _table(raw or {}, f"tables.{name}", defaults))
@@ -448,7 +463,7 @@ def _named(raw, where: str, choices: Mapping, what: str):
     except TypeError:
         fields = [f.name for f in dataclasses.fields(choices[kind])]
         raise ConfigError(f"{where}: {kind} takes {', '.join(fields) or 'no arguments'}, got "
-                          f"{', '.join(args)}") from None
+                          f"{', '.join(str(a) for a in args)}") from None
     except native.InvalidInputError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -645,10 +645,14 @@ class Trainer:
                 raise ValueError(f"{directory}: the checkpoint's model is not built in; pass "
                                  "model= (a fresh instance of the same DenseNet)")
             model = models_lib.from_spec(state["model"])
-        schema = schemas.from_dict(state["schema"])
+        try:
+            schema = schemas.from_dict(state["schema"])
+        except schemas.SchemaError as e:
+            raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the "
+                                         f"schema it holds is not valid: {e}") from None
         if state["version"] == 1:
             state["config"] = _config_v1(state["config"], schema)
-        config = TrainConfig.from_dict(config_before_l2(state["config"]))
+        config = _checkpoint_config(directory, state)
         trainer = cls(schema, model, config)
         trainer._load_state(directory, state)
         return trainer
@@ -658,7 +662,7 @@ class Trainer:
         (e.g. the best one ``fit`` kept) in place."""
         directory = os.fspath(directory)
         state = _read_checkpoint(directory)
-        config = TrainConfig.from_dict(config_before_l2(state["config"]))
+        config = _checkpoint_config(directory, state)
         self._load_state(directory, state, config)
 
     def _load_state(self, directory: str, state: dict, config: TrainConfig | None = None) -> None:
@@ -684,6 +688,15 @@ class Trainer:
         if missing:
             raise ValueError(f"{os.path.join(directory, 'dense.npz')}: no array {missing[0]} "
                              "for this model")
+        dense_path = os.path.join(directory, "dense.npz")
+        for name, v in zip(names, [*variables, *optimizer_variables]):
+            array = arrays[name]
+            if tuple(array.shape) != tuple(v.shape) or not (
+                    np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+                raise CheckpointDamagedError(
+                    f"{dense_path}: array {name} is {array.dtype}{list(array.shape)}, this "
+                    f"model's {v.path} is {v.dtype.name}{list(v.shape)}; the checkpoint is "
+                    "damaged or of another model")
         if config is not self.config:
             self.config = config
             for name, dense in config.dense:
@@ -712,7 +725,11 @@ def _read_checkpoint(directory: str) -> dict:
     dense_path = os.path.join(directory, "dense.npz")
     if version >= 3:
         state = unsealed(path, state)
-        expected = state["checksums"]["dense.npz"]
+        checksums = state.get("checksums")
+        if not isinstance(checksums, dict) or not isinstance(checksums.get("dense.npz"), str):
+            raise CheckpointDamagedError(f"{path}: damaged checkpoint file, no sha256 of "
+                                         "dense.npz in its 'checksums'")
+        expected = checksums["dense.npz"]
         try:
             found = file_sha256(dense_path)
         except FileNotFoundError:
@@ -720,7 +737,50 @@ def _read_checkpoint(directory: str) -> dict:
         if found != expected:
             raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file, its sha256 is "
                                          f"{found}, {path} says {expected}")
+    _check_state(path, state)
     return state
+
+
+def _check_state(path: str, state: dict) -> None:
+    """The fields of a trainer.json that loading reads, with their types: a file with a valid
+    checksum can still be one a bug or a hand edit wrote (CheckpointDamagedError naming it)."""
+    def bad(what: str):
+        raise CheckpointDamagedError(f"{path}: not a valid trainer checkpoint, {what}; restore "
+                                     "it from a copy or train again")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in ("step", "samples"):
+        if not count(state.get(key)):
+            bad(f"{key!r} must be a count (an integer >= 0), found {state.get(key)!r}")
+    if "expired" in state and not count(state["expired"]):
+        bad(f"'expired' must be a count (an integer >= 0), found {state['expired']!r}")
+    for key in ("config", "schema"):
+        if not isinstance(state.get(key), dict):
+            bad(f"{key!r} must be a mapping, found {type(state.get(key)).__name__}")
+    if "model" not in state or not isinstance(state["model"], (dict, type(None))):
+        bad("'model' must be a mapping or null")
+    variables = state.get("variables")
+    if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
+        bad(f"'variables' must be a list of names, found {type(variables).__name__}")
+    config = state["config"]
+    if not isinstance(config.get("embedding") or {}, dict):
+        bad("config.embedding must be a mapping")
+    tables = config.get("tables") or {}
+    if not isinstance(tables, dict) or not all(isinstance(raw or {}, dict)
+                                               for raw in tables.values()):
+        bad("config.tables must map table names to mappings")
+
+
+def _checkpoint_config(directory: str, state: dict) -> TrainConfig:
+    """The checkpoint's training config; CheckpointDamagedError naming its trainer.json when
+    the config it holds is not valid."""
+    try:
+        return TrainConfig.from_dict(config_before_l2(state["config"]))
+    except ConfigError as e:
+        raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the training "
+                                     f"config it holds is not valid: {e}") from None
 
 
 def _read_dense(directory: str) -> dict:

@@ -174,3 +174,32 @@ def test_checkpoints_from_before_checksums_still_restore(checkpoint, tmp_path):
     with open(os.path.join(saved.path, "state.json"), "w") as f:
         json.dump({"step": 3, "offsets": {"0": 5}}, f)
     assert CheckpointManager(str(run_dir)).latest().state == {"step": 3, "offsets": {"0": 5}}
+
+
+@pytest.mark.parametrize("change", [
+    {"variables": 5}, {"step": "3"}, {"samples": -1}, {"config": []},
+    {"config": {"embedding": [1]}}, {"checksums": {}}, {"schema": None},
+    {"config": {"batch_size": "many"}},
+])
+def test_a_sealed_trainer_json_with_wrong_fields_is_refused_naming_it(checkpoint, tmp_path,
+                                                                      change):
+    """Found by fuzzing (tests/fuzz_corpus/checkpoint): a trainer.json with a valid checksum
+    but fields of the wrong type raised TypeError/KeyError from the middle of Trainer.load."""
+    from trainer.checkpoints import CHECKSUM_KEY, sealed
+
+    schema, _, _, path, _ = checkpoint
+    copy = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(os.path.join(path, "model"), copy)
+    with open(copy / "trainer.json") as f:
+        state = json.load(f)
+    state.pop(CHECKSUM_KEY)
+    state.update(change)
+    (copy / "trainer.json").write_text(json.dumps(sealed(state)))
+    target = trained(schema, 1000)
+    quick = quick_fingerprint(target)
+    with pytest.raises(CheckpointDamagedError) as error:
+        target.load(copy)
+    assert str(copy / "trainer.json") in str(error.value)
+    assert quick_fingerprint(target) == quick

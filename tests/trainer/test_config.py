@@ -4,6 +4,7 @@ import os
 import pytest
 
 import native
+import schemas
 from trainer import ConfigError, TrainConfig
 from trainer.config import ExpiryConfig
 
@@ -141,3 +142,42 @@ def test_dense_epochs_default_to_one_and_null_means_every_pass(tmp_path):
     config = TrainConfig.load(write(tmp_path, "dense_optimizer: {name: sgd, epochs: 3}"))
     assert (config.dense_optimizer.name, config.dense_optimizer.epochs) == ("sgd", 3)
     assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("data,message", [
+    ("seed: 1 # é\n".encode("latin-1"), r"not UTF-8 text \(byte 0xe9 at offset 10\)"),
+    (b"{a: " * 5000, "nested too deeply to be a training config"),
+])
+def test_a_config_file_not_utf8_or_nested_too_deeply_is_a_config_error(tmp_path, data, message):
+    """Found by fuzzing (tests/fuzz_corpus/config_yaml): these escaped as UnicodeDecodeError
+    and RecursionError."""
+    path = tmp_path / "trainer.yaml"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError, match=message) as error:
+        TrainConfig.load(path)
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("key", ["features", "tables", "dense"])
+def test_a_config_section_that_is_not_a_mapping_is_a_config_error(tmp_path, key):
+    """Found by fuzzing (tests/fuzz_corpus/config_yaml/finding-*-not-a-mapping): `features: x`
+    raised AttributeError ('str' object has no attribute 'items')."""
+    path = tmp_path / "trainer.yaml"
+    path.write_text(f"{key}: some text\n")
+    with pytest.raises(ConfigError, match=rf"{key}: expected a mapping by name like .*got str"):
+        TrainConfig.load(path)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("features:\n  hist: {table: {a: 1}}\n", r"features.hist.table: expected a table name"),
+    ("embedding: {optimizer: {name: adam, 1.5: x}}\n", r"embedding.optimizer: adam takes .*"
+                                                        r"got 1.5"),
+])
+def test_a_table_or_argument_name_that_is_not_text_is_a_config_error(tmp_path, text, message):
+    """Found by fuzzing (tests/fuzz_corpus/config_yaml): these raised TypeError (an unhashable
+    table name in check(), a float key joined into the message)."""
+    path = tmp_path / "trainer.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.load(path).check(schemas.load(os.path.join(ROOT, "schemas", "examples",
+                                                               "taobao_like.yaml")))
