@@ -8,7 +8,7 @@ NATIVE_SOURCES := $(shell find native -name '*.cc' -o -name '*.h' 2>/dev/null)
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 500000
 
-.PHONY: demo online-demo test install clean native test-asan
+.PHONY: demo online-demo test install clean native test-asan fuzz
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt require
 	touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
@@ -82,6 +82,14 @@ test-asan: $(STAMP)
 	    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	    PREFIXREC_SANITIZED=1 $(abspath $(PY)) -m pytest -q -p no:cacheprovider --capture=sys \
 	    --rootdir=$(CURDIR) -m "asan or not asan" $(CURDIR)/tests/native
+
+# Coverage-guided fuzzing (atheris) of every parser of outside bytes for FUZZ_SECONDS in all,
+# the native targets also under ASan + UBSan; the kept corpus is tests/fuzz_corpus/ (replayed
+# by `make test`), working corpora and findings go to build/fuzz/.
+FUZZ_SECONDS ?= 600
+fuzz: $(STAMP) requirements-fuzz.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-fuzz.txt
+	$(PY) -m benchmarks.fuzz --seconds $(FUZZ_SECONDS) --jobs 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(DEMO_DIR)
