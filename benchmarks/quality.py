@@ -70,8 +70,7 @@ import compression
 import schemas
 from benchmarks import datasets
 from benchmarks.trainer import keras_input_spec
-from pipelines._shards import _mix  # splitmix64's finaliser
-from schemas.hashing import stable_hash, stable_hash_strings
+from schemas.hashing import mix64, stable_hash, stable_hash_strings
 from trainer.train import DEFAULT_PATIENCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -317,7 +316,7 @@ def hashed_matrix(cols: dict, schema, bits: int, scaler: DenseScaler,
     for name, x in (extra_tokens or {}).items():
         salt = np.uint64(stable_hash(f"lr:{name}") & 0xFFFFFFFFFFFFFFFF)
         rows.append(np.arange(n, dtype=np.int64))
-        cols_.append((_mix(np.asarray(x, np.int64).view(np.uint64) ^ salt) >> shift)
+        cols_.append((mix64(np.asarray(x, np.int64).view(np.uint64) ^ salt) >> shift)
                      .astype(np.int64))
         vals.append(np.ones(n, np.float32))
     for f in schema.features:
@@ -325,14 +324,14 @@ def hashed_matrix(cols: dict, schema, bits: int, scaler: DenseScaler,
         x = cols[f.name]
         if f.kind == "id":
             rows.append(np.arange(n, dtype=np.int64))
-            cols_.append((_mix(x.view(np.uint64) ^ salt) >> shift).astype(np.int64))
+            cols_.append((mix64(x.view(np.uint64) ^ salt) >> shift).astype(np.int64))
             vals.append(np.ones(n, np.float32))
         elif f.kind == "ids":
             values, offsets = x
             lengths = np.diff(offsets)
             row = np.repeat(np.arange(n, dtype=np.int64), lengths)
             rows.append(row)
-            cols_.append((_mix(values.view(np.uint64) ^ salt) >> shift).astype(np.int64))
+            cols_.append((mix64(values.view(np.uint64) ^ salt) >> shift).astype(np.int64))
             vals.append((1.0 / np.maximum(lengths, 1))[row].astype(np.float32))
         else:
             dense_parts.append(scaler(f.name, x))

@@ -12,34 +12,8 @@ import numpy as np
 import pyarrow as pa
 
 from compression.trees import root_node_codes, split_roots_from_codes, take_rows
-from schemas import Schema, stable_hash_strings
-
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: consecutive ids (1, 2, 3...) spread evenly over the shards."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def root_key_hash(table: pa.Table, schema: Schema) -> np.ndarray:
-    """uint64 hash per row of the root layer's key columns (canonical raw types, no nulls)."""
-    h = np.zeros(table.num_rows, np.uint64)
-    for name in schema.root.key:
-        column = table.column(name)
-        if schema.feature(name).dtype == "string":
-            values = stable_hash_strings(column).view(np.uint64)
-        else:
-            values = column.to_numpy().astype(np.int64).view(np.uint64)
-        # Combining column by column keeps (a, b) and (b, a) apart.
-        h = _mix((h * _GOLDEN) ^ _mix(values))
-    return h
+from schemas import Schema
+from schemas.hashing import root_key_hash
 
 
 def shard_of(table: pa.Table, schema: Schema, shards: int) -> np.ndarray:

@@ -56,6 +56,7 @@ import pyarrow.parquet as pq
 import schemas
 from compression import cli
 from schemas import Feature, Schema, stable_hash
+from schemas.hashing import GOLDEN, mix64
 
 DEFAULT_SAMPLES_PER_USER = 57.0
 DEFAULT_CTR = 0.04
@@ -91,20 +92,9 @@ _PILOT_ROWS = 100_000
 
 # --- counter-based random numbers -----------------------------------------------------------
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN = np.uint64(GOLDEN)
 # 1 / std of the sum of four uniform integers in [0, 65535].
 _IRWIN_HALL_SCALE = 1.0 / math.sqrt(4 * (65536.0 ** 2 - 1) / 12)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection of uint64 with full avalanche (uint64 math wraps)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 class _Random:
@@ -124,9 +114,9 @@ class _Random:
 
     def bits(self, name: str, a, b=None) -> np.ndarray:
         x = np.asarray(a).astype(np.uint64) ^ self.salt(name)
-        x = _mix(x)
+        x = mix64(x)
         if b is not None:
-            x = _mix(x + np.asarray(b).astype(np.uint64) * _GOLDEN)
+            x = mix64(x + np.asarray(b).astype(np.uint64) * _GOLDEN)
         return x
 
     def uniform(self, name: str, a, b=None) -> np.ndarray:

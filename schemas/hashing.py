@@ -76,3 +76,49 @@ def _fnv1a_unique(strings: pa.Array) -> np.ndarray:
     out = np.empty(n, np.uint64)
     out[order] = h
     return out.view(np.int64)
+
+
+# -- integer mixing and the root-key hash -----------------------------------------------------
+
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio
+
+
+def mix64(values) -> np.ndarray:
+    """SplitMix64's finalizer of 64-bit values (int64 bits read as uint64), as uint64::
+
+        x ^= x >> 30; x *= 0xbf58476d1ce4e5b9; x ^= x >> 27; x *= 0x94d049bb133111eb; x ^= x >> 31
+
+    (arithmetic mod 2**64): a bijection with full avalanche, so consecutive ids (1, 2, 3...)
+    spread evenly over shards. It depends on nothing but the value: every process, machine and
+    language computes the same number (unlike Python's ``hash``). Where ids live on store
+    shards, which worker trains which trees, which Beam shard a sample goes to, and the
+    generator's random streams all use this one function."""
+    x = np.asarray(values)
+    x = x.astype(np.uint64) if x.dtype == np.uint64 else x.astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(MIX1)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(MIX2)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def root_key_hash(table, schema) -> np.ndarray:
+    """uint64 hash per row of the root layer's key columns, of a raw table (canonical raw
+    types) or a tree table (one row per root) alike: string keys through :func:`stable_hash`,
+    integer keys as int64, then ``h = mix64((h * GOLDEN) ^ mix64(key))`` column by column from
+    ``h = 0`` (keeps (a, b) and (b, a) apart). The Beam job shards samples by it and distributed
+    training deals trees to workers by it, so a shard file's trees belong to one worker."""
+    h = np.zeros(table.num_rows, np.uint64)
+    for name in schema.layers[0].key:
+        column = table.column(name)
+        if schema.feature(name).dtype == "string":
+            values = stable_hash_strings(column)
+        else:
+            values = pc.cast(column, pa.int64()).to_numpy()
+        with np.errstate(over="ignore"):
+            h = mix64((h * np.uint64(GOLDEN)) ^ mix64(values))
+    return h

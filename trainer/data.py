@@ -165,7 +165,7 @@ def _file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
     for path in files:
         if path.endswith((".parquet", ".pq")) and is_tree_table(
                 pq.ParquetFile(path).schema_arrow, schema):
-            yield from compression.iter_trees(path)
+            yield from compression.iter_trees(path, schema=schema)
             continue
         for chunk in compression.iter_raw_chunks(path, schema, chunk_rows=RAW_CHUNK_ROWS):
             flat = chunk.validate(schema, path)

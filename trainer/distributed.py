@@ -106,7 +106,8 @@ from compression.cli import replace_directory
 import native
 import schemas
 from compression import TreeBatch
-from schemas import Schema, stable_hash_strings
+from schemas import Schema
+from schemas.hashing import mix64, root_key_hash
 from trainer import models as models_lib
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import _file_tables, count_samples, is_tree_table
@@ -117,29 +118,9 @@ MANIFEST_VERSION = 1
 # Shards are processes; past a few thousand the per-step calls (one per shard and worker)
 # cost more than the rows they hold, whatever the number of distinct ids.
 MAX_SHARDS = 4096
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 # -- placement: ids to shards, trees to workers ---------------------------------------------
-
-def mix64(values) -> np.ndarray:
-    """SplitMix64's finalizer of 64-bit values (the int64 bits read as uint64), as uint64::
-
-        x ^= x >> 30; x *= 0xbf58476d1ce4e5b9; x ^= x >> 27; x *= 0x94d049bb133111eb; x ^= x >> 31
-
-    (arithmetic mod 2**64). It depends on nothing but the value: every process, machine and
-    language computes the same number (unlike Python's ``hash``)."""
-    x = np.array(values, dtype=np.int64, copy=True).view(np.uint64)
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= _MIX1
-        x ^= x >> np.uint64(27)
-        x *= _MIX2
-        x ^= x >> np.uint64(31)
-    return x
-
 
 def shard_of(ids, shards: int) -> np.ndarray:
     """The shard of every id: ``mix64(id) mod shards`` (int64[n]). Ids are often hashes
@@ -149,23 +130,13 @@ def shard_of(ids, shards: int) -> np.ndarray:
 
 def tree_workers(trees: pa.Table, schema: Schema, workers: int) -> np.ndarray:
     """The worker of every tree (row) of a tree table: the hash of the root layer's key
-    columns that the Beam job shards by (``pipelines/_shards.py``: string keys through
-    :func:`schemas.stable_hash`, ``h = mix64((h * 0x9E3779B97F4A7C15) ^ mix64(key))`` column
-    by column from ``h = 0``), mod ``workers``. All trees of one root key go to one worker, and
+    columns that the Beam job shards by (:func:`schemas.hashing.root_key_hash`), mod
+    ``workers``. All trees of one root key go to one worker, and
     when the job wrote N shards with N a multiple of ``workers``, every file's trees belong to
     one worker. A one-layer schema deals its rows (single samples) round robin."""
     if len(schema.layers) == 1:
         return np.arange(trees.num_rows, dtype=np.int64) % workers
-    h = np.zeros(trees.num_rows, np.uint64)
-    for name in schema.layers[0].key:
-        column = trees.column(name)
-        if schema.feature(name).dtype == "string":
-            values = stable_hash_strings(column)
-        else:
-            values = pc.cast(column, pa.int64()).to_numpy()
-        with np.errstate(over="ignore"):
-            h = mix64(((h * _GOLDEN) ^ mix64(values)).view(np.int64))
-    return (h % np.uint64(workers)).astype(np.int64)
+    return (root_key_hash(trees, schema) % np.uint64(workers)).astype(np.int64)
 
 
 def _own_trees(table: pa.Table, schema: Schema, worker: int, workers: int) -> pa.Table:
@@ -318,15 +289,11 @@ def _shard_class():
             return os.getpid()
 
         def _owned(self, ids):
-            """``shard_of(ids, shards) == index`` (the same mix64 as the module's)."""
-            x = np.array(ids, dtype=np.int64, copy=True).view(np.uint64)
-            with np.errstate(over="ignore"):
-                x ^= x >> np.uint64(30)
-                x *= np.uint64(0xBF58476D1CE4E5B9)
-                x ^= x >> np.uint64(27)
-                x *= np.uint64(0x94D049BB133111EB)
-                x ^= x >> np.uint64(31)
-            return (x % np.uint64(self.shards)) == np.uint64(self.index)
+            """``shard_of(ids, shards) == index`` (schemas.hashing: no TensorFlow)."""
+            from schemas.hashing import mix64 as mix64_
+
+            return (mix64_(np.asarray(ids, np.int64)) % np.uint64(self.shards)
+                    ) == np.uint64(self.index)
 
         def _reshard(self, native_, table, config, directories):
             """A store of this shard's ids of ``table`` from the snapshots of another

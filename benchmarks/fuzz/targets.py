@@ -311,11 +311,11 @@ def _rotl(x: int, r: int) -> int:
 
 
 def _mix64(x: int) -> int:
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _MASK
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+    import numpy as np
+
+    from schemas.hashing import mix64
+
+    return int(mix64(np.uint64(x & _MASK)))
 
 
 def store_checksum(body: bytes) -> int:

@@ -4,9 +4,11 @@ import copy
 import subprocess
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
+import compression
 import schemas
 from schemas import SchemaError
 
@@ -125,6 +127,37 @@ def test_stable_hash_is_fnv1a_64_as_signed_int64():
         schemas.stable_hash(w) for w in words]
 
 
+def test_mix64_is_splitmix64s_finalizer_of_the_int64_bits():
+    from schemas.hashing import GOLDEN, mix64
+
+    def reference(x: int) -> int:  # the formula in Python integers, mod 2**64
+        x %= 1 << 64
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 % (1 << 64)
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB % (1 << 64)
+        return x ^ (x >> 31)
+
+    values = [0, 1, 2, 3, -1, -(1 << 63), (1 << 63) - 1, 430548]
+    assert mix64(values).tolist() == [reference(v) for v in values]
+    assert mix64(np.array(values, np.int64).view(np.uint64)).tolist() == mix64(values).tolist()
+    assert mix64(np.uint64(GOLDEN)).tolist() == 0xE220A8397B1DCDAF  # splitmix64(seed 0)'s first
+
+
+def test_root_key_hash_is_the_same_for_raw_samples_and_their_trees():
+    from sample_data import taobao_table
+
+    from schemas.hashing import root_key_hash
+
+    schema = schemas.load("schemas/examples/taobao_like.yaml")
+    raw = taobao_table(300, seed=2)
+    trees = compression.build_trees(raw, schema)
+    by_user = dict(zip(raw.column("user_id").to_pylist(), root_key_hash(raw, schema).tolist()))
+    assert root_key_hash(trees, schema).tolist() == [
+        by_user[u] for u in trees.column("user_id").to_pylist()]
+    assert len(set(by_user.values())) == len(by_user)
+
+
 def test_stable_hash_is_the_same_in_another_process():
     code = ("import schemas, pyarrow as pa; "
             "print(schemas.stable_hash_strings(pa.array(['x1', 'user_42'])).tolist())")
@@ -218,3 +251,18 @@ def test_invalid_carried_columns_name_the_column_and_the_fix(data, message):
     with pytest.raises(SchemaError) as err:
         schemas.from_dict(data)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("data,message", [
+    ("name: café\n".encode("latin-1"), r"not UTF-8 text \(byte 0xe9 at offset 9\); save the "
+                                       "schema file as UTF-8"),
+    (b"[" * 5000, "nested too deeply to be a schema"),
+])
+def test_a_schema_file_not_utf8_or_nested_too_deeply_is_a_schema_error(tmp_path, data, message):
+    """Found by fuzzing (tests/fuzz_corpus/schema_yaml): these escaped as UnicodeDecodeError
+    and RecursionError."""
+    path = tmp_path / "schema.yaml"
+    path.write_bytes(data)
+    with pytest.raises(SchemaError, match=message) as error:
+        schemas.load(path)
+    assert str(path) in str(error.value)
