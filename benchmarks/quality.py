@@ -71,7 +71,7 @@ import schemas
 from benchmarks import datasets
 from benchmarks.trainer import keras_input_spec
 from schemas.hashing import mix64, stable_hash, stable_hash_strings
-from trainer.train import DEFAULT_PATIENCE
+from trainer.runs import DEFAULT_PATIENCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")

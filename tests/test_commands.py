@@ -304,7 +304,7 @@ def test_trainer_help_does_not_import_tensorflow(module):
 
 def test_model_names_listed_without_tensorflow_are_the_built_in_models():
     from trainer import models
-    from trainer.train import MODEL_NAMES
+    from trainer.runs import MODEL_NAMES
 
     assert MODEL_NAMES == tuple(sorted(models.MODELS))
 

@@ -109,6 +109,7 @@ from compression import TreeBatch
 from schemas import Schema
 from schemas.hashing import mix64, root_key_hash
 from trainer import models as models_lib
+from trainer import runs
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import _file_tables, count_samples, is_tree_table
 from trainer.metrics import StreamingAUC, auc, logloss
@@ -1818,13 +1819,11 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
     SIGINT or SIGTERM (``settings``: train.py's, for ``interrupted.json``) stops as in
     process: the pipeline drains, ``OUT/checkpoint`` (and with early stopping ``OUT/latest``)
     and ``OUT/interrupted.json`` (with the fit's state) are written, the run directory is put
-    in place and ``trainer.train.Interrupted`` is raised (exit 130/143; its message ends with
+    in place and ``trainer.runs.Interrupted`` is raised (exit 130/143; its message ends with
     ``go_on``); a second signal stops at once. ``resume``: that ``interrupted.json`` (checked
     by train.py against this command): the trainer is restored from the interrupted run's
     checkpoint and its fit goes on to the result of an uninterrupted run (the run directory
     ``staged.tmp`` then starts as a copy of the interrupted one)."""
-    from trainer.train import DEFAULT_EPOCHS_WITH_EVAL, _interrupted, _StopOnSignal
-
     for name in ("workers", "shards"):
         value = getattr(args, name)
         if value < 1:
@@ -1843,12 +1842,12 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
     except (ConnectionError, ValueError, ConfigError) as e:
         parser.error(str(e))
     try:
-        epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
+        epochs = args.epochs or (runs.DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
         keep_best = bool(args.eval_data) and args.patience > 0
         checkpoint = os.path.join(staged.tmp, "checkpoint")
         rollback = os.path.join(staged.tmp, "rollback") if keep_best else checkpoint
         # entered once Ray runs: ray.init sets a SIGTERM handler of its own
-        with _StopOnSignal() as stop:
+        with runs.StopOnSignal() as stop:
             history = trainer.fit(args.train_data, epochs=epochs,
                                   progress=not args.no_progress, log_dir=staged.tmp,
                                   eval_data=args.eval_data, eval_every=args.eval_every,
@@ -1860,7 +1859,7 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
             if keep_best:
                 shutil.rmtree(rollback, ignore_errors=True)
             if history["interrupted"]:
-                raise _interrupted(
+                raise runs.write_interrupted(
                     trainer, staged, stop.signum,
                     {"settings": settings, "fit": history["fit_state"],
                      "distributed": {"workers": args.workers, "shards": args.shards}},
@@ -1872,30 +1871,9 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
         if history["samples"] and rows and args.shards > rows:
             print(f"warning: {args.shards} shards for {rows} rows: most shards hold nothing; "
                   "use fewer shards", file=sys.stderr)
-        result = {"samples": history["samples"], "samples_per_sec": history["samples_per_sec"],
-                  "steps": history["steps"], "train_seconds": history["seconds"],
-                  "train_auc": history["train_auc"], "loss": history["loss"],
-                  "id_compression": history["id_compression"], "workers": args.workers,
-                  "shards": args.shards, "bytes_per_step": history["bytes_per_step"],
-                  "recoveries": len(history["recoveries"])}
-        if args.eval_data:
-            evaluations = history["evaluations"]
-            evaluation = history["best"] if keep_best else evaluations[-1]
-            result.update(auc=evaluation["auc"], logloss=evaluation["logloss"],
-                          eval_samples=evaluation["samples"],
-                          checkpoint_epoch=evaluation["epoch"],
-                          checkpoint_step=evaluation["step"],
-                          stopped_early=history["stopped_early"],
-                          evaluations=[{k: e[k] for k in ("epoch", "step", "auc", "logloss")}
-                                       for e in evaluations])
-            result.update({k: v for k, v in evaluation.items()
-                           if k.startswith(("auc/", "logloss/"))})
-        else:
-            result.update(auc=None, logloss=None, eval_samples=0)
-        result.update(store_rows=rows, admitted=stats.get("admitted", 0),
-                      rejected=stats.get("rejected", 0), expired=stats.get("expired", 0),
-                      compute=config.compute, batch_size=config.batch_size, epochs=epochs,
-                      run_dir=os.path.abspath(args.out))
-        return result
+        return runs.fit_result(args, config, history, stats, keep_best, epochs, extra={
+            "workers": args.workers, "shards": args.shards,
+            "bytes_per_step": history["bytes_per_step"],
+            "recoveries": len(history["recoveries"])})
     finally:
         trainer.close()

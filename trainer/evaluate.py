@@ -15,7 +15,7 @@ import os
 import sys
 
 from compression import cli
-from trainer.train import _json_number, load_tensorflow
+from trainer.runs import json_number, load_tensorflow
 
 PROG = "python -m trainer.evaluate"
 
@@ -48,7 +48,7 @@ def run(argv=None) -> dict:
     result = trainer.evaluate(args.data, progress=not args.no_progress, log_dir=args.run)
     result["store_rows"] = trainer.store_rows()
     result["step"] = trainer.step
-    return {k: _json_number(v) for k, v in result.items()}
+    return {k: json_number(v) for k, v in result.items()}
 
 
 def summary_line(result: dict) -> str:

@@ -65,7 +65,7 @@ from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
 from trainer.metrics import StreamingAUC, logloss
-from trainer.train import MODEL_NAMES, load_tensorflow
+from trainer.runs import MODEL_NAMES, load_tensorflow
 
 if TYPE_CHECKING:  # TensorFlow is imported once the arguments are parsed (a fast --help)
     from trainer.trainer import Trainer
