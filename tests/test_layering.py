@@ -88,3 +88,96 @@ def test_pyarrow_json_reader_never_reads_user_input():
              for path in sorted((ROOT / package).rglob("*.py")) if _uses_pyarrow_json(path)]
     assert users == []
     assert _uses_pyarrow_json(ROOT / "benchmarks" / "json_decode.py")  # the check sees it
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The project modules a file imports, at any depth (function-level imports too):
+    ``from trainer import serving`` names the module ``trainer.serving``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in modules else node.module)
+    return out & modules
+
+
+def test_trainer_modules_import_each_other_without_a_cycle():
+    """No circle of imports inside trainer/, function-level imports included (they hid one:
+    distributed -> serving -> train -> trainer -> distributed)."""
+    paths = sorted((ROOT / "trainer").rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    # a package's lazy __init__ is not a dependency of its modules
+    graph = {_module_name(p): {m for m in _project_imports(p, modules)
+                               if m != _module_name(p) and not _module_name(p).startswith(m + ".")
+                               and m != "trainer"}
+             for p in paths}
+    state, path, cycles = {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert cycles == []
+    assert "trainer.serving" in graph["trainer.trainer"]  # the walk sees function-level imports
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A ``_name`` is its module's own; a package's private submodule (``native._store``,
+    ``pipelines._coders``) is its package's, imported within it only."""
+    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py*"))]
+    modules = {_module_name(p) for p in paths}  # .py and .pyi: native._store is compiled
+    offences = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                        node.module.split(".")[0] in PACKAGES:
+                    private = [a.name for a in node.names
+                               if a.name.startswith("_") and not a.name.startswith("__")
+                               and not (f"{node.module}.{a.name}" in modules
+                                        and node.module.split(".")[0] == package)]
+                    if private:
+                        offences.append(f"{path.relative_to(ROOT)}: from {node.module} import "
+                                        f"{', '.join(private)}")
+    assert offences == []
+
+
+def test_commands_import_no_other_command():
+    commands = {"trainer.train", "trainer.evaluate", "trainer.online", "compression.compress",
+                "compression.inspect", "pipelines.compress", "pipelines.generate",
+                "pipelines.replay", "pipelines.stream_compress", "pipelines.local_broker"}
+    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    modules = {_module_name(p) for p in paths}
+    offences = [f"{_module_name(p)} imports {sorted(_project_imports(p, modules) & commands)}"
+                for p in paths if _project_imports(p, modules) & (commands - {_module_name(p)})]
+    assert offences == []
+
+
+def test_a_store_shard_process_loads_neither_tensorflow_nor_ray():
+    """Ray pickles the shard actor's class by reference; its process imports
+    trainer.distributed.shard, which must not pull in TensorFlow (seconds and hundreds of MB
+    per shard) or the driver."""
+    code = ("import sys, trainer.distributed.shard; "
+            "print(sorted(m for m in ('tensorflow', 'keras', 'ray', 'trainer.trainer', "
+            "'trainer.distributed.driver') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

@@ -45,7 +45,7 @@ import numpy as np
 import yaml
 
 import native
-from schemas import Schema
+from schemas import Schema, stable_hash
 
 COMPUTE_MODES = ("structured", "flat")
 DENSE_TRANSFORMS = ("auto", "none", "log1p")
@@ -561,3 +561,15 @@ def _table_dict(t: TableConfig) -> dict:
             "max_rows": t.max_rows,
             "expire": None if t.expire is None else dataclasses.asdict(t.expire),
             "l2": t.l2}
+
+
+def table_seed(seed: int, table: str) -> int:
+    """Per-table store seeds, so two tables do not start an id at the same vector."""
+    return (seed * 0x9E3779B97F4A7C15 ^ (stable_hash(table) & (2**63 - 1))) % (2**63)
+
+
+def row_l2(l2: float, samples: int, scale: float) -> float:
+    """A step's L2 weight for the rows (``TableConfig.l2``): the table's ``l2`` per pass times
+    this step's share of the pass, ``samples * scale`` (scale: 1 / samples of a pass, or 0
+    while that is not known). The in-process trainer and the Ray shards both call it."""
+    return float(l2) * float(samples) * float(scale)

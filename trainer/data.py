@@ -66,7 +66,7 @@ def batch_source(data, schema: Schema, batch_size: int, split_trees: bool = True
         def file_pass():
             r = rng()
             order = files if r is None else [files[i] for i in r.permutation(len(files))]
-            tables = (shuffled(t, r) for t in _file_tables(order, schema))
+            tables = (shuffled(t, r) for t in file_tables(order, schema))
             return compression.iter_batches(tables, schema, batch_size, split_trees)
         return file_pass
     if isinstance(data, (list, tuple)):
@@ -161,7 +161,7 @@ def _tree_table_samples(table: pa.Table, schema: Schema) -> int | None:
     return len(pc.list_flatten(lists))
 
 
-def _file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
+def file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
     for path in files:
         if path.endswith((".parquet", ".pq")) and is_tree_table(
                 pq.ParquetFile(path).schema_arrow, schema):

@@ -68,11 +68,11 @@ def export(trainer, directory: str | os.PathLike, *, write_stores=None) -> str:
 
     @tf.function(input_signature=[signature])
     def predict(feed):
-        return serving_network._predict_step(feed)[1]
+        return serving_network.predict_outputs(feed)[1]
 
     module.predict = predict
     # A SavedModel gives dict outputs back in its own key order; keep the model's.
-    heads = list(serving_network._predict_step(dummy_feed(trainer.layout, True))[1])
+    heads = list(serving_network.predict_outputs(dummy_feed(trainer.layout, True))[1])
     tf.saved_model.save(module, os.path.join(tmp, "saved_model"))
     extra = {}
     if write_stores is not None:
@@ -225,7 +225,7 @@ class ShardedStore:
     def lookup_unique(self, ids, train: bool = False):
         """``(unique_ids, inverse, rows)`` as ``EmbeddingStore.lookup_unique``; never
         trains."""
-        from trainer.distributed import shard_of
+        from trainer.distributed.placement import shard_of
 
         if train:
             raise ValueError("a serving store does not train")

@@ -38,7 +38,7 @@ from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer.checkpoints import CheckpointDamagedError, file_sha256, read_json, sealed, unsealed
-from trainer.config import ConfigError, TrainConfig, resolve_function
+from trainer.config import ConfigError, TrainConfig, resolve_function, row_l2, table_seed
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, FeedBuilder, Layout, Prepared
 from trainer.metrics import StreamingAUC, auc, logloss
@@ -122,7 +122,7 @@ class Trainer:
                 resolve_function(expiry.function, f"tables.{table}.expire.function")
         _configure_threads(config.threads)
         self.stores = {t: native.EmbeddingStore(config.table(t).store_config(
-            seed=_table_seed(config.seed, t))) for t in self.tables}
+            seed=table_seed(config.seed, t))) for t in self.tables}
         dims = {t: config.table(t).dim for t in self.tables}
         poolings = {f.name: config.feature(f.name).pooling for f in schema.features
                     if f.kind != "dense"}
@@ -182,7 +182,7 @@ class Trainer:
         state = self.fit_state = resume if resume is not None else FitState()
         if state.pass_samples is None and total:
             state.pass_samples = total
-        bar = _progress_bar(progress, None if total is None else total * epochs, "train")
+        bar = progress_bar(progress, None if total is None else total * epochs, "train")
         if state.samples:
             bar.update(state.samples)
         writer = tf.summary.create_file_writer(os.path.join(log_dir, "train")) if log_dir else None
@@ -456,7 +456,7 @@ class Trainer:
 
     def _predict_all(self, data, progress):
         source = batch_source(data, self.schema, self.config.batch_size, self.config.split_trees)
-        bar = _progress_bar(progress, count_samples(data, self.schema), "eval")
+        bar = progress_bar(progress, count_samples(data, self.schema), "eval")
         probabilities, labels = defaultdict(list), defaultdict(list)
         loss_sum, n = 0.0, 0
         try:
@@ -797,14 +797,6 @@ def _read_dense(directory: str) -> dict:
     return arrays
 
 
-def row_l2(l2: float, samples: int, scale: float) -> float:
-    """A step's L2 weight for the rows (``TableConfig.l2``): the table's ``l2`` per pass times
-    this step's share of the pass, ``samples * scale`` (scale: 1 / samples of a pass, or 0
-    while that is not known). The Ray shards compute the same floats with this formula written
-    out (``Shard.apply``: a shard process does not import the trainer package)."""
-    return float(l2) * float(samples) * float(scale)
-
-
 def config_before_l2(config: dict) -> dict:
     """A checkpoint's config written before the rows' L2 existed (no ``l2`` in its tables)
     with that version's behaviour written out: no L2."""
@@ -852,11 +844,6 @@ def write_scalars(writer, step: int, scalars: dict) -> None:
     with writer.as_default(step=step):
         for name, value in scalars.items():
             _scalar(name, value)
-
-
-def _table_seed(seed: int, table: str) -> int:
-    """Per-table store seeds, so two tables do not start an id at the same vector."""
-    return (seed * 0x9E3779B97F4A7C15 ^ (schemas.stable_hash(table) & (2**63 - 1))) % (2**63)
 
 
 def _dense_optimizer(config: TrainConfig):
@@ -910,7 +897,7 @@ def _close_bar(bar, completed: bool) -> None:
     bar.close()
 
 
-def _progress_bar(enabled: bool, total, desc: str):
+def progress_bar(enabled: bool, total, desc: str):
     if not enabled:
         return _NoBar()
     from tqdm import tqdm

@@ -267,7 +267,7 @@ def test_resharding_keeps_the_counter_filters_pending_counts(cluster, schema, tr
 
 def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
     """The shard class itself (no Ray): rows, optimizer state, counts and steps move."""
-    shard_class = distributed._shard_class()
+    from trainer.distributed.shard import Shard as shard_class
     store = native.StoreConfig(dim=3, optimizer=native.Adagrad(0.1),
                                entry_filter=native.CounterFilter(2))
     specs = {"a": {"store": store, "expire": None}, "b": {"store": store, "expire": None}}

@@ -148,6 +148,24 @@ def test_sharded_export_predicts_as_single_process_and_follows_deltas(runs, sche
                                rtol=1e-5)
 
 
+def test_a_sharded_exports_predictor_loads_without_ray(runs, raw, tmp_path):
+    """Serving places ids on shards with trainer.distributed.placement (numpy only): a
+    Predictor over a Ray run's export neither imports Ray nor needs a cluster. (Before the
+    next test, which leaves a shard restarted without its rows.)"""
+    runs["dt"].export_increment(tmp_path / "export")
+    samples = tmp_path / "samples.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(raw.slice(0, 50), samples)
+    code = ("import sys, json; from trainer.serving import Predictor; "
+            f"p = Predictor({str(tmp_path / 'export')!r}).predict({str(samples)!r}); "
+            "print(json.dumps([len(p), 'ray' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [50, False]
+
+
 def test_actor_death_without_a_checkpoint_and_incompatible_checkpoints(runs, schema, trees,
                                                                        tmp_path):
     dt = runs["dt"]
@@ -225,3 +243,4 @@ def test_cli_ray_address_that_does_not_answer(trees, tmp_path):
     assert len(errors) == 1 and "Ray address '127.0.0.1:1' does not answer" in errors[0], \
         done.stderr
     assert not (tmp_path / "run").exists()
+

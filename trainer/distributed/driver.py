@@ -1,84 +1,6 @@
-"""Distributed training on Ray: embedding-store shards and data-parallel workers as actors.
-
-    from trainer.distributed import DistributedTrainer
-    with DistributedTrainer(schema, models.MLP(), TrainConfig(batch_size=5000),
-                            workers=2, shards=2) as dt:           # a local Ray cluster
-        dt.fit("trees/*.parquet")
-        print(dt.evaluate("test_trees/*.parquet"))
-        dt.save("run/checkpoint")
-
-    # on an existing cluster (`ray start --head` on one machine, `ray start --address=HEAD:6379`
-    # on the others, the project installed on every node):
-    DistributedTrainer(schema, model, config, workers=8, shards=4, ray_address="HEAD:6379")
-
-Design (synchronous data parallelism over a sharded parameter server, all on Ray actors):
-
-- **Store shards** (one actor each) own one native :class:`native.EmbeddingStore` per table,
-  built with the table's settings (optimizer, initializer, seed, entry filter, expiry). An id
-  lives on shard :func:`shard_of` ``(id, S)``. The pybind11 stores never leave their actor; only
-  numpy arrays cross processes.
-- **Workers** (one actor each) hold the TensorFlow network, built from the same schema, model
-  and config (same seed), so their initial dense weights are equal. Trees are dealt to workers by
-  a hash of their root key (:func:`tree_workers`), so no tree crosses workers.
-- **One synchronous step** ``k``, as a graph of actor calls whose arrays flow between the
-  actors through Ray's object store (the driver passes references and reads small metadata);
-  every worker's reader thread prepares its batches ahead, deduplicated per table and split by
-  shard (one request per shard, all tables in it):
-
-  1. every worker computes its batch's loss, dense gradients and row gradients on the rows the
-     shards sent, and hands out its next batch's requests (``_Worker.train_step``);
-  2. every worker applies step ``k``'s dense update: all workers' dense gradients, their
-     leaf-weighted mean in worker order, the same numbers on every worker, so their weights
-     stay identical (``_Worker.apply_dense``; it runs while the shards work; a worker keeps
-     its own gradients, only the others' travel, so one worker sends none);
-  3. every shard, in one call (``Shard.step``), concatenates the gradients of all workers per
-     table and calls ``apply_gradients`` once per table with step ``k`` (the store sums a
-     row's gradients over the workers), runs the configured expiry when ``k`` is a multiple of
-     ``every_steps``, then receives the requests of all workers for step ``k+1`` and runs ONE
-     ``lookup_unique`` per table over their concatenation (so an entry filter counts an id once
-     per step, as the single store does for the union batch), and sends each worker its rows.
-
-  So a step is two hops on its critical path (worker, shard). The driver submits step
-  ``k+1``'s calls before it reads step ``k``'s results; Ray runs an actor's calls in the order
-  one caller submitted them. A step submitted past the end of the data changes nothing (its
-  shards skip the update). Before a checkpoint or an evaluation the shards apply step ``k``
-  without the lookup of ``k+1`` (the pipeline drains), so nothing of step ``k+1`` has run.
-- **Checkpoints** (:meth:`DistributedTrainer.save`): between steps, every shard writes its
-  snapshots, worker 0 gives the dense weights and optimizer state, and the driver writes
-  ``manifest.json`` last, with every worker's input position (the pass, and the batches each
-  worker took from it); :meth:`DistributedTrainer.restore` reads the manifest and may use
-  another number of workers or shards (resharding moves every row and a counter filter's
-  pending counts exactly; a counting Bloom filter's counters cannot be split by id, so every
-  new shard starts from their sum: ``Shard._reshard``).
-- **Faults** (``fit(checkpoint_dir=..., checkpoint_every=...)``): actors are created with
-  ``max_restarts`` and no task retries. When an actor's process dies, the calls that needed it
-  fail; Ray restarts the process (the constructor runs again, so its state is fresh, and it
-  refuses step calls until it is rolled back); the driver waits until every actor answers,
-  loads the last checkpoint of this fit into all of them (:meth:`DistributedTrainer.load`),
-  forgets the steps since, and restarts the pass at the manifest's input positions (the
-  workers batch their first trees again and skip them). The run then ends as an uninterrupted
-  one (``tests/trainer/test_distributed_faults.py``).
-
-**Exactness.** With workers holding ``n_w`` leaves (``N = sum n_w``), the single-process loss
-of the union batch is the mean over its ``N`` leaves, so ``L = sum_w (n_w / N) L_w`` and every
-gradient of ``L`` is the ``n_w / N``-weighted sum of the workers' gradients. Workers therefore
-send ``n_w * grad`` (the per-sample sums); the dense update divides their sum by ``N``; row
-gradients in ``row_gradients: sum`` mode are exactly the summed per-sample gradients (the
-single trainer multiplies the mean loss's gradient by ``N``), and in ``mean`` mode the shard
-divides by ``N``. Synchronous training is therefore equal to single-process training on the
-union of the workers' batches up to float rounding (summation order), which
-``tests/trainer/test_distributed.py`` checks: per-step loss, dense weights, and every row of the
-stores (values, optimizer state, update counts, last steps).
-
-What is exact and what is not: the counter entry filter, expiry by steps and by a function of
-the row statistics, rows, optimizer state and counters are exact (every shard receives an
-``apply_gradients`` every step, so its global step equals the single store's). The probability
-filter draws from per-store random streams and a counting Bloom filter's false positives
-depend on which ids share a filter: both are statistically, not bitwise, equal to one store.
-``max_rows`` caps each shard at ``ceil(max_rows / S)`` rows. The store's ``lookups`` counter
-counts each worker's distinct ids (workers deduplicate before sending). Dropout draws
-different masks in different processes.
-"""
+"""The driver of distributed training: creates the shard and worker actors, schedules the
+synchronous steps, checkpoints, recovers from a dead actor, and runs ``trainer.train
+--workers/--shards``."""
 
 from __future__ import annotations
 
@@ -87,740 +9,38 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import re
 import shutil
 import sys
-import threading
 import time
 import warnings
 from collections import defaultdict
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
 import compression
-from compression.cli import replace_directory
-import native
 import schemas
-from compression import TreeBatch
+from compression.cli import replace_directory
 from schemas import Schema
-from schemas.hashing import mix64, root_key_hash
 from trainer import models as models_lib
 from trainer import runs
-from trainer.config import ConfigError, TrainConfig, resolve_function
-from trainer.data import _file_tables, count_samples, is_tree_table
+from trainer.config import ConfigError, TrainConfig, resolve_function, table_seed
+from trainer.data import count_samples
+from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
+                                          shard_snapshot_spec, read_manifest)
+from trainer.distributed.placement import shard_of
+from trainer.distributed.shard import RESTARTED, Shard
+from trainer.distributed.worker import (per_worker_lists, Worker, unresolved_dense,
+                                        resolve_dense)
 from trainer.metrics import StreamingAUC, auc, logloss
 from trainer.ray_address import check_ray_address
 
-MANIFEST_VERSION = 1
 # Shards are processes; past a few thousand the per-step calls (one per shard and worker)
 # cost more than the rows they hold, whatever the number of distinct ids.
 MAX_SHARDS = 4096
 
-
-# -- placement: ids to shards, trees to workers ---------------------------------------------
-
-def shard_of(ids, shards: int) -> np.ndarray:
-    """The shard of every id: ``mix64(id) mod shards`` (int64[n]). Ids are often hashes
-    already, but many are small sequential integers; mixing spreads both evenly."""
-    return (mix64(ids) % np.uint64(shards)).astype(np.int64)
-
-
-def tree_workers(trees: pa.Table, schema: Schema, workers: int) -> np.ndarray:
-    """The worker of every tree (row) of a tree table: the hash of the root layer's key
-    columns that the Beam job shards by (:func:`schemas.hashing.root_key_hash`), mod
-    ``workers``. All trees of one root key go to one worker, and
-    when the job wrote N shards with N a multiple of ``workers``, every file's trees belong to
-    one worker. A one-layer schema deals its rows (single samples) round robin."""
-    if len(schema.layers) == 1:
-        return np.arange(trees.num_rows, dtype=np.int64) % workers
-    return (root_key_hash(trees, schema) % np.uint64(workers)).astype(np.int64)
-
-
-def _own_trees(table: pa.Table, schema: Schema, worker: int, workers: int) -> pa.Table:
-    if workers == 1:
-        return table
-    return table.filter(pa.array(tree_workers(table, schema, workers) == worker))
-
-
-def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, workers: int,
-                   pass_index: int = 1, shuffle: bool = False):
-    """The TreeBatches worker ``worker`` of ``workers`` trains on in pass ``pass_index`` of
-    ``data`` (tree or raw files, a glob, or a pyarrow Table of trees or raw samples): its own
-    trees (:func:`tree_workers`), shuffled with the seed ``(config.seed, pass, worker)`` when
-    ``shuffle``, in batches of ``config.batch_size`` leaves."""
-    rng = (np.random.default_rng([config.seed, pass_index, 0x5F, worker]) if shuffle else None)
-
-    def shuffled(table):
-        return table if rng is None or table.num_rows < 2 else table.take(
-            rng.permutation(table.num_rows))
-
-    if isinstance(data, pa.Table):
-        if not is_tree_table(data.schema, schema):
-            data = compression.build_trees(data, schema)
-        tables = [shuffled(_own_trees(data, schema, worker, workers))]
-    elif isinstance(data, (str, os.PathLike)) or (
-            isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))):
-        files = compression.expand_paths(data if isinstance(data, (list, tuple))
-                                         else os.fspath(data))
-        order = files if rng is None else [files[i] for i in rng.permutation(len(files))]
-        tables = (shuffled(_own_trees(t, schema, worker, workers))
-                  for t in _file_tables(order, schema))
-    else:
-        raise TypeError(f"cannot split a {type(data).__name__} across workers; pass tree or raw "
-                        "file paths, a pyarrow.Table, or one list of TreeBatches per worker")
-    return compression.iter_batches(tables, schema, config.batch_size, config.split_trees)
-
-
-def _per_worker_lists(data, workers: int) -> bool:
-    """Whether ``data`` is one list of TreeBatches per worker."""
-    if not isinstance(data, (list, tuple)) or not data:
-        return False
-    if not all(isinstance(part, (list, tuple)) for part in data):
-        if isinstance(data[0], TreeBatch):
-            raise TypeError("a list of TreeBatches cannot be split across workers without "
-                            "cutting trees; pass one list of TreeBatches per worker "
-                            f"({workers} lists), or files or a table")
-        return False
-    if len(data) != workers:
-        raise ValueError(f"data: {len(data)} lists of batches for {workers} workers")
-    for w, part in enumerate(data):
-        for i, batch in enumerate(part):
-            if not isinstance(batch, TreeBatch):
-                raise TypeError(f"data[{w}][{i}] is a {type(batch).__name__}, not a TreeBatch")
-    return True
-
-
-def dense_sample(batch: TreeBatch, schema: Schema, names) -> dict:
-    """Per dense feature: its values on its layer's nodes and each node's leaf count, what
-    ``Trainer`` measures the standardization statistics on."""
-    out = {}
-    last = len(batch.layers) - 1
-    for name in names:
-        level = schema.layer_index(name)
-        values = batch.layers[level].features[name]
-        weights = (np.ones(len(values)) if level == last else
-                   np.bincount(batch.leaf_ancestors(level), minlength=len(values)))
-        out[name] = (values, weights)
-    return out
-
-
-def _unresolved_dense(schema: Schema, config: TrainConfig) -> list[str]:
-    return [f.name for f in schema.features
-            if f.kind == "dense" and not config.dense_config(f.name).resolved]
-
-
-def resolve_dense(schema: Schema, config: TrainConfig, samples: list[dict | None]
-                  ) -> TrainConfig:
-    """``config`` with every unresolved dense feature resolved on the workers' first batches
-    taken together (worker order), i.e. on the first batch of the union, as the single-process
-    trainer resolves them on its first batch."""
-    samples = [s for s in samples if s]
-    for name in _unresolved_dense(schema, config):
-        if not samples:
-            break
-        values = np.concatenate([s[name][0] for s in samples])
-        weights = np.concatenate([s[name][1] for s in samples])
-        config = config.with_dense(name, config.dense_config(name).resolve(values, weights))
-    return config
-
-
-# -- the shard actor ----------------------------------------------------------------------
-
-def _shard_class():
-    """The store shard's class, made inside a function so that Ray pickles it by value: a
-    shard process then imports numpy and ``native`` only, not TensorFlow (importing anything
-    of the ``trainer`` package loads TensorFlow)."""
-
-    class Shard:
-        """One shard of every table: ``stores[table]`` holds the ids ``i`` with
-        ``shard_of(i, shards) == index``."""
-
-        def __init__(self, index: int, shards: int, tables: dict, restore=None):
-            """``restore``: None (empty stores), ``(snapshot dir,)`` (this shard's own
-            snapshots) or a list of several: the snapshots of a checkpoint with another
-            number of shards, of which this shard keeps its own ids (resharding)."""
-            self.index, self.shards = index, shards
-            self.tables = tables
-            self.expiry = {t: spec["expire"] for t, spec in tables.items()}
-            self.expired = 0
-            self.timings = {"lookup": 0.0, "apply": 0.0}
-            # Ray re-runs this constructor when it restarts the actor after its process died:
-            # the stores are then empty, so step calls are refused until the driver has
-            # loaded a checkpoint (``load``) instead of silently training on empty tables.
-            self.load(restore)
-            try:  # (not _reconstructed(): that would import the trainer package here)
-                import ray as ray_
-
-                context = ray_.get_runtime_context()
-                self.restarted = (context.get_actor_id() is not None
-                                  and bool(context.was_current_actor_reconstructed))
-            except Exception:  # noqa: BLE001 - not in a Ray actor (tests use the class)
-                self.restarted = False
-
-        def load(self, restore=None, expired: int | None = None):
-            """Replace every store: ``restore`` as the constructor takes it."""
-            import native as native_
-
-            tables = self.tables
-            if restore is None:
-                stores = {t: native_.EmbeddingStore(spec["store"]) for t, spec in tables.items()}
-            elif isinstance(restore, tuple):
-                stores = {t: native_.EmbeddingStore.load(os.path.join(restore[0], t),
-                                                         spec["store"])
-                          for t, spec in tables.items()}
-            else:
-                stores = {t: self._reshard(native_, t, spec["store"], restore)
-                          for t, spec in tables.items()}
-            self.stores = stores
-            if expired is not None:
-                self.expired = expired
-            self.restarted = False
-            return self.index
-
-        def _check(self):
-            if self.restarted:
-                raise RuntimeError(f"{_RESTARTED}: store shard {self.index} was restarted "
-                                   "and holds no rows until a checkpoint is loaded")
-
-        def pid(self):
-            return os.getpid()
-
-        def _owned(self, ids):
-            """``shard_of(ids, shards) == index`` (schemas.hashing: no TensorFlow)."""
-            from schemas.hashing import mix64 as mix64_
-
-            return (mix64_(np.asarray(ids, np.int64)) % np.uint64(self.shards)
-                    ) == np.uint64(self.index)
-
-        def _reshard(self, native_, table, config, directories):
-            """A store of this shard's ids of ``table`` from the snapshots of another
-            sharding, through the store's own delta format: each old snapshot is loaded, its
-            other ids removed, and its rows (all unexported since the snapshot: deltas carry
-            rows changed since the previous delta) moved over as one delta, numbered in
-            sequence with empty deltas. Rows, optimizer state, update counts, last steps and
-            times, and the global step move exactly.
-
-            The entry filter's state moves too (``EmbeddingStore.filter_state``):
-
-            - a counter filter's pending sightings of ids without a row go to the shard that
-              owns each id, exactly, so admission after resharding is what it would have been
-              without it (and what one store does);
-            - a counting Bloom filter cannot be split: its counters are shared by every id
-              that hashes to them, whatever shard owns the id. Every new shard starts from
-              the old shards' counters added up (each old shard counted its own ids'
-              sightings in the same layout), i.e. every sighting counted so far, as one
-              store counts them. No id is admitted later than before resharding; ids may be
-              admitted earlier than in a never-resharded run (the other shards' ids' counts
-              are false positives here), which is what a Bloom filter trades anyway;
-            - a probability filter's random streams start anew (each sighting is an
-              independent draw either way).
-
-            The admitted/rejected counters start over."""
-            import shutil as shutil_
-            import tempfile
-
-            store = native_.EmbeddingStore(config)
-            scratch = native_.EmbeddingStore(config)  # source of empty deltas 1, 2, ...
-            tmp = tempfile.mkdtemp(prefix=f"reshard-{table}-")
-            empties = []
-            try:
-                for i, directory in enumerate(directories):
-                    old = native_.EmbeddingStore.load(os.path.join(directory, table), config)
-                    if old.stats().delta_sequence != 0:
-                        raise ValueError(f"{directory}/{table}: this snapshot's store exported "
-                                         "deltas, so its delta would miss rows; resharding "
-                                         "needs snapshots of a run without delta exports")
-                    while len(empties) < i:
-                        os.makedirs(os.path.join(tmp, f"empty-{len(empties)}"))
-                        empties.append(scratch.export_delta(
-                            os.path.join(tmp, f"empty-{len(empties)}")))
-                    for path in empties[:i]:
-                        old.apply_delta(path)
-                    old.expire_where(lambda ids, *rows: ~self._owned(ids))
-                    os.makedirs(os.path.join(tmp, f"part-{i}"))
-                    store.apply_delta(old.export_delta(os.path.join(tmp, f"part-{i}")))
-                    state = old.filter_state()
-                    own = self._owned(state["ids"])
-                    try:
-                        store.merge_filter_state(state["ids"][own], state["counts"][own],
-                                                 state["bloom"])
-                    except native_.StoreError as e:
-                        raise ValueError(f"{directory}/{table}: its entry filter's state does "
-                                         f"not fit this run's filter ({e})") from None
-                    del old
-            finally:
-                shutil_.rmtree(tmp, ignore_errors=True)
-            return store
-
-        def ping(self):
-            return self.index
-
-        def get_timings(self):
-            return dict(self.timings)
-
-        def lookup(self, train: bool, *requests):
-            """``requests[w]``: ``{table: int64 ids}`` of worker ``w`` (distinct per worker).
-            One ``lookup_unique`` per table over all workers; returns one ``{table: rows}``
-            per worker (a list when there are several)."""
-            import time as time_
-
-            self._check()
-            t0 = time_.perf_counter()
-            # a worker's step message (n, gradients, request) or its request alone
-            requests = [r[2] if isinstance(r, tuple) else r for r in requests]
-            out = [{} for _ in requests]
-            empty = np.zeros(0, np.int64)
-            for table, store in self.stores.items():
-                parts = [r.get(table, empty) for r in requests]
-                ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                _, inverse, rows = store.lookup_unique(ids, train)
-                at = 0
-                for w, part in enumerate(parts):
-                    out[w][table] = rows[inverse[at:at + len(part)]]
-                    at += len(part)
-            self.timings["lookup"] += time_.perf_counter() - t0
-            return out if len(out) > 1 else out[0]
-
-        def apply(self, step: int, mean: bool, l2_scale: float, *messages):
-            """``messages[w] = (leaves, {table: (ids, per-sample-summed row gradients)})``.
-            One ``apply_gradients`` per table (every table, every step; the rows' L2 of
-            ``row_l2(table l2, the step's leaves, l2_scale)``, as in process), then the
-            expiry due at ``step``; returns the rows expired."""
-            import time as time_
-
-            self._check()
-            t0 = time_.perf_counter()
-            total = sum(n for n, _ in messages)
-            if not total:  # a step past the end of the data: nothing happened
-                return 0
-            removed = 0
-            for table, store in self.stores.items():
-                parts = [m[table] for _, m in messages if table in m]
-                if parts:
-                    ids = np.concatenate([p[0] for p in parts])
-                    grads = np.concatenate([p[1] for p in parts])
-                else:
-                    ids, grads = np.zeros(0, np.int64), np.zeros((0, store.dim), np.float32)
-                if mean and total:
-                    grads = grads / np.float32(total)
-                # trainer.trainer.row_l2's formula (the trainer package is not imported here)
-                l2 = float(self.tables[table]["l2"]) * float(total) * float(l2_scale)
-                store.apply_gradients(ids, grads, step, l2=l2)
-                expiry = self.expiry[table]
-                if expiry is not None and step % expiry["every_steps"] == 0:
-                    removed += self._expire(table, step)
-            self.expired += removed
-            self.timings["apply"] += time_.perf_counter() - t0
-            return removed
-
-        def step(self, step: int, mean: bool, l2_scale: float, workers: int, lookup: bool,
-                 *messages):
-            """:meth:`apply` of step ``step``, then, with ``lookup``, the training
-            :meth:`lookup` of the next step. ``messages[w]``: worker ``w``'s ``(leaves,
-            gradients, next request)`` for this shard (one object per worker and shard: each
-            object costs a hop its own store and lookup). Returns ``(rows expired, rows for
-            worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
-            removed = self.apply(step, mean, l2_scale,
-                                 *[(n, grads) for n, grads, _ in messages])
-            if not lookup:
-                return removed
-            rows = self.lookup(True, *messages)
-            return (removed,) + (tuple(rows) if workers > 1 else (rows,))
-
-        def _expire(self, table: str, step: int) -> int:
-            import importlib
-
-            expiry, store = self.expiry[table], self.stores[table]
-            removed = 0
-            if expiry["max_idle_steps"] is not None or expiry["max_idle_seconds"] is not None:
-                removed += store.expire(expiry["max_idle_steps"], expiry["max_idle_seconds"])
-            if expiry["function"] is not None:
-                module, name = expiry["function"].split(":")
-                fn = getattr(importlib.import_module(module), name)
-                removed += store.expire_where(lambda *rows: fn(*rows, step=step))
-            return removed
-
-        def stats(self) -> dict:
-            return {t: s.stats().as_dict() for t, s in self.stores.items()}
-
-        def rows(self) -> dict:
-            return {t: s.to_numpy() for t, s in self.stores.items()}
-
-        def snapshot(self, root: str) -> dict:
-            """Every table's snapshot to ``root/<table>/shard-NNNN`` (a serving export)."""
-            self._check()
-            paths = {}
-            for table, store in self.stores.items():
-                path = os.path.join(root, table, f"shard-{self.index:04d}")
-                os.makedirs(path, exist_ok=True)
-                paths[table] = store.save(path)
-            return paths
-
-        def save(self, directory: str) -> dict:
-            self._check()
-            paths = {}
-            for table, store in self.stores.items():
-                os.makedirs(os.path.join(directory, table), exist_ok=True)
-                paths[table] = store.save(os.path.join(directory, table))
-            return {"expired": self.expired, "paths": paths,
-                    "rows": {t: len(s) for t, s in self.stores.items()}}
-
-        def export_delta(self, directory: str) -> dict:
-            """Every table's rows changed since this shard's previous delta (and tombstones)
-            to ``directory/<table>/shard-NNNN/delta-MMMMMM.bin``; returns table -> path."""
-            self._check()
-            paths = {}
-            for table, store in self.stores.items():
-                path = os.path.join(directory, table, f"shard-{self.index:04d}")
-                os.makedirs(path, exist_ok=True)
-                paths[table] = store.export_delta(path)
-            return paths
-
-    return Shard
-
-
-_RESTARTED = "prefixrec: actor restarted"
-
-
-def _reconstructed() -> bool:
-    """Whether this process is a Ray actor that Ray restarted after its process died."""
-    try:
-        import ray as ray_
-
-        context = ray_.get_runtime_context()
-        return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - not in a Ray actor (tests use the classes directly)
-        return False
-
-
-# -- the worker actor ---------------------------------------------------------------------
-
-_END = "__end__"
-
-
-class _FixedRows:
-    """Stands in for a store in ``FeedBuilder.lookup``: the rows the shards sent."""
-
-    def __init__(self, unique, inverse, rows):
-        self.result = (unique, inverse, rows)
-
-    def lookup_unique(self, ids, train):
-        return self.result
-
-
-class _Stream:
-    """One pass being read by a worker's reader thread into a bounded queue."""
-
-    def __init__(self, depth: int):
-        self.queue: queue.Queue = queue.Queue(depth)
-        self.stop = threading.Event()
-        self.first = None                     # the pass's first batch (dense statistics)
-        self.first_ready = threading.Event()
-        self.released = threading.Event()     # batches are prepared once this is set
-        self.thread: threading.Thread | None = None
-
-    def put(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-
-
-class _Worker:
-    """A data-parallel worker: a Trainer's network and feed builder (its own stores unused),
-    fed by the shards."""
-
-    def __init__(self, index: int, workers: int, shards: int, schema_dict: dict, model,
-                 config_dict: dict):
-        import tensorflow as tf
-
-        from trainer.network import _FlatCall
-        from trainer.trainer import Trainer
-
-        self.index, self.workers, self.shards = index, workers, shards
-        self.schema = schemas.from_dict(schema_dict)
-        model = models_lib.from_spec(model) if isinstance(model, dict) else model()
-        self.trainer = Trainer(self.schema, model, TrainConfig.from_dict(config_dict))
-        network = self.trainer.network
-        variables = network.variables
-
-        def gradients(feed):
-            loss, outputs, dense, row_grads = network._loss_and_grads(feed)
-            dense = [tf.zeros_like(v) if g is None else g for g, v in zip(dense, variables)]
-            return loss, dense, row_grads, network.model.probabilities(outputs)
-
-        def apply_dense(grads):
-            network.optimizer.apply_gradients(zip(grads, variables))
-            return tf.constant(0)
-
-        self._gradients = _FlatCall(tf.function(gradients, input_signature=[network.signature]))
-        self._apply = tf.function(apply_dense, input_signature=[
-            [tf.TensorSpec(v.shape, v.dtype) for v in variables]])
-        self._dedupe = native.EmbeddingStore(native.StoreConfig(dim=1))
-        self._streams: dict[str, _Stream] = {}
-        self._current: dict = {}  # stream -> the batch taken from it last (None: its end)
-        self._own_dense = None  # this worker's dense message of the last step
-        self.timings = defaultdict(float)
-        # a process Ray restarted has fresh weights: refuse steps until ``reset``
-        self.restarted = _reconstructed()
-
-    def _check(self):
-        if self.restarted:
-            raise RuntimeError(f"{_RESTARTED}: worker {self.index} was restarted and holds "
-                               "fresh weights until a checkpoint is loaded")
-
-    def pid(self):
-        return os.getpid()
-
-    # data ---------------------------------------------------------------------------------
-
-    def start(self, stream: str, data, pass_index: int, shuffle: bool, skip: int = 0) -> None:
-        """Start reading a pass into ``stream`` ("train" or "eval", so that an evaluation
-        between steps leaves the training pass where it is): ``data`` as ``worker_batches``
-        takes it, or this worker's list of TreeBatches, less its first ``skip`` batches (a
-        pass resumed from a checkpoint). The reader prepares batches ahead once the dense
-        statistics are resolved (``release``)."""
-        self.close_pass(stream)
-        if isinstance(data, (list, tuple)) and (not data or isinstance(data[0], TreeBatch)):
-            batches = iter(list(data)[skip:])
-        else:
-            batches = worker_batches(data, self.schema, self.trainer.config, self.index,
-                                     self.workers, pass_index, shuffle)
-            for _ in zip(range(skip), batches):  # batched again, not prepared or trained
-                pass
-        state = self._streams[stream] = _Stream(max(self.trainer.config.pipeline_depth, 1))
-        state.thread = threading.Thread(target=self._read, args=(state, batches), daemon=True,
-                                        name=f"worker{self.index}-{stream}")
-        state.thread.start()
-
-    def _read(self, state, batches):
-        try:
-            for i, batch in enumerate(batches):
-                if i == 0:
-                    state.first = batch
-                    state.first_ready.set()
-                while not state.released.wait(0.05):
-                    if state.stop.is_set():
-                        return
-                t0 = time.perf_counter()
-                item = self._split(self.trainer.prepare_numpy(batch))
-                self.timings["prepare"] += time.perf_counter() - t0
-                if not state.put(item):
-                    return
-        except BaseException as e:  # raised in next_step, in the driver's call
-            state.put(e)
-        finally:
-            state.first_ready.set()
-            state.put(_END)
-
-    def dense_sample(self, stream: str, names):
-        """The first batch's dense values and leaf weights (None: no batch this pass)."""
-        state = self._streams[stream]
-        state.first_ready.wait()
-        return None if state.first is None else dense_sample(state.first, self.schema, names)
-
-    def set_config(self, config_dict: dict) -> None:
-        config = TrainConfig.from_dict(config_dict)
-        self.trainer.config = config
-        for name, dense in config.dense:
-            self.trainer.layout.dense_configs[name] = dense
-
-    def release(self, stream: str) -> None:
-        self._streams[stream].released.set()
-
-    def close_pass(self, stream: str | None = None) -> None:
-        """Stop reading ``stream`` (every stream when None)."""
-        for name in ([stream] if stream is not None else list(self._streams)):
-            state = self._streams.pop(name, None)
-            if state is not None:
-                state.close()
-
-    def reset(self, config_dict: dict, dense_arrays: dict) -> int:
-        """Back to a checkpoint: its config and dense state, no pass open."""
-        self.close_pass()
-        self._current = {}
-        self.set_config(config_dict)
-        self.set_dense_state(dense_arrays)
-        self.restarted = False
-        return self.index
-
-    # steps --------------------------------------------------------------------------------
-
-    def _split(self, prepared):
-        """A prepared batch's ids deduplicated per table and split by shard (reader thread)."""
-        requests = [{} for _ in range(self.shards)]
-        tables = {}
-        for table, ids in prepared.table_ids.items():
-            # dedupe in C++ without the GIL: a non-training lookup of an empty store
-            unique, inverse, _ = self._dedupe.lookup_unique(ids, train=False)
-            owner = shard_of(unique, self.shards)
-            positions = [np.flatnonzero(owner == s) for s in range(self.shards)]
-            for s, pos in enumerate(positions):
-                requests[s][table] = unique[pos]
-            tables[table] = (unique, inverse.reshape(-1), positions)
-        dims = self.trainer.layout.dims
-        meta = {"n": prepared.num_leaves, "ids": sum(len(t[0]) for t in tables.values()),
-                "request_bytes": sum(a.nbytes for r in requests for a in r.values()),
-                "rows_bytes": sum(len(t[0]) * dims[name] * 4 for name, t in tables.items())}
-        return prepared, tables, requests, meta
-
-    def next_step(self, stream: str, dense_messages: int = 0, *messages):
-        """First the previous step's dense update (``messages``: every worker's dense message,
-        see :meth:`apply_dense`; here it runs while the shards apply that step's rows), then
-        the next batch of ``stream``: returns ``(meta, request for shard 0, ..., request for
-        shard S-1)``, its ids deduplicated per table and split by shard."""
-        self._check()
-        if dense_messages:
-            self.apply_dense(*messages)
-        t0 = time.perf_counter()
-        state = self._streams.get(stream)
-        item = state.queue.get() if state is not None else _END
-        if isinstance(item, BaseException):
-            raise item
-        self.timings["wait_data"] += time.perf_counter() - t0
-        if isinstance(item, str) and item == _END:
-            self._current[stream] = None
-            if state is not None:
-                state.queue.put(_END)  # later calls see the end too
-            return ({"n": 0},) + tuple({} for _ in range(self.shards))
-        prepared, tables, requests, meta = item
-        self._current[stream] = (prepared, tables, meta)
-        return (meta,) + tuple(requests)
-
-    def _feed(self, current, shard_rows):
-        prepared, tables, _ = current
-        stores = {}
-        for table, (unique, inverse, positions) in tables.items():
-            dim = self.trainer.layout.dims[table]
-            rows = np.empty((len(unique), dim), np.float32)
-            for s, pos in enumerate(positions):
-                rows[pos] = shard_rows[s][table]
-            stores[table] = _FixedRows(unique, inverse, rows)
-        return self.trainer.builder.lookup(prepared, stores, train=True)
-
-    def train_step(self, *shard_rows):
-        """The loss and gradients of the current training batch on the rows the shards sent
-        (one message per shard), then the next batch taken from the training stream.
-        Returns ``(result, dense message, message for shard 0, ..., shard S-1)``: the
-        result (loss, predictions, the batch's ``meta``) for the driver; the dense message
-        for the other workers (None with one worker: a worker keeps its own, see
-        :meth:`apply_dense`); shard ``s``'s message ``(n, {table: (ids, gradients)}, next
-        request)`` with per-sample sums (``n * gradient of the mean loss``), the leaf count
-        ``n`` and the next batch's ids this shard owns (as :meth:`next_step`). One call per
-        step: the shards then apply this step and look the next one up in one call too
-        (``Shard.step``)."""
-        out = self._gradient_messages(shard_rows)
-        _, *requests = self.next_step("train")
-        return out[:2] + tuple((n, grads, request)
-                               for (n, grads), request in zip(out[2:], requests))
-
-    def _gradient_messages(self, shard_rows) -> tuple:
-        from trainer.network import sum_row_slices
-
-        self._check()
-        current = self._current.get("train")
-        if current is None:
-            self._own_dense = (0, None)
-            return ({"n": 0}, None) + tuple((0, {}) for _ in range(self.shards))
-        t0 = time.perf_counter()
-        feed = self._feed(current, shard_rows)
-        n = feed.num_leaves
-        loss, dense, row_slices, probabilities = self._gradients(feed.feed)
-        rows = sum_row_slices(row_slices, feed.feed["rows"])
-        scale = np.float32(n)
-        messages = [{} for _ in range(self.shards)]
-        _, tables, batch_meta = current
-        for table, (dim, a, b) in feed.row_ranges.items():
-            unique, _, positions = tables[table]
-            grads = rows[str(dim)][a:b]
-            grads *= scale
-            for s, pos in enumerate(positions):
-                messages[s][table] = (unique[pos], grads[pos])
-        dense = [g.numpy() * scale for g in dense]
-        meta = {"n": n, "loss": float(loss), "meta": batch_meta,
-                "probabilities": {k: v.numpy() for k, v in probabilities.items()},
-                "labels": feed.labels, "ids_fed": feed.ids_fed, "leaf_ids": feed.leaf_ids,
-                "dense_bytes": sum(g.nbytes for g in dense),
-                "grad_bytes": sum(i.nbytes + g.nbytes for m in messages for i, g in m.values())}
-        self.timings["step"] += time.perf_counter() - t0
-        self._own_dense = (n, dense)
-        return (meta, (n, dense) if self.workers > 1 else None) + tuple(
-            (n, m) for m in messages)
-
-    def apply_dense(self, *messages) -> None:
-        """Apply the leaf-weighted mean of all workers' dense gradients of the last step, in
-        worker order (the same sums on every worker, so their weights stay equal):
-        ``messages[w]``, worker ``w``'s dense message, or None for this worker's own, which
-        it kept (it does not travel)."""
-        self._check()
-        t0 = time.perf_counter()
-        messages = [self._own_dense if m is None else m for m in messages]
-        total = sum(n for n, _ in messages)
-        summed = None
-        for n, grads in messages:
-            if grads is None:
-                continue
-            summed = list(grads) if summed is None else [a + g for a, g in zip(summed, grads)]
-        if summed is not None and total:
-            self._apply([g / np.float32(total) for g in summed])
-        self.timings["apply_dense"] += time.perf_counter() - t0
-
-    def predict_step(self, *shard_rows):
-        self._check()
-        current = self._current.get("eval")
-        if current is None:
-            return {"n": 0}
-        feed = self._feed(current, shard_rows)
-        loss, probabilities = self.trainer.network.predict_step(feed.feed)
-        return {"n": feed.num_leaves, "loss": float(loss),
-                "probabilities": {k: v.numpy() for k, v in probabilities.items()},
-                "labels": feed.labels}
-
-    # state ----------------------------------------------------------------------------------
-
-    def ping(self):
-        return self.index
-
-    def dense_state(self) -> dict:
-        self._check()
-        network = self.trainer.network
-        arrays = {f"model/{i:04d}": v.numpy() for i, v in enumerate(network.variables)}
-        arrays.update({f"optimizer/{i:04d}": np.asarray(v.numpy())
-                       for i, v in enumerate(network.optimizer.variables)})
-        return {"arrays": arrays, "variables": [v.path for v in network.variables]}
-
-    def variable_shapes(self) -> dict:
-        """``model/NNNN`` and ``optimizer/NNNN`` -> shape: what a checkpoint must hold."""
-        network = self.trainer.network
-        shapes = {f"model/{i:04d}": tuple(v.shape) for i, v in enumerate(network.variables)}
-        shapes.update({f"optimizer/{i:04d}": tuple(v.shape)
-                       for i, v in enumerate(network.optimizer.variables)})
-        return shapes
-
-    def set_dense_state(self, arrays: dict) -> None:
-        network = self.trainer.network
-        for i, v in enumerate(network.variables):
-            v.assign(arrays[f"model/{i:04d}"])
-        for i, v in enumerate(network.optimizer.variables):
-            v.assign(arrays[f"optimizer/{i:04d}"])
-
-    def get_timings(self) -> dict:
-        return dict(self.timings)
-
-
-# -- the driver ---------------------------------------------------------------------------
 
 def _check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -829,15 +49,13 @@ def _check_count(name: str, value) -> int:
 
 
 def _table_specs(config: TrainConfig, tables, shards: int) -> dict:
-    from trainer.trainer import _table_seed
-
     specs = {}
     for table in tables:
         tc = config.table(table)
         if tc.max_rows is not None and shards > 1:
             tc = dataclasses.replace(tc, max_rows=math.ceil(tc.max_rows / shards))
         expire = tc.expire
-        specs[table] = {"store": tc.store_config(seed=_table_seed(config.seed, table)),
+        specs[table] = {"store": tc.store_config(seed=table_seed(config.seed, table)),
                         "l2": tc.l2,
                         "expire": None if expire is None else {
                             "every_steps": expire.every_steps,
@@ -847,58 +65,10 @@ def _table_specs(config: TrainConfig, tables, shards: int) -> dict:
     return specs
 
 
-def _shard_snapshot_spec(directory: str, manifest: dict, shard: int, shards: int):
-    """What shard ``shard`` of ``shards`` loads from a checkpoint ``directory``."""
-    dirs = [os.path.join(directory, d) for d in manifest["shard_dirs"]]
-    return (dirs[shard],) if manifest["shards"] == shards else dirs
-
-
-def read_manifest(directory) -> dict:
-    """A distributed checkpoint's ``manifest.json``, with clear errors for what is not one."""
-    directory = os.path.abspath(os.fspath(directory))
-    path = os.path.join(directory, "manifest.json")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        if os.path.exists(os.path.join(directory, "trainer.json")):
-            raise FileNotFoundError(f"{directory}: a single-process checkpoint (trainer.json, no "
-                                    "manifest.json); restore it with trainer.Trainer.restore"
-                                    ) from None
-        raise FileNotFoundError(f"{directory}: no distributed checkpoint (manifest.json "
-                                "missing; a checkpoint without one was not finished)") from None
-    if manifest.get("kind") != "prefixrec-distributed" or \
-            manifest.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"{path}: not a version-{MANIFEST_VERSION} distributed checkpoint")
-    return manifest
-
-
-def _schema_difference(saved: dict, current: dict) -> str:
-    """What differs between two schemas' dicts, in words."""
-    def features(d):
-        return {(layer["name"], f["name"]): f for layer in d["layers"] for f in layer["features"]}
-
-    a, b = features(saved), features(current)
-    parts = []
-    if set(a) - set(b):
-        parts.append("features only in the checkpoint: "
-                     + ", ".join(f"{l}.{n}" for l, n in sorted(set(a) - set(b))))
-    if set(b) - set(a):
-        parts.append("features only in this trainer: "
-                     + ", ".join(f"{l}.{n}" for l, n in sorted(set(b) - set(a))))
-    changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
-    if changed:
-        parts.append("features changed: " + ", ".join(f"{l}.{n}" for l, n in changed))
-    if not parts:
-        keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        parts.append("differs in " + (", ".join(keys) or "the layers' keys or order"))
-    return "; ".join(parts)
-
-
 def _is_actor_failure(error: BaseException) -> bool:
     """An actor's process died (or Ray restarted it and it refused to go on without a
     checkpoint), as opposed to an error in the step itself."""
-    return isinstance(error, ray.exceptions.RayActorError) or _RESTARTED in str(error)
+    return isinstance(error, ray.exceptions.RayActorError) or RESTARTED in str(error)
 
 
 def _refs(value, n: int) -> list:
@@ -1028,10 +198,10 @@ class DistributedTrainer:
             # task is never retried (max_task_retries=0): a step is not idempotent, the
             # driver rolls everything back to a checkpoint instead.
             options = dict(num_cpus=actor_cpus, max_restarts=max_restarts, max_task_retries=0)
-            shard_cls = ray.remote(_shard_class())
+            shard_cls = ray.remote(Shard)
             self._shards = [shard_cls.options(**options).remote(s, self.shards, specs)
                             for s in range(self.shards)]
-            worker_cls = ray.remote(_Worker)
+            worker_cls = ray.remote(Worker)
             self._workers = [worker_cls.options(**options).remote(
                 w, self.workers, self.shards, schema.to_dict(), self._model, config.to_dict())
                 for w in range(self.workers)]
@@ -1073,7 +243,7 @@ class DistributedTrainer:
 
     def _start_pass(self, data, pass_index: int, shuffle: bool, stream: str,
                     skip: list[int] | None = None) -> None:
-        if _per_worker_lists(data, self.workers):
+        if per_worker_lists(data, self.workers):
             parts = [ray.put(list(part)) for part in data]
         else:
             if isinstance(data, pa.Table):
@@ -1088,7 +258,7 @@ class DistributedTrainer:
         skip = skip or [0] * self.workers
         ray.get([w.start.remote(stream, p, pass_index, shuffle, k)
                  for w, p, k in zip(self._workers, parts, skip)])
-        names = _unresolved_dense(self.schema, self.config)
+        names = unresolved_dense(self.schema, self.config)
         if names:
             samples = ray.get([w.dense_sample.remote(stream, names) for w in self._workers])
             self.config = resolve_dense(self.schema, self.config, samples)
@@ -1180,7 +350,7 @@ class DistributedTrainer:
         and its counters, so the result is the whole fit's) and ends as the uninterrupted
         fit would (``python -m trainer.train --resume`` of a Ray run). Without it, the
         evaluations and early-stopping state start over."""
-        from trainer.trainer import FitState, _progress_bar
+        from trainer.trainer import FitState, progress_bar
 
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs: expected a positive integer, got {epochs!r}")
@@ -1198,7 +368,7 @@ class DistributedTrainer:
             raise ValueError("checkpoint_dir and best_dir must be different directories")
         W = self.workers
         mean = self.config.row_gradients == "mean"
-        bar = _progress_bar(progress, None, "train")
+        bar = progress_bar(progress, None, "train")
         writer = None
         if log_dir:
             import tensorflow as tf
@@ -1231,7 +401,7 @@ class DistributedTrainer:
         pass_samples = state.pass_samples if state is not None else None
         if pass_samples is None:
             pass_samples = (sum(b.num_leaves for part in data for b in part)
-                            if _per_worker_lists(data, W) else count_samples(data, self.schema))
+                            if per_worker_lists(data, W) else count_samples(data, self.schema))
 
         def stop_requested() -> bool:
             """Whether should_stop asked to stop, once or since (a stop is not taken back)."""
@@ -1541,11 +711,11 @@ class DistributedTrainer:
     def evaluate(self, data, *, progress: bool = False) -> dict:
         """AUC and log loss over ``data`` (no update, no admission), as ``Trainer.evaluate``:
         each worker scores its own trees, the driver joins the predictions."""
-        from trainer.trainer import _progress_bar
+        from trainer.trainer import progress_bar
 
         W, S = self.workers, self.shards
         started = time.perf_counter()
-        bar = _progress_bar(progress, None, "eval")
+        bar = progress_bar(progress, None, "eval")
         probabilities, labels = defaultdict(list), defaultdict(list)
         loss_sum, n_total = 0.0, 0
         try:
@@ -1709,7 +879,7 @@ class DistributedTrainer:
         path = os.path.join(directory, "manifest.json")
         if manifest["schema"] != self.schema.to_dict():
             raise ValueError(f"{path}: the checkpoint is of another schema than this trainer's "
-                             f"({_schema_difference(manifest['schema'], self.schema.to_dict())})")
+                             f"({schema_difference(manifest['schema'], self.schema.to_dict())})")
         saved_config, config = dict(manifest["config"]), self.config.to_dict()
         saved_config.pop("dense", None)  # resolved statistics: the checkpoint's are taken
         differs = sorted(k for k in set(saved_config) | set(config)
@@ -1744,7 +914,7 @@ class DistributedTrainer:
         from trainer.trainer import config_before_l2
 
         self.config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
-        ray.get([s.load.remote(_shard_snapshot_spec(directory, manifest, i, self.shards), e)
+        ray.get([s.load.remote(shard_snapshot_spec(directory, manifest, i, self.shards), e)
                  for i, (s, e) in enumerate(zip(self._shards, expired))]
                 + [w.reset.remote(self.config.to_dict(), arrays) for w in self._workers])
         self.step, self.samples = manifest["step"], manifest["samples"]

@@ -1,0 +1,256 @@
+"""The store shard actor: one native store per table holding the ids the shard owns.
+
+A module-level class that Ray pickles by reference: a shard process imports numpy, ``native``,
+``schemas`` and this package's TensorFlow-free modules only, never TensorFlow
+(``tests/test_layering.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+import native
+from trainer.config import row_l2
+from trainer.distributed.placement import shard_of
+
+RESTARTED = "prefixrec: actor restarted"
+
+
+def reconstructed() -> bool:
+    """Whether this process is a Ray actor that Ray restarted after its process died."""
+    try:
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in a Ray actor (tests use the classes directly)
+        return False
+
+
+class Shard:
+    """One shard of every table: ``stores[table]`` holds the ids ``i`` with
+    ``shard_of(i, shards) == index``."""
+
+    def __init__(self, index: int, shards: int, tables: dict, restore=None):
+        """``restore``: None (empty stores), ``(snapshot dir,)`` (this shard's own
+        snapshots) or a list of several: the snapshots of a checkpoint with another
+        number of shards, of which this shard keeps its own ids (resharding)."""
+        self.index, self.shards = index, shards
+        self.tables = tables
+        self.expiry = {t: spec["expire"] for t, spec in tables.items()}
+        self.expired = 0
+        self.timings = {"lookup": 0.0, "apply": 0.0}
+        # Ray re-runs this constructor when it restarts the actor after its process died:
+        # the stores are then empty, so step calls are refused until the driver has
+        # loaded a checkpoint (``load``) instead of silently training on empty tables.
+        self.load(restore)
+        self.restarted = reconstructed()
+
+    def load(self, restore=None, expired: int | None = None):
+        """Replace every store: ``restore`` as the constructor takes it."""
+        tables = self.tables
+        if restore is None:
+            stores = {t: native.EmbeddingStore(spec["store"]) for t, spec in tables.items()}
+        elif isinstance(restore, tuple):
+            stores = {t: native.EmbeddingStore.load(os.path.join(restore[0], t),
+                                                     spec["store"])
+                      for t, spec in tables.items()}
+        else:
+            stores = {t: self._reshard(t, spec["store"], restore)
+                      for t, spec in tables.items()}
+        self.stores = stores
+        if expired is not None:
+            self.expired = expired
+        self.restarted = False
+        return self.index
+
+    def _check(self):
+        if self.restarted:
+            raise RuntimeError(f"{RESTARTED}: store shard {self.index} was restarted "
+                               "and holds no rows until a checkpoint is loaded")
+
+    def pid(self):
+        return os.getpid()
+
+    def _owned(self, ids):
+        return shard_of(ids, self.shards) == self.index
+
+    def _reshard(self, table, config, directories):
+        """A store of this shard's ids of ``table`` from the snapshots of another
+        sharding, through the store's own delta format: each old snapshot is loaded, its
+        other ids removed, and its rows (all unexported since the snapshot: deltas carry
+        rows changed since the previous delta) moved over as one delta, numbered in
+        sequence with empty deltas. Rows, optimizer state, update counts, last steps and
+        times, and the global step move exactly.
+
+        The entry filter's state moves too (``EmbeddingStore.filter_state``):
+
+        - a counter filter's pending sightings of ids without a row go to the shard that
+          owns each id, exactly, so admission after resharding is what it would have been
+          without it (and what one store does);
+        - a counting Bloom filter cannot be split: its counters are shared by every id
+          that hashes to them, whatever shard owns the id. Every new shard starts from
+          the old shards' counters added up (each old shard counted its own ids'
+          sightings in the same layout), i.e. every sighting counted so far, as one
+          store counts them. No id is admitted later than before resharding; ids may be
+          admitted earlier than in a never-resharded run (the other shards' ids' counts
+          are false positives here), which is what a Bloom filter trades anyway;
+        - a probability filter's random streams start anew (each sighting is an
+          independent draw either way).
+
+        The admitted/rejected counters start over."""
+        store = native.EmbeddingStore(config)
+        scratch = native.EmbeddingStore(config)  # source of empty deltas 1, 2, ...
+        tmp = tempfile.mkdtemp(prefix=f"reshard-{table}-")
+        empties = []
+        try:
+            for i, directory in enumerate(directories):
+                old = native.EmbeddingStore.load(os.path.join(directory, table), config)
+                if old.stats().delta_sequence != 0:
+                    raise ValueError(f"{directory}/{table}: this snapshot's store exported "
+                                     "deltas, so its delta would miss rows; resharding "
+                                     "needs snapshots of a run without delta exports")
+                while len(empties) < i:
+                    os.makedirs(os.path.join(tmp, f"empty-{len(empties)}"))
+                    empties.append(scratch.export_delta(
+                        os.path.join(tmp, f"empty-{len(empties)}")))
+                for path in empties[:i]:
+                    old.apply_delta(path)
+                old.expire_where(lambda ids, *rows: ~self._owned(ids))
+                os.makedirs(os.path.join(tmp, f"part-{i}"))
+                store.apply_delta(old.export_delta(os.path.join(tmp, f"part-{i}")))
+                state = old.filter_state()
+                own = self._owned(state["ids"])
+                try:
+                    store.merge_filter_state(state["ids"][own], state["counts"][own],
+                                             state["bloom"])
+                except native.StoreError as e:
+                    raise ValueError(f"{directory}/{table}: its entry filter's state does "
+                                     f"not fit this run's filter ({e})") from None
+                del old
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return store
+
+    def ping(self):
+        return self.index
+
+    def get_timings(self):
+        return dict(self.timings)
+
+    def lookup(self, train: bool, *requests):
+        """``requests[w]``: ``{table: int64 ids}`` of worker ``w`` (distinct per worker).
+        One ``lookup_unique`` per table over all workers; returns one ``{table: rows}``
+        per worker (a list when there are several)."""
+        self._check()
+        t0 = time.perf_counter()
+        # a worker's step message (n, gradients, request) or its request alone
+        requests = [r[2] if isinstance(r, tuple) else r for r in requests]
+        out = [{} for _ in requests]
+        empty = np.zeros(0, np.int64)
+        for table, store in self.stores.items():
+            parts = [r.get(table, empty) for r in requests]
+            ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            _, inverse, rows = store.lookup_unique(ids, train)
+            at = 0
+            for w, part in enumerate(parts):
+                out[w][table] = rows[inverse[at:at + len(part)]]
+                at += len(part)
+        self.timings["lookup"] += time.perf_counter() - t0
+        return out if len(out) > 1 else out[0]
+
+    def apply(self, step: int, mean: bool, l2_scale: float, *messages):
+        """``messages[w] = (leaves, {table: (ids, per-sample-summed row gradients)})``.
+        One ``apply_gradients`` per table (every table, every step; the rows' L2 of
+        ``row_l2(table l2, the step's leaves, l2_scale)``, as in process), then the
+        expiry due at ``step``; returns the rows expired."""
+        self._check()
+        t0 = time.perf_counter()
+        total = sum(n for n, _ in messages)
+        if not total:  # a step past the end of the data: nothing happened
+            return 0
+        removed = 0
+        for table, store in self.stores.items():
+            parts = [m[table] for _, m in messages if table in m]
+            if parts:
+                ids = np.concatenate([p[0] for p in parts])
+                grads = np.concatenate([p[1] for p in parts])
+            else:
+                ids, grads = np.zeros(0, np.int64), np.zeros((0, store.dim), np.float32)
+            if mean and total:
+                grads = grads / np.float32(total)
+            store.apply_gradients(ids, grads, step,
+                                  l2=row_l2(self.tables[table]["l2"], total, l2_scale))
+            expiry = self.expiry[table]
+            if expiry is not None and step % expiry["every_steps"] == 0:
+                removed += self._expire(table, step)
+        self.expired += removed
+        self.timings["apply"] += time.perf_counter() - t0
+        return removed
+
+    def step(self, step: int, mean: bool, l2_scale: float, workers: int, lookup: bool,
+             *messages):
+        """:meth:`apply` of step ``step``, then, with ``lookup``, the training
+        :meth:`lookup` of the next step. ``messages[w]``: worker ``w``'s ``(leaves,
+        gradients, next request)`` for this shard (one object per worker and shard: each
+        object costs a hop its own store and lookup). Returns ``(rows expired, rows for
+        worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
+        removed = self.apply(step, mean, l2_scale,
+                             *[(n, grads) for n, grads, _ in messages])
+        if not lookup:
+            return removed
+        rows = self.lookup(True, *messages)
+        return (removed,) + (tuple(rows) if workers > 1 else (rows,))
+
+    def _expire(self, table: str, step: int) -> int:
+        expiry, store = self.expiry[table], self.stores[table]
+        removed = 0
+        if expiry["max_idle_steps"] is not None or expiry["max_idle_seconds"] is not None:
+            removed += store.expire(expiry["max_idle_steps"], expiry["max_idle_seconds"])
+        if expiry["function"] is not None:
+            module, name = expiry["function"].split(":")
+            fn = getattr(importlib.import_module(module), name)
+            removed += store.expire_where(lambda *rows: fn(*rows, step=step))
+        return removed
+
+    def stats(self) -> dict:
+        return {t: s.stats().as_dict() for t, s in self.stores.items()}
+
+    def rows(self) -> dict:
+        return {t: s.to_numpy() for t, s in self.stores.items()}
+
+    def snapshot(self, root: str) -> dict:
+        """Every table's snapshot to ``root/<table>/shard-NNNN`` (a serving export)."""
+        self._check()
+        paths = {}
+        for table, store in self.stores.items():
+            path = os.path.join(root, table, f"shard-{self.index:04d}")
+            os.makedirs(path, exist_ok=True)
+            paths[table] = store.save(path)
+        return paths
+
+    def save(self, directory: str) -> dict:
+        self._check()
+        paths = {}
+        for table, store in self.stores.items():
+            os.makedirs(os.path.join(directory, table), exist_ok=True)
+            paths[table] = store.save(os.path.join(directory, table))
+        return {"expired": self.expired, "paths": paths,
+                "rows": {t: len(s) for t, s in self.stores.items()}}
+
+    def export_delta(self, directory: str) -> dict:
+        """Every table's rows changed since this shard's previous delta (and tombstones)
+        to ``directory/<table>/shard-NNNN/delta-MMMMMM.bin``; returns table -> path."""
+        self._check()
+        paths = {}
+        for table, store in self.stores.items():
+            path = os.path.join(directory, table, f"shard-{self.index:04d}")
+            os.makedirs(path, exist_ok=True)
+            paths[table] = store.export_delta(path)
+        return paths
