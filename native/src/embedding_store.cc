@@ -197,6 +197,10 @@ void ValidateOptions(const StoreOptions& o) {
   if (o.num_threads < 0 || o.num_threads > 256) {
     Invalid("num_threads must be in 0..256, got " + std::to_string(o.num_threads));
   }
+  // As the Python facade: at most 2**63 - 1, so the value fits an int64 on every side.
+  if (o.max_rows > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    Invalid("max_rows must be in 0..2**63-1 (0: unbounded), got " + std::to_string(o.max_rows));
+  }
   const OptimizerOptions& opt = o.optimizer;
   switch (opt.kind) {
     case OptimizerKind::kSgd:
@@ -717,32 +721,42 @@ void EmbeddingStore::Deduplicate(const int64_t* ids, size_t n, std::vector<int64
 void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size_t n, int64_t step,
                                     double now, float l2) {
   Impl& s = *impl_;
-  const size_t dim = static_cast<size_t>(s.dim);
   if (step < 0) Invalid("step must be >= 0, got " + std::to_string(step));
   if (!std::isfinite(now)) Invalid("now must be a finite number of seconds");
   if (!(std::isfinite(l2) && l2 >= 0.0f)) {
     Invalid("l2 must be a finite number >= 0, got " + std::to_string(l2));
   }
-  // Ids are split by shard into `parts` groups of whole shards. Phase 1 hashes the ids and
-  // groups the positions by part; the shards are dealt to the parts by their number of
-  // positions (largest first, each to the part with the fewest so far), since a Zipf batch is
-  // far from even over shards (at 1M x 100k the hottest shard has 20% of the positions, and the
-  // halves of 8 shards each held 37% and 63%). Phase 2: each group sums the rows of its equal
-  // ids in input order (so each distinct id gets exactly one optimizer step; the first
-  // occurrence is copied, not added to zero, to keep the sign of zeros) and checks on the way
-  // that every gradient is finite. Only when all are, phase 3 takes every shard's exclusive
-  // lock (in shard order) and updates the distinct ids, split into equal chunks over the
-  // threads.
-  const size_t num_shards = s.shards.size();
+  // Ids are split by shard into `parts` groups of whole shards (PartitionGradients); each group
+  // sums the rows of its equal ids and checks that every gradient is finite (SumGradients);
+  // only when all are, the distinct ids are updated under every shard's exclusive lock
+  // (UpdateRows).
   const int threads = s.ThreadsFor(n);
-  const size_t parts =
-      std::min(num_shards, threads <= 1 ? size_t{1} : static_cast<size_t>(threads));
   internal::ScratchLease scratch;
-  scratch->Reserve(3 + 4 * parts);
-  uint32_t* hash = scratch->Get<uint32_t>(0, n);
-  uint16_t* shard_of = scratch->Get<uint16_t>(1, n);
-  uint32_t* order = scratch->Get<uint32_t>(2, n);
-  const size_t tasks = Impl::RangeTasks(threads);
+  const Impl::GradientPartition partition = s.PartitionGradients(ids, n, threads, *scratch);
+  const Impl::GradientSumsList sums =
+      s.SumGradients(partition, ids, grads, threads, *scratch);
+  s.updates.fetch_add(s.UpdateRows(partition, sums, step, now, l2, threads),
+                      std::memory_order_relaxed);
+  int64_t seen = s.global_step.load();
+  while (step > seen && !s.global_step.compare_exchange_weak(seen, step)) {
+  }
+}
+
+// The shards are dealt to the parts by their number of positions (largest first, each to the
+// part with the fewest so far), since a Zipf batch is far from even over shards (at 1M x 100k
+// the hottest shard has 20% of the positions, and the halves of 8 shards each held 37% and 63%).
+EmbeddingStore::Impl::GradientPartition EmbeddingStore::Impl::PartitionGradients(
+    const int64_t* ids, size_t n, int threads, internal::ScratchSet& scratch) const {
+  const Impl& s = *this;
+  const size_t num_shards = s.shards.size();
+  GradientPartition result;
+  const size_t parts = result.parts =
+      std::min(num_shards, threads <= 1 ? size_t{1} : static_cast<size_t>(threads));
+  scratch.Reserve(3 + 4 * parts);  // SumGradients uses buffers 3 .. 3 + 4 * parts
+  uint32_t* hash = result.hash = scratch.Get<uint32_t>(0, n);
+  uint16_t* shard_of = result.shard_of = scratch.Get<uint16_t>(1, n);
+  uint32_t* order = result.order = scratch.Get<uint32_t>(2, n);
+  const size_t tasks = result.tasks = Impl::RangeTasks(threads);
   std::vector<size_t> shard_counts(tasks * num_shards, 0);  // [t * num_shards + shard]
   ParallelFor(threads, tasks, [&](size_t t) {
     const size_t begin = n * t / tasks, end = n * (t + 1) / tasks;
@@ -775,7 +789,8 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   }
   // order: each range task's positions grouped by part (input order kept within a group), so a
   // part reads its positions, in input order, from every range in turn.
-  std::vector<size_t> cursor((parts + 1) * tasks, 0);  // [t * (parts + 1) + p]: start of part p
+  result.cursor.assign((parts + 1) * tasks, 0);
+  std::vector<size_t>& cursor = result.cursor;  // [t * (parts + 1) + p]: start of part p
   for (size_t t = 0; t < tasks; ++t) {
     size_t* starts = cursor.data() + t * (parts + 1);  // zero from the vector's construction
     for (size_t sh = 0; sh < num_shards; ++sh) {
@@ -797,25 +812,31 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
       order[next[part_of_shard[shard_of[i]]]++] = static_cast<uint32_t>(i);
     }
   });
-  struct Group {
-    size_t distinct = 0;
-    size_t first_bad = SIZE_MAX;           // smallest position with a non-finite gradient
-    uint32_t* first = nullptr;             // a position of each distinct id
-    int64_t* key = nullptr;                // the distinct ids, densely
-    float* sums = nullptr;                 // distinct x dim
-  };
-  std::vector<Group> groups(parts);
+  return result;
+}
+
+// Each part sums the rows of its equal ids in input order (so each distinct id gets exactly one
+// optimizer step; the first occurrence is copied, not added to zero, to keep the sign of zeros).
+EmbeddingStore::Impl::GradientSumsList EmbeddingStore::Impl::SumGradients(
+    const GradientPartition& partition, const int64_t* ids, const float* grads, int threads,
+    internal::ScratchSet& scratch) const {
+  const size_t dim = static_cast<size_t>(this->dim);
+  const size_t parts = partition.parts, tasks = partition.tasks;
+  const uint32_t* hash = partition.hash;
+  const uint32_t* order = partition.order;
+  const std::vector<size_t>& cursor = partition.cursor;
+  GradientSumsList groups(parts);
   ParallelFor(threads, parts, [&](size_t part) {
-    Group& group = groups[part];
+    GradientSums& group = groups[part];
     size_t count = 0;
     for (size_t t = 0; t < tasks; ++t) {
       count += cursor[t * (parts + 1) + part + 1] - cursor[t * (parts + 1) + part];
     }
     if (count == 0) return;
-    ScratchIndex index(*scratch, 3 + 4 * part, count);
-    uint32_t* first = group.first = scratch->Get<uint32_t>(4 + 4 * part, count);
-    int64_t* key = group.key = scratch->Get<int64_t>(5 + 4 * part, count);
-    float* sums = group.sums = scratch->Get<float>(6 + 4 * part, count * dim);
+    ScratchIndex index(scratch, 3 + 4 * part, count);
+    uint32_t* first = group.first = scratch.Get<uint32_t>(4 + 4 * part, count);
+    int64_t* key = group.key = scratch.Get<int64_t>(5 + 4 * part, count);
+    float* sums = group.sums = scratch.Get<float>(6 + 4 * part, count * dim);
     size_t distinct = 0;
     // A group reads its gradient rows in shard order, i.e. scattered over the whole batch, and
     // waiting for them is most of this loop at large dims: they are prefetched kAhead positions
@@ -862,7 +883,7 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
     group.distinct = distinct;
   });
   size_t bad_row = SIZE_MAX;
-  for (const Group& group : groups) bad_row = std::min(bad_row, group.first_bad);
+  for (const GradientSums& group : groups) bad_row = std::min(bad_row, group.first_bad);
   if (bad_row != SIZE_MAX) {
     size_t j = 0;
     while (j + 1 < dim && Finite(grads[bad_row * dim + j])) ++j;
@@ -871,11 +892,22 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
             << grads[bad_row * dim + j] << "; gradients must be finite";
     Invalid(message.str());
   }
+  return groups;
+}
+
+// Holds every shard exclusively (in shard order, as every multi-shard lock is taken), so its
+// chunks need no locks of their own: the groups' distinct ids are disjoint.
+uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
+                                          const GradientSumsList& groups, int64_t step, double now,
+                                          float l2, int threads) {
+  Impl& s = *this;
+  const size_t dim = static_cast<size_t>(s.dim);
+  const size_t parts = partition.parts;
+  const uint32_t* hash = partition.hash;
+  const uint16_t* shard_of = partition.shard_of;
   std::atomic<uint64_t> updated{0};
   const uint32_t step32 = static_cast<uint32_t>(step);
   const uint32_t time32 = internal::EncodeTime(now);
-  // Phase 3 holds every shard exclusively (in shard order, as every multi-shard lock is taken),
-  // so its chunks need no locks of their own: the groups' distinct ids are disjoint.
   std::vector<size_t> group_start(parts + 1, 0);  // groups' distinct ids, numbered in turn
   for (size_t part = 0; part < parts; ++part) {
     group_start[part + 1] = group_start[part] + groups[part].distinct;
@@ -886,7 +918,7 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
   const size_t chunks =
       std::min(std::max<size_t>(total_distinct / 256, 1), Impl::RangeTasks(threads));
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  locks.reserve(num_shards);
+  locks.reserve(s.shards.size());
   for (auto& shard : s.shards) locks.emplace_back(shard->mu);
   ParallelFor(threads, chunks, [&](size_t c) {
     const size_t chunk_begin = total_distinct * c / chunks;
@@ -897,7 +929,7 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
       const size_t begin = std::max(chunk_begin, group_start[part]);
       const size_t end = std::min(chunk_end, group_start[part + 1]);
       if (begin >= end) continue;
-      const Group& group = groups[part];
+      const GradientSums& group = groups[part];
       // This chunk's share of the group, as offsets into its arrays.
       const size_t d_begin = begin - group_start[part], count = end - begin;
       const uint32_t* first = group.first + d_begin;
@@ -946,10 +978,7 @@ void EmbeddingStore::ApplyGradients(const int64_t* ids, const float* grads, size
     updated.fetch_add(chunk_updated, std::memory_order_relaxed);
   });
   locks.clear();
-  s.updates.fetch_add(updated.load(), std::memory_order_relaxed);
-  int64_t seen = s.global_step.load();
-  while (step > seen && !s.global_step.compare_exchange_weak(seen, step)) {
-  }
+  return updated.load();
 }
 
 size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, double now) {

@@ -135,3 +135,33 @@ def test_a_truncated_copy_of_a_large_snapshot_is_refused(tmp_path):
     with pytest.raises(native.CorruptFileError, match=re.escape(f"{bad}: checksum mismatch")):
         native.EmbeddingStore.load(bad.parent)
     shutil.rmtree(tmp_path / "bad")
+
+
+def test_the_native_loader_refuses_a_max_rows_the_facade_refuses(tmp_path):
+    """The C++ options check bounds max_rows as StoreConfig does (at most 2**63 - 1): a snapshot
+    holding 2**63, with a valid checksum, is a corrupt file to the native loader itself (the
+    facade's own mapping of what it refuses is tests/native/test_fuzz_corpus_native.py)."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if root not in sys.path:  # after the sanitized build's native/ under `make test-asan`
+        sys.path.append(root)
+    from benchmarks.fuzz.targets import TRAILER_BYTES, sealed_store_file
+
+    largest = 2**63 - 1
+    store = native.EmbeddingStore(native.StoreConfig(
+        dim=2, optimizer=native.Adagrad(0.05), seed=2, num_shards=2, max_rows=largest))
+    train(store, range(1, 3))
+    with open(store.save(tmp_path / "largest"), "rb") as f:
+        body = f.read()[:-TRAILER_BYTES]
+    assert native.EmbeddingStore.load(tmp_path / "largest").config.max_rows == largest
+    field = largest.to_bytes(8, "little")
+    assert body.count(field) == 1
+    bad = tmp_path / "above" / "store.snapshot"
+    bad.parent.mkdir()
+    bad.write_bytes(sealed_store_file(body.replace(field, (largest + 1).to_bytes(8, "little"))))
+    with pytest.raises(native.CorruptFileError) as error:
+        native._store.Store.load(str(bad.parent))
+    assert str(error.value) == (
+        f"corrupt store file {bad}: invalid options: max_rows must be in 0..2**63-1 "
+        f"(0: unbounded), got {largest + 1}")

@@ -4,12 +4,14 @@
 #define PREFIXREC_INTERNAL_STORE_IMPL_H_
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "internal/scratch.h"
 #include "internal/shard.h"
 #include "prefixrec/embedding_store.h"
 
@@ -58,6 +60,41 @@ struct EmbeddingStore::Impl {
   bool Admit(internal::Shard& shard, size_t shard_index, int64_t id) const;
   // One optimizer step on a row; `t` is the row's update count including this update.
   void Update(float* values, float* state, const float* grad, uint32_t t) const;
+  // ApplyGradients' three phases, in order (each needs the one before it; the scratch set's
+  // buffers 0 .. 3 + 4 * parts hold their arrays, so the results live as long as the lease).
+  // The positions of a batch grouped by part: parts are groups of whole shards, one per thread.
+  struct GradientPartition {
+    size_t parts = 1;              // groups of whole shards
+    size_t tasks = 1;              // position ranges [n * t / tasks, n * (t + 1) / tasks)
+    uint32_t* hash = nullptr;      // low 32 bits of HashId(ids[i]), n entries
+    uint16_t* shard_of = nullptr;  // shard of ids[i], n entries
+    // Input positions, n entries: range t's positions of part p, in input order, are
+    // order[cursor[t * (parts + 1) + p] .. cursor[t * (parts + 1) + p + 1]).
+    uint32_t* order = nullptr;
+    std::vector<size_t> cursor;    // tasks * (parts + 1) entries
+  };
+  // One part's gradients summed per distinct id, ids in order of first appearance (in the
+  // part's position order). Arrays of `distinct` entries (sums: distinct x dim).
+  struct GradientSums {
+    size_t distinct = 0;
+    size_t first_bad = SIZE_MAX;  // smallest position with a non-finite gradient, if any
+    uint32_t* first = nullptr;    // the position of each distinct id's first occurrence
+    int64_t* key = nullptr;       // the distinct ids
+    float* sums = nullptr;        // their summed gradient rows
+  };
+  using GradientSumsList = std::vector<GradientSums>;  // one per part
+  // Phase 1: hashes ids[0, n) and groups their positions by part. O(n + shards).
+  GradientPartition PartitionGradients(const int64_t* ids, size_t n, int threads,
+                                       internal::ScratchSet& scratch) const;
+  // Phase 2: sums equal ids' rows of grads (n x dim) in input order, the first copied (so the
+  // sign of zeros is kept). Throws kInvalidArgument naming the first non-finite row. O(n * dim).
+  GradientSumsList SumGradients(const GradientPartition& partition, const int64_t* ids,
+                                const float* grads, int threads,
+                                internal::ScratchSet& scratch) const;
+  // Phase 3: one optimizer update (with lazy L2 when l2 > 0) of each distinct id that has a
+  // row, stamping step and now, under every shard's exclusive lock. Returns rows updated.
+  uint64_t UpdateRows(const GradientPartition& partition, const GradientSumsList& groups,
+                      int64_t step, double now, float l2, int threads);
   // Evicts the least recently updated rows until size <= max_rows; returns rows evicted.
   size_t EnforceCapacity();
   // Removes a row and records its tombstone. Caller holds the shard exclusively.
