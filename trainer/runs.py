@@ -264,9 +264,13 @@ def result_line(result: dict) -> str:
                "kept)")
     else:
         auc = f"train AUC {format_auc(result['train_auc'])}"
+    batch = ""
+    if result.get("workers", 1) > 1:  # --batch-size is the global batch, split over workers
+        batch = (f" | batch {result['batch_size']:,} = {result['workers']} workers x "
+                 f"{result['worker_batch_size']:,}")
     return (f"{auc} | {result['samples_per_sec']:,.0f} samples/s | "
             f"{result['id_compression']:.2f}x fewer ids looked up than flat samples hold | "
-            f"{result['store_rows']:,} store rows")
+            f"{result['store_rows']:,} store rows{batch}")
 
 
 def json_number(v):

@@ -155,7 +155,8 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     from trainer import train
 
     compression.write_trees(trees, str(tmp_path / "trees" / "part-00000.parquet"))
-    (tmp_path / "cfg.yaml").write_text("embedding: {dim: 4}\nbatch_size: 400\nlog_every: 2\n")
+    # --batch-size is the global batch: 2 workers take 400 leaves each a step
+    (tmp_path / "cfg.yaml").write_text("embedding: {dim: 4}\nbatch_size: 800\nlog_every: 2\n")
     base = ["--schema", os.path.join(os.path.dirname(__file__), "..", "..", "schemas",
                                      "examples", "taobao_like.yaml"),
             "--train-data", str(tmp_path / "trees" / "*.parquet"),
@@ -190,8 +191,8 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
                                "--shards", "2", "--eval-data", str(tmp_path / "trees"),
                                "--epochs", "2", "--eval-every", "3", "--patience", "1"])
     evaluations = result["evaluations"]
-    cfg400 = TrainConfig.from_dict({"embedding": {"dim": 4}, "batch_size": 400})
-    per_pass = max(len(list(distributed.worker_batches(trees, schema, cfg400, w, W, 1, True)))
+    cfg800 = TrainConfig.from_dict({"embedding": {"dim": 4}, "batch_size": 800})
+    per_pass = max(len(list(distributed.worker_batches(trees, schema, cfg800, w, W, 1, True)))
                    for w in range(W))
     due = sorted({3, 6, 9, per_pass, 2 * per_pass} - set(range(2 * per_pass + 1, 10)))
     steps = [e["step"] for e in evaluations]

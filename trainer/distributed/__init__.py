@@ -19,7 +19,9 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
   numpy arrays cross processes.
 - **Workers** (one actor each) hold the TensorFlow network, built from the same schema, model
   and config (same seed), so their initial dense weights are equal. Trees are dealt to workers by
-  a hash of their root key (:func:`tree_workers`), so no tree crosses workers.
+  a hash of their root key (:func:`tree_workers`), so no tree crosses workers. ``batch_size`` is
+  the global batch: each worker's batches hold its share (:func:`worker_batch_size`), so a
+  step trains on ``batch_size`` leaves whatever the number of workers.
 - **One synchronous step** ``k``, as a graph of actor calls whose arrays flow between the
   actors through Ray's object store (the driver passes references and reads small metadata);
   every worker's reader thread prepares its batches ahead, deduplicated per table and split by
@@ -87,7 +89,8 @@ import importlib
 _LAZY = {"DistributedTrainer": "driver", "run_cli": "driver", "MAX_SHARDS": "driver",
          "read_manifest": "manifest", "MANIFEST_VERSION": "manifest",
          "shard_of": "placement", "tree_workers": "placement", "own_trees": "placement",
-         "Shard": "shard", "worker_batches": "worker", "resolve_dense": "worker",
+         "Shard": "shard", "worker_batches": "worker", "worker_batch_size": "worker",
+         "resolve_dense": "worker",
          "dense_sample": "worker"}
 
 

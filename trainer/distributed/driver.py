@@ -32,8 +32,8 @@ from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
                                           shard_snapshot_spec, read_manifest)
 from trainer.distributed.placement import shard_of
 from trainer.distributed.shard import RESTARTED, Shard
-from trainer.distributed.worker import (per_worker_lists, Worker, unresolved_dense,
-                                        resolve_dense)
+from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
+                                        unresolved_dense, worker_batch_size)
 from trainer.metrics import StreamingAUC, auc, logloss
 from trainer.ray_address import check_ray_address
 
@@ -1043,6 +1043,7 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
                   "use fewer shards", file=sys.stderr)
         return runs.fit_result(args, config, history, stats, keep_best, epochs, extra={
             "workers": args.workers, "shards": args.shards,
+            "worker_batch_size": worker_batch_size(config.batch_size, 0, args.workers),
             "bytes_per_step": history["bytes_per_step"],
             "recoveries": len(history["recoveries"])})
     finally:

@@ -29,7 +29,9 @@ def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, worke
     """The TreeBatches worker ``worker`` of ``workers`` trains on in pass ``pass_index`` of
     ``data`` (tree or raw files, a glob, or a pyarrow Table of trees or raw samples): its own
     trees (:func:`tree_workers`), shuffled with the seed ``(config.seed, pass, worker)`` when
-    ``shuffle``, in batches of ``config.batch_size`` leaves."""
+    ``shuffle``, in batches of :func:`worker_batch_size` leaves: ``config.batch_size`` is the
+    global batch, as in TensorFlow's distribution strategies, so adding workers does not change
+    the optimisation (one synchronous step trains on about ``batch_size`` leaves in all)."""
     rng = (np.random.default_rng([config.seed, pass_index, 0x5F, worker]) if shuffle else None)
 
     def shuffled(table):
@@ -50,7 +52,15 @@ def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, worke
     else:
         raise TypeError(f"cannot split a {type(data).__name__} across workers; pass tree or raw "
                         "file paths, a pyarrow.Table, or one list of TreeBatches per worker")
-    return compression.iter_batches(tables, schema, config.batch_size, config.split_trees)
+    return compression.iter_batches(tables, schema,
+                                    worker_batch_size(config.batch_size, worker, workers),
+                                    config.split_trees)
+
+
+def worker_batch_size(batch_size: int, worker: int, workers: int) -> int:
+    """Worker ``worker``'s share of a global batch of ``batch_size`` leaves: the shares of the
+    ``workers`` workers differ by at most one and add up to ``batch_size`` (at least 1 each)."""
+    return max(1, batch_size // workers + (1 if worker < batch_size % workers else 0))
 
 
 def per_worker_lists(data, workers: int) -> bool:
