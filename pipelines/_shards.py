@@ -13,18 +13,11 @@ import pyarrow as pa
 
 from compression.trees import root_node_codes, split_roots_from_codes, take_rows
 from schemas import Schema
-from schemas.hashing import root_key_hash
+from schemas.hashing import tree_shards
 
 
-def shard_of(table: pa.Table, schema: Schema, shards: int) -> np.ndarray:
-    """Shard number (0 .. shards - 1) of every row.
-
-    With a single layer every sample is a tree of its own, so rows are dealt out in turn
-    (a key-less leaf layer would otherwise put everything in one shard).
-    """
-    if len(schema.layers) == 1:
-        return np.arange(table.num_rows, dtype=np.int64) % shards
-    return (root_key_hash(table, schema) % np.uint64(shards)).astype(np.int64)
+# Shard number (0 .. shards - 1) of every row: the root key's hash mod shards
+shard_of = tree_shards
 
 
 def _by_shard(shard: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:

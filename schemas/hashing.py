@@ -122,3 +122,22 @@ def root_key_hash(table, schema) -> np.ndarray:
         with np.errstate(over="ignore"):
             h = mix64((h * np.uint64(GOLDEN)) ^ mix64(values))
     return h
+
+
+def id_shards(ids, shards: int) -> np.ndarray:
+    """The shard of every id: ``mix64(id) mod shards`` (int64[n]). Ids are often hashes
+    already, but many are small sequential integers; mixing spreads both evenly. Where an id's
+    row lives on a store shard, in training and in serving."""
+    return (mix64(ids) % np.uint64(shards)).astype(np.int64)
+
+
+def tree_shards(table, schema, shards: int) -> np.ndarray:
+    """The shard (0 .. shards - 1) of every row of a raw or tree table: its root key's
+    :func:`root_key_hash` mod ``shards``, so all samples of one root node (one user) land
+    together: the Beam job's output shards, and the worker that trains a tree. When the job
+    wrote N shards with N a multiple of the workers, every file's trees belong to one worker.
+    With one layer every sample is a tree of its own, dealt out in turn (a key-less leaf layer
+    would otherwise put everything in one shard)."""
+    if len(schema.layers) == 1:
+        return np.arange(table.num_rows, dtype=np.int64) % shards
+    return (root_key_hash(table, schema) % np.uint64(shards)).astype(np.int64)

@@ -181,3 +181,15 @@ def test_a_store_shard_process_loads_neither_tensorflow_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+
+def test_the_fit_loop_loads_neither_tensorflow_nor_an_engine():
+    """trainer.fitting is the one fit loop that Trainer.fit and DistributedTrainer.fit hand
+    their arguments to; it knows engines only by what they do."""
+    code = ("import sys, trainer.fitting; "
+            "print(sorted(m for m in ('tensorflow', 'keras', 'ray', 'trainer.trainer', "
+            "'trainer.model', 'trainer.distributed.driver') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

@@ -14,7 +14,8 @@ import importlib
 
 # Imported on first use (PEP 562), so ``python -m trainer.train --help`` and argument errors do
 # not pay for importing TensorFlow.
-_LAZY = {"models": "trainer.models", "Trainer": "trainer.trainer",
+_LAZY = {"models": "trainer.models", "Trainer": "trainer.trainer", "ModelCore": "trainer.model",
+         "FitState": "trainer.fitting",
          **{name: "trainer.config" for name in ("ConfigError", "DenseOptimizerConfig",
                                                 "ExpiryConfig", "FeatureConfig", "TableConfig",
                                                 "TrainConfig")}}
@@ -33,5 +34,5 @@ def __getattr__(name):
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
-__all__ = ["ConfigError", "DenseOptimizerConfig", "ExpiryConfig", "FeatureConfig",
-           "TableConfig", "TrainConfig", "Trainer", "models"]
+__all__ = ["ConfigError", "DenseOptimizerConfig", "ExpiryConfig", "FeatureConfig", "FitState",
+           "ModelCore", "TableConfig", "TrainConfig", "Trainer", "models"]

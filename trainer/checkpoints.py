@@ -251,3 +251,17 @@ def _fsync_dir(path: str):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def config_before_l2(config: dict) -> dict:
+    """A checkpoint's config written before the rows' L2 existed (no ``l2`` in its tables)
+    with that version's behaviour written out: no L2."""
+    config = dict(config)
+    embedding = dict(config.get("embedding") or {})
+    if "l2" in embedding:
+        return config
+    embedding["l2"] = 0.0
+    config["embedding"] = embedding
+    config["tables"] = {name: {**(raw or {}), "l2": (raw or {}).get("l2", 0.0)}
+                        for name, raw in (config.get("tables") or {}).items()}
+    return config

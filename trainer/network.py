@@ -262,7 +262,13 @@ class FlatCall:
 
 
 class Network:
-    """The DenseNet, its Keras optimizer and the compiled step functions of one compute mode."""
+    """The DenseNet, its Keras optimizer and the compiled step functions of one compute mode.
+
+    ``train_step(feed)``: the step of the in-process trainer (the dense update inside it);
+    ``train_rows_step``: the same without touching the dense weights; ``predict_step``;
+    ``gradients(feed)``: the loss, the dense gradients (zeros for a variable the loss does not
+    reach), the rows' gradient slices and the probabilities, applying nothing (a distributed
+    worker sums the dense gradients over workers, then calls ``apply_dense(grads)``)."""
 
     def __init__(self, layout: Layout, model, dense_optimizer, structured: bool):
         self.layout = layout
@@ -274,15 +280,33 @@ class Network:
         self._forward(dummy_feed(layout, structured))
         self.variables = list(model.trainable_variables)
         self.optimizer.build(self.variables)
-        self.train_step = FlatCall(tf.function(self._train_step,
-                                                input_signature=[self.signature]))
+        self._compile()
+
+    def _compile(self) -> None:
+        """The step functions (traced lazily, in their first call)."""
+        signature = [self.signature]
+        self.predict_step = FlatCall(tf.function(self.predict_outputs, input_signature=signature))
+        if self.optimizer is None:  # a serving twin: predictions only
+            return
+        self.train_step = FlatCall(tf.function(self._train_step, input_signature=signature))
         # A step that trains the rows only (the dense weights and their optimizer untouched):
         # the passes after ``TrainConfig.dense_epochs``.
         self.train_rows_step = FlatCall(tf.function(self._train_rows_step,
-                                                     input_signature=[self.signature]))
-        self.predict_step = FlatCall(tf.function(self.predict_outputs,
-                                                  input_signature=[self.signature]))
-        self.gradients = tf.function(self._gradients, input_signature=[self.signature])
+                                                     input_signature=signature))
+        self.gradients = FlatCall(tf.function(self._gradients, input_signature=signature))
+        self.apply_dense = tf.function(self._apply_dense, input_signature=[
+            [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]])
+
+    def structured_twin(self) -> "Network":
+        """This network in structured compute: the same model and variables, predictions only
+        (what a serving export traces, whatever mode training ran in)."""
+        if self.structured:
+            return self
+        twin = copy.copy(self)
+        twin.structured, twin.optimizer = True, None
+        twin.signature = feed_signature(self.layout, True)
+        twin._compile()
+        return twin
 
     def _forward(self, feed, training: bool = False):
         return self.model.forward(Inputs(self.layout, feed, flat=not self.structured,
@@ -313,8 +337,13 @@ class Network:
         return loss, row_grads, self.model.probabilities(outputs)
 
     def _gradients(self, feed):
-        loss, _, dense, row_grads = self.loss_and_grads(feed)
-        return loss, dense, row_grads
+        loss, outputs, dense, row_grads = self.loss_and_grads(feed)
+        dense = [tf.zeros_like(v) if g is None else g for g, v in zip(dense, self.variables)]
+        return loss, dense, row_grads, self.model.probabilities(outputs)
+
+    def _apply_dense(self, grads):
+        self.optimizer.apply_gradients(zip(grads, self.variables))
+        return tf.constant(0)
 
     def predict_outputs(self, feed):
         outputs = self._forward(feed)

@@ -517,7 +517,7 @@ class OnlineTrainer:
             self.last_delay = {"p50": float(np.percentile(delays, 50)) / 1000,
                                "p99": float(np.percentile(delays, 99)) / 1000}
             if self._writer is not None:
-                from trainer.trainer import write_scalars
+                from trainer.fitting import write_scalars
 
                 write_scalars(self._writer, self.trainer.step,
                               {"delay/p50_s": self.last_delay["p50"],
@@ -564,7 +564,7 @@ class OnlineTrainer:
                                 ("pv/window_logloss", window["logloss"])):
                 if value is not None:
                     scalars[name] = value
-            from trainer.trainer import write_scalars
+            from trainer.fitting import write_scalars
 
             write_scalars(self._writer, self.trainer.step, scalars)
 

@@ -47,14 +47,6 @@ DEFAULT_EPOCHS_WITH_EVAL = 10
 DEFAULT_PATIENCE = 3
 
 
-class Stop(Exception):
-    """Raised after a training step once SIGINT or SIGTERM arrived."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class Interrupted(Exception):
     """Training stopped by a signal; the checkpoint is written. ``exit_code`` 130 or 143."""
 
@@ -65,7 +57,7 @@ class Interrupted(Exception):
 
 class StopOnSignal:
     """While active, SIGINT and SIGTERM ask training to stop after the current step
-    (:meth:`after_step` is ``fit``'s callback); a second signal stops at once."""
+    (``fit(should_stop=lambda: stop.signum is not None)``); a second signal stops at once."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -90,10 +82,6 @@ class StopOnSignal:
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing the current step, then writing a "
               "checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
-
-    def after_step(self, *_):
-        if self.signum is not None:
-            raise Stop(self.signum)
 
 
 def write_interrupted(trainer, staged, signum: int, state: dict, keep_best: bool,

@@ -41,6 +41,7 @@ from compression.cli import replace_directory
 import native
 import schemas
 from compression import LayerBatch, TreeBatch
+from schemas.hashing import id_shards
 from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed, feed_signature
@@ -49,20 +50,23 @@ EXPORT_VERSION = 1
 _DELTA = re.compile(r"delta-(\d+)\.bin$")
 
 
-def export(trainer, directory: str | os.PathLike, *, write_stores=None) -> str:
-    """Write ``trainer``'s dense network as a SavedModel and its stores' snapshots.
+def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None = None,
+           write_stores=None) -> str:
+    """Write ``core``'s dense network (a :class:`trainer.model.ModelCore`: a ``Trainer`` or
+    a distributed run's model) as a SavedModel and the embedding snapshots, as of ``step``.
 
-    ``write_stores(tmp_dir)``: writes the snapshots instead and returns what to add to
-    ``export.json`` (``DistributedTrainer.export``: one snapshot per shard,
-    ``stores/<table>/shard-NNNN``, and ``"shards": S``)."""
+    ``stores``: ``{table: EmbeddingStore}`` to snapshot; or ``write_stores(tmp_dir)``, which
+    writes the snapshots itself and returns what to add to ``export.json``
+    (``DistributedTrainer.export``: one snapshot per shard, ``stores/<table>/shard-NNNN``,
+    and ``"shards": S``)."""
     directory = os.path.abspath(os.fspath(directory))
     tmp = f"{directory}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    network = trainer.network
+    network = core.network
     # The structured signature over one-sample-per-node batches is what the Predictor feeds.
-    signature = feed_signature(trainer.layout, structured=True)
-    serving_network = _structured_twin(trainer)
+    signature = feed_signature(core.layout, structured=True)
+    serving_network = network.structured_twin()
     module = tf.Module()
     module.variables_ = [getattr(v, "value", v) for v in network.variables]
 
@@ -72,38 +76,21 @@ def export(trainer, directory: str | os.PathLike, *, write_stores=None) -> str:
 
     module.predict = predict
     # A SavedModel gives dict outputs back in its own key order; keep the model's.
-    heads = list(serving_network.predict_outputs(dummy_feed(trainer.layout, True))[1])
+    heads = list(serving_network.predict_outputs(dummy_feed(core.layout, True))[1])
     tf.saved_model.save(module, os.path.join(tmp, "saved_model"))
     extra = {}
     if write_stores is not None:
         extra = write_stores(tmp) or {}
     else:
-        for table, store in trainer.stores.items():
+        for table, store in stores.items():
             os.makedirs(os.path.join(tmp, "stores", table))
             store.save(os.path.join(tmp, "stores", table))
-    try:
-        spec = trainer.model.spec()
-    except NotImplementedError:
-        spec = None
-    meta = {"version": EXPORT_VERSION, "schema": trainer.schema.to_dict(),
-            "config": trainer.config.to_dict(), "model": spec, "step": trainer.step,
-            "tables": list(trainer.tables), "heads": heads, **extra}
+    meta = {"version": EXPORT_VERSION, "schema": core.schema.to_dict(),
+            "config": core.config.to_dict(), "model": core.spec(), "step": step,
+            "tables": list(core.tables), "heads": heads, **extra}
     with open(os.path.join(tmp, "export.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return replace_directory(tmp, directory)
-
-
-def _structured_twin(trainer):
-    """The trainer's network in structured mode (same model, same variables)."""
-    if trainer.network.structured:
-        return trainer.network
-    from trainer.network import Network
-
-    twin = Network.__new__(Network)
-    twin.layout, twin.model, twin.optimizer = trainer.layout, trainer.model, None
-    twin.structured = True
-    twin.variables = trainer.network.variables
-    return twin
 
 
 def export_increment(trainer, directory: str | os.PathLike) -> dict:
@@ -113,13 +100,12 @@ def export_increment(trainer, directory: str | os.PathLike) -> dict:
     applies both."""
     directory = os.fspath(directory)
     if not os.path.exists(os.path.join(directory, "export.json")):
-        export(trainer, directory)
+        trainer.export(directory)
         return {"full": directory}
     deltas = trainer.export_delta(os.path.join(directory, "deltas"))
     path = os.path.join(directory, "dense.npz")
     tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, step=np.int64(trainer.step),
-             **{f"model/{i:04d}": v.numpy() for i, v in enumerate(trainer.network.variables)})
+    np.savez(tmp, step=np.int64(trainer.step), **trainer.dense_arrays(optimizer=False))
     os.replace(tmp, path)
     return {"deltas": deltas, "dense": path}
 
@@ -216,7 +202,7 @@ class Predictor:
 class ShardedStore:
     """The stores of one table's shards read as one (a distributed run's export): an id is
     looked up on shard ``mix64(id) % len(shards)``, as in training
-    (:func:`trainer.distributed.shard_of`)."""
+    (:func:`schemas.hashing.id_shards`)."""
 
     def __init__(self, shards: list):
         self.shards = shards
@@ -225,13 +211,11 @@ class ShardedStore:
     def lookup_unique(self, ids, train: bool = False):
         """``(unique_ids, inverse, rows)`` as ``EmbeddingStore.lookup_unique``; never
         trains."""
-        from trainer.distributed.placement import shard_of
-
         if train:
             raise ValueError("a serving store does not train")
         unique, inverse = np.unique(np.asarray(ids, np.int64), return_inverse=True)
         rows = np.empty((len(unique), self.dim), np.float32)
-        owner = shard_of(unique, len(self.shards))
+        owner = id_shards(unique, len(self.shards))
         for s, store in enumerate(self.shards):
             pos = np.flatnonzero(owner == s)
             rows[pos] = store.lookup(unique[pos], train=False)

@@ -31,7 +31,7 @@ import schemas
 from compression import cli
 from trainer.config import ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
-                          Stop, StopOnSignal, fit_result, interrupted_run, link_tree,
+                          StopOnSignal, fit_result, interrupted_run, link_tree,
                           load_tensorflow, result_line, run_settings, write_interrupted)
 
 PROG = "python -m trainer.train"
@@ -155,7 +155,8 @@ def run(argv=None) -> dict:
             parser.error(str(e))
     load_tensorflow(args.debug)
     from trainer import models
-    from trainer.trainer import FitState, Trainer
+    from trainer.fitting import FitState
+    from trainer.trainer import Trainer
 
     again = argv if "--resume" in argv else [*argv, "--resume"]
     go_on = ("continue the run where it stopped with the same command plus --resume: "
@@ -198,18 +199,16 @@ def run(argv=None) -> dict:
             link_tree(staged.path, run_dir, skip=("interrupted.json", "latest"))
             trainer.load(os.path.join(staged.path, interrupted["checkpoint"]))
             resume = FitState.from_dict(interrupted["fit"])
-        try:
-            history = trainer.fit(train_files, epochs=epochs, progress=progress,
-                                  log_dir=run_dir, callback=stop.after_step,
-                                  eval_data=eval_files or None, eval_every=args.eval_every,
-                                  patience=args.patience if keep_best else None,
-                                  best_dir=checkpoint if keep_best else None, resume=resume)
-        except Stop as e:
-            state = trainer.fit_state
-            best = None if state.best is None else state.evaluations[state.best]
+        history = trainer.fit(train_files, epochs=epochs, progress=progress,
+                              log_dir=run_dir, should_stop=lambda: stop.signum is not None,
+                              eval_data=eval_files or None, eval_every=args.eval_every,
+                              patience=args.patience if keep_best else None,
+                              best_dir=checkpoint if keep_best else None, resume=resume)
+        if history["interrupted"]:
             raise write_interrupted(
-                trainer, staged, e.signum, {"settings": settings, "fit": state.to_dict()},
-                keep_best, best,
+                trainer, staged, stop.signum, {"settings": settings,
+                                               "fit": trainer.fit_state.to_dict()},
+                keep_best, history.get("best"),
                 f"Score it with python -m trainer.evaluate --run {staged.path} --data DATA; "
                 f"{go_on}") from None
         if not keep_best:

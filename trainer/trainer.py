@@ -17,19 +17,14 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import shutil
-import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from itertools import islice
 
-import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
 import native
 import schemas
@@ -37,101 +32,33 @@ from compression import TreeBatch
 from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
-from trainer.checkpoints import CheckpointDamagedError, file_sha256, read_json, sealed, unsealed
+from trainer import fitting
+from trainer.checkpoints import (CheckpointDamagedError, config_before_l2, file_sha256, read_json,
+                                 sealed, unsealed)
 from trainer.config import ConfigError, TrainConfig, resolve_function, row_l2, table_seed
 from trainer.data import batch_source, count_samples
-from trainer.feed import Feed, FeedBuilder, Layout, Prepared
-from trainer.metrics import StreamingAUC, auc, logloss
-from trainer.network import Network, sum_row_slices
+from trainer.feed import Feed, Prepared
+from trainer.fitting import FitState
+from trainer.metrics import auc, logloss
+from trainer.model import ModelCore
+from trainer.network import sum_row_slices
 
 # 3: trainer.json carries the sha256 of itself and of dense.npz (``checksum``, ``checksums``)
 CHECKPOINT_VERSION = 3
 _END = object()
-_TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
-@dataclass
-class FitState:
-    """Where a :meth:`Trainer.fit` is, kept up to date after every step (``trainer.fit_state``)
-    so an interrupted fit can be resumed exactly: ``fit(..., resume=state)`` on the trainer
-    restored from the checkpoint of the same step.
-
-    The pass in progress is ``epoch`` (1-based) with ``batches`` of its batches trained; pass
-    k's tree order comes from (seed, k) alone, so resuming deals pass k again and skips those
-    batches. The counters are this fit's totals so far, so the resumed fit reports the whole
-    run. Exact with the defaults: lookups that wait for the previous update (no
-    ``stale_lookups``) and no dropout (whose random state is not kept)."""
-
-    epoch: int = 1
-    batches: int = 0
-    samples: int = 0
-    steps: int = 0
-    ids_fed: int = 0
-    leaf_ids: int = 0
-    seconds: float = 0.0
-    loss: float = float("nan")
-    evaluations: list = field(default_factory=list)
-    best: int | None = None      # index of the best evaluation in ``evaluations``
-    stale: int = 0               # evaluations since the best one
-    train_auc: StreamingAUC = field(default_factory=StreamingAUC)
-    pass_samples: int | None = None  # samples of one pass (the rows' L2 unit), once known
-
-    def to_dict(self) -> dict:
-        """JSON-ready (the train AUC histogram as its non-empty bins)."""
-        out = {k: getattr(self, k) for k in ("epoch", "batches", "samples", "steps", "ids_fed",
-                                             "leaf_ids", "seconds", "loss", "evaluations",
-                                             "best", "stale", "pass_samples")}
-        histogram = self.train_auc
-        out["train_auc"] = {"bins": histogram.bins, **{
-            name: {str(i): int(counts[i]) for i in np.flatnonzero(counts)}
-            for name, counts in (("pos", histogram.pos), ("neg", histogram.neg))}}
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "FitState":
-        raw = dict(raw)
-        histogram = raw.pop("train_auc")
-        train_auc = StreamingAUC(histogram["bins"])
-        for name in ("pos", "neg"):
-            counts = getattr(train_auc, name)
-            for i, n in histogram[name].items():
-                counts[int(i)] = n
-        return cls(**raw, train_auc=train_auc)
-
-
-class Trainer:
-    """Trains ``model`` on data of ``schema`` as ``config`` says (see :class:`TrainConfig`)."""
+class Trainer(ModelCore):
+    """Trains ``model`` on data of ``schema`` as ``config`` says (see :class:`TrainConfig`): a
+    :class:`~trainer.model.ModelCore` plus one native embedding store per table, the
+    three-stage input pipeline and checkpoints; ``fit`` is :func:`trainer.fitting.fit` over it."""
 
     def __init__(self, schema: Schema, model: models_lib.DenseNet | None = None,
                  config: TrainConfig | None = None):
-        if not isinstance(schema, Schema):
-            raise TypeError(f"schema: expected a schemas.Schema, got {type(schema).__name__}; "
-                            "load one with schemas.load(path)")
-        self.schema = schema
-        self.config = config = config or TrainConfig()
-        self.model = model if model is not None else models_lib.MLP()
-        self.tables = config.check(schema)
-        for table in self.tables:
-            if not _TABLE_NAME.match(table):
-                raise ConfigError(f"table name {table!r}: use letters, digits, _ . - only")
-        if hasattr(self.model, "check"):
-            self.model.check(schema)
-        for table in self.tables:
-            expiry = config.table(table).expire
-            if expiry is not None and expiry.function is not None:  # fail before any data
-                resolve_function(expiry.function, f"tables.{table}.expire.function")
-        _configure_threads(config.threads)
+        super().__init__(schema, model, config)
+        config = self.config
         self.stores = {t: native.EmbeddingStore(config.table(t).store_config(
             seed=table_seed(config.seed, t))) for t in self.tables}
-        dims = {t: config.table(t).dim for t in self.tables}
-        poolings = {f.name: config.feature(f.name).pooling for f in schema.features
-                    if f.kind != "dense"}
-        structured = config.compute == "structured"
-        self.layout = Layout(schema, self.tables, dims, poolings, dict(config.dense))
-        self.builder = FeedBuilder(self.layout, structured)
-        # Same seed, same initial dense weights, whatever the compute mode.
-        keras.utils.set_random_seed(config.seed)
-        self.network = Network(self.layout, self.model, _dense_optimizer(config), structured)
         self.step = 0          # training steps so far (the step apply_gradients receives)
         self.samples = 0       # training samples so far
         self.expired = 0       # rows removed by the configured expiry
@@ -142,14 +69,15 @@ class Trainer:
         # the rows' L2 per sample trained, as a share of the pass: 1 / samples of a pass while
         # a fit knows that number, else 0 (see TableConfig.l2)
         self.row_l2_scale = 0.0
-        self._dense_lock = threading.Lock()
 
     # -- training ---------------------------------------------------------------------------
 
     def fit(self, data, epochs: int = 1, *, progress: bool = False, log_dir: str | None = None,
             callback=None, eval_data=None, eval_every: int | None = None,
             patience: int | None = None, best_dir: str | None = None,
-            shuffle: bool = True, resume: FitState | None = None) -> dict:
+            shuffle: bool = True, resume: FitState | None = None,
+            checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+            should_stop=None) -> dict:
         """Train up to ``epochs`` passes over ``data`` (tree/raw file paths or glob, a pyarrow
         Table, or TreeBatches). ``log_dir`` gets TensorBoard scalars; ``progress`` shows a bar on
         stderr; ``callback(trainer, loss, probabilities, labels)`` runs after every step.
@@ -160,154 +88,27 @@ class Trainer:
         best evaluation AUC so far, and with ``patience`` training stops after that many
         evaluations without a better AUC and the trainer goes back to the best checkpoint
         (CTR models tend to overfit after one epoch, so a run need not guess ``epochs``).
+        ``checkpoint_dir``: a checkpoint before the first step, after every pass and every
+        ``checkpoint_every`` steps.
 
         ``self.fit_state`` (a :class:`FitState`) says after every step where the fit is; an
-        interrupted fit (``callback`` raised) continues exactly with the same arguments and
-        ``resume=`` that state, on this trainer restored from a checkpoint of that step
-        (``best_dir`` as it was then).
+        interrupted fit (``callback`` raised, or ``should_stop()`` returned True: then fit
+        returns with ``interrupted`` True, the pending evaluation not run) continues exactly
+        with the same arguments and ``resume=`` that state, on this trainer restored from a
+        checkpoint of that step (``best_dir`` as it was then).
 
-        Returns samples, steps, samples_per_sec, loss (last step), a streaming train AUC and,
-        with ``eval_data``, ``evaluations`` (one dict per evaluation) and ``best``."""
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs: expected a positive integer, got {epochs!r}")
-        for key, value in (("eval_every", eval_every), ("patience", patience)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{key}: expected a positive integer or None, got {value!r}")
-        if (eval_every or patience or best_dir) and eval_data is None:
-            raise ValueError("eval_every, patience and best_dir need eval_data")
-        source = batch_source(data, self.schema, self.config.batch_size, self.config.split_trees,
-                              shuffle_seed=self.config.seed if shuffle else None)
-        total = count_samples(data, self.schema)
-        state = self.fit_state = resume if resume is not None else FitState()
-        if state.pass_samples is None and total:
-            state.pass_samples = total
-        bar = progress_bar(progress, None if total is None else total * epochs, "train")
-        if state.samples:
-            bar.update(state.samples)
-        writer = tf.summary.create_file_writer(os.path.join(log_dir, "train")) if log_dir else None
-        train_auc = state.train_auc
-        window_auc = StreamingAUC()
-        label = None
-        started = time.perf_counter() - state.seconds
-        # this fit's counters start where the interrupted fit's started
-        samples0, steps0 = self.samples - state.samples, self.step - state.steps
-        ids0, leaf_ids0 = self.ids_fed - state.ids_fed, self.leaf_ids - state.leaf_ids
-        mark_time, mark_samples = time.perf_counter(), self.samples
-        loss = state.loss
-        evaluations: list[dict] = state.evaluations
-        best: dict | None = None if state.best is None else evaluations[state.best]
-        stale = state.stale  # evaluations since the best one
+        Returns samples, steps, samples_per_sec, loss (last step), a streaming train AUC,
+        interrupted and, with ``eval_data``, ``evaluations`` (one dict per evaluation),
+        ``best`` and ``stopped_early``."""
+        return fitting.fit(self, data, epochs, progress=progress, log_dir=log_dir,
+                           callback=callback, eval_data=eval_data, eval_every=eval_every,
+                           patience=patience, best_dir=best_dir, shuffle=shuffle,
+                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                           should_stop=should_stop, resume=resume)
 
-        def evaluate(epoch: int) -> bool:
-            """Evaluate now; True when training should stop."""
-            nonlocal best, stale
-            result = self.evaluate(eval_data, log_dir=log_dir)
-            result.update(epoch=epoch, step=self.step, samples_trained=self.samples - samples0)
-            evaluations.append(result)
-            if progress:
-                bar.write(f"eval after epoch {epoch} (step {self.step}): AUC {result['auc']:.4f}"
-                          f" logloss {result['logloss']:.5f}", file=sys.stderr)
-            if best is None or result["auc"] > best["auc"]:
-                best, stale = result, 0
-                if best_dir:
-                    self.save(best_dir)
-            else:
-                stale += 1
-            state.best, state.stale = evaluations.index(best), stale
-            return patience is not None and stale >= patience
-
-        def pass_source(epoch: int):
-            """The batches of pass ``epoch`` still to train (all but those a resumed fit did)."""
-            skip = state.batches if epoch == state.epoch else 0
-            return source if not skip else lambda: islice(source(), skip, None)
-
-        stopped = False
-        logged_step = self.step  # the last step whose scalars went to the bar and TensorBoard
-
-        def log_scalars():
-            nonlocal mark_time, mark_samples, logged_step
-            now = time.perf_counter()
-            rate = (self.samples - mark_samples) / max(now - mark_time, 1e-9)
-            mark_time, mark_samples = now, self.samples
-            bar.set_postfix(loss=f"{loss:.4f}", auc=f"{window_auc.result():.4f}",
-                            rows=self.store_rows(), refresh=False)
-            if writer is not None:
-                self._write_scalars(writer, loss, window_auc.result(), rate)
-            window_auc.reset()
-            logged_step = self.step
-
-        dense_epochs = self.config.dense_optimizer.epochs
-        completed = False
-        for _ in range(1, state.epoch):  # passes a resumed fit did: their orders, not their data
-            _close(source())
-        try:
-            for epoch in range(state.epoch, epochs + 1):
-                state.epoch = epoch
-                # The dense network trains in this fit's first ``dense_epochs`` passes; later
-                # passes train the rows only. (Per fit: a fit on new data trains it again.)
-                dense = dense_epochs is None or epoch <= dense_epochs
-                # the rows' L2 once a pass's samples are known (from the data, or pass 1)
-                self.row_l2_scale = 1.0 / state.pass_samples if state.pass_samples else 0.0
-                if (eval_every and state.batches and self.step % eval_every == 0
-                        and (not evaluations or evaluations[-1]["step"] != self.step)):
-                    # interrupted right after the step that this evaluation follows
-                    stopped = evaluate(epoch)
-                    if stopped:
-                        break
-                for feed in self._pipeline(pass_source(epoch), train=True):
-                    loss, probabilities = self._train_on(feed, dense=dense)
-                    label = label or next(iter(probabilities))
-                    p = probabilities[label]
-                    train_auc.add(p, feed.labels[label])
-                    window_auc.add(p, feed.labels[label])
-                    bar.update(feed.num_leaves)
-                    state.batches += 1
-                    state.samples, state.steps = self.samples - samples0, self.step - steps0
-                    state.ids_fed, state.leaf_ids = self.ids_fed - ids0, self.leaf_ids - leaf_ids0
-                    state.seconds, state.loss = time.perf_counter() - started, loss
-                    if callback is not None:
-                        callback(self, loss, probabilities, feed.labels)
-                    if self.step % self.config.log_every == 0:
-                        log_scalars()
-                    if eval_every and self.step % eval_every == 0 and evaluate(epoch):
-                        stopped = True
-                        break
-                if epoch == 1 and not stopped and not state.pass_samples:
-                    state.pass_samples = state.samples  # the data's size, counted
-                if stopped or (eval_data is not None and (
-                        not evaluations or evaluations[-1]["step"] != self.step)
-                        and evaluate(epoch)):
-                    break
-                state.batches = 0
-            completed = True
-        finally:
-            self.row_l2_scale = 0.0
-            try:
-                if self.step != logged_step:
-                    # the last step's scalars, so a run shorter than log_every has some too
-                    try:
-                        log_scalars()
-                    except Exception:
-                        if completed:
-                            raise  # otherwise the error that stopped training is the one shown
-            finally:
-                _close_bar(bar, completed)
-                if writer is not None:
-                    writer.flush()
-                    writer.close()
-        seconds = time.perf_counter() - started
-        samples = self.samples - samples0
-        out = {"samples": samples, "steps": self.step - steps0, "seconds": seconds,
-               "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
-               "samples_per_sec": samples / max(seconds, 1e-9), "loss": loss,
-               "train_auc": train_auc.result(), "store_rows": self.store_rows()}
-        if eval_data is not None:
-            out.update(evaluations=evaluations, best=best, stopped_early=stopped or (
-                patience is not None and stale >= patience))
-            if best_dir and best is not None and best is not evaluations[-1]:
-                self.load(best_dir)  # back to the best model
-        return out
+    def fit_passes(self, data, shuffle: bool, carried: dict) -> "_Passes":
+        """The passes of one fit over ``data`` (the engine side of :func:`fitting.fit`)."""
+        return _Passes(self, data, shuffle)
 
     def _train_on(self, feed: Feed, dense: bool = True):
         """One step on ``feed``: the dense network (unless ``dense`` is False) and the rows."""
@@ -358,43 +159,6 @@ class Trainer:
         consumer group, so the first unit waits ~2 s less."""
         self.network.train_step.trace()
 
-    def prepare(self, batch: TreeBatch) -> Prepared:
-        """The part of a step that needs neither the stores nor the dense weights (numpy feed
-        work, tensors made from it), so a reader thread can do it ahead of the step."""
-        prepared = self.prepare_numpy(batch)
-        prepared.feed = tf.nest.map_structure(tf.convert_to_tensor, prepared.feed)
-        return prepared
-
-    def prepare_numpy(self, batch: TreeBatch) -> Prepared:
-        """``prepare`` without making tensors (the feed builder's numpy work), after resolving
-        the dense features' statistics if this is the first batch the trainer sees."""
-        if not self._dense_resolved:
-            self._resolve_dense(batch)
-        return self.builder.prepare(batch)
-
-    @property
-    def _dense_resolved(self) -> bool:
-        return all(c.resolved for c in self.layout.dense_configs.values())
-
-    def _resolve_dense(self, batch: TreeBatch) -> None:
-        """Decide ``auto`` transforms and measure the standardization statistics of every
-        unresolved dense feature on ``batch`` (the first one the trainer sees), each node
-        weighted by the samples under it so structured and flat compute agree. The resolved
-        values go into ``self.config``, so checkpoints and exports keep them."""
-        with self._dense_lock:
-            for name, dense in list(self.layout.dense_configs.items()):
-                if dense.resolved:
-                    continue
-                level = self.schema.layer_index(name)
-                values = batch.layers[level].features[name]
-                if level == len(batch.layers) - 1:
-                    weights = np.ones(len(values))
-                else:
-                    weights = np.bincount(batch.leaf_ancestors(level), minlength=len(values))
-                resolved = dense.resolve(values, weights)
-                self.config = self.config.with_dense(name, resolved)
-                self.layout.dense_configs[name] = resolved
-
     def train_batch(self, batch: TreeBatch | Prepared, *, predictions: bool = False):
         """One training step on one batch (or one ``prepare``-d ahead), on the caller's thread
         (for callers that batch themselves, e.g. online learning); returns the loss.
@@ -416,7 +180,7 @@ class Trainer:
         admitted, as in training): ``{"loss", "dense": [grad per dense variable],
         "embeddings": {table: (unique_ids, grads)}}``."""
         feed = self.builder.lookup(self.prepare_numpy(batch), self.stores, train=True)
-        loss, dense, row_slices = self.network.gradients(feed.feed)
+        loss, dense, row_slices, _ = self.network.gradients(feed.feed)
         rows = sum_row_slices(row_slices, feed.feed["rows"])
         return {"loss": float(loss), "dense": [g.numpy() for g in dense],
                 "embeddings": {t: (feed.unique_ids[t], rows[str(d)][a:b])
@@ -439,12 +203,7 @@ class Trainer:
             out[f"logloss/{name}"] = logloss(p, labels[name])
             if i == 0:
                 out["auc"], out["logloss"] = out[f"auc/{name}"], out[f"logloss/{name}"]
-        if log_dir:
-            writer = tf.summary.create_file_writer(os.path.join(log_dir, "eval"))
-            with writer.as_default(step=self.step):
-                for key in ("auc", "logloss", "loss"):
-                    _scalar(key, out[key])
-            writer.close()
+        fitting.write_eval_scalars(log_dir, self.step, out)
         return out
 
     def predict(self, data, *, progress: bool = False) -> np.ndarray:
@@ -456,7 +215,7 @@ class Trainer:
 
     def _predict_all(self, data, progress):
         source = batch_source(data, self.schema, self.config.batch_size, self.config.split_trees)
-        bar = progress_bar(progress, count_samples(data, self.schema), "eval")
+        bar = fitting.progress_bar(progress, count_samples(data, self.schema), "eval")
         probabilities, labels = defaultdict(list), defaultdict(list)
         loss_sum, n = 0.0, 0
         try:
@@ -579,15 +338,6 @@ class Trainer:
                     out[k] += v
         return dict(out)
 
-    def _write_scalars(self, writer, loss, window_auc, rate):
-        stats = self.store_stats()
-        scalars = {"loss": loss, "samples_per_sec": rate,
-                   **{f"store/{k}": stats.get(k, 0) for k in ("rows", "admitted", "rejected",
-                                                              "expired")}}
-        if np.isfinite(window_auc):
-            scalars["auc"] = window_auc
-        write_scalars(writer, self.step, scalars)
-
     def save(self, directory: str | os.PathLike) -> str:
         """Write a checkpoint (dense weights, dense optimizer state, every store's snapshot, the
         step, config, schema and model spec) to ``directory``, replacing it atomically."""
@@ -595,22 +345,15 @@ class Trainer:
         tmp = f"{directory}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        arrays = {f"model/{i:04d}": v.numpy() for i, v in enumerate(self.network.variables)}
-        arrays.update({f"optimizer/{i:04d}": np.asarray(v.numpy())
-                       for i, v in enumerate(self.network.optimizer.variables)})
-        np.savez(os.path.join(tmp, "dense.npz"), **arrays)
+        np.savez(os.path.join(tmp, "dense.npz"), **self.dense_arrays())
         for table, store in self.stores.items():
             os.makedirs(os.path.join(tmp, "stores", table))
             store.save(os.path.join(tmp, "stores", table))
-        try:
-            model_spec = self.model.spec()
-        except NotImplementedError:
-            model_spec = None
         state = {"version": CHECKPOINT_VERSION, "step": self.step, "samples": self.samples,
-                 "expired": self.expired, "model": model_spec,
+                 "expired": self.expired, "model": self.spec(),
                  "config": self.config.to_dict(),
                  "schema": self.schema.to_dict(), "tables": list(self.tables),
-                 "variables": [v.path for v in self.network.variables],
+                 "variables": self.variable_paths(),
                  # the store snapshots check themselves
                  "checksums": {"dense.npz": file_sha256(os.path.join(tmp, "dense.npz"))}}
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
@@ -622,7 +365,7 @@ class Trainer:
         :class:`trainer.serving.Predictor`."""
         from trainer import serving
 
-        return serving.export(self, directory)
+        return serving.export(self, directory, step=self.step, stores=self.stores)
 
     def export_delta(self, directory: str | os.PathLike) -> dict:
         """Write each store's rows changed since its previous delta (and tombstones of removed
@@ -677,32 +420,14 @@ class Trainer:
             except native.CorruptFileError as e:
                 raise CheckpointDamagedError(f"{e}; the checkpoint {directory} is damaged") from None
         arrays = _read_dense(directory)
-        variables = self.network.variables
-        if len(variables) != len(state["variables"]):
+        if len(self.network.variables) != len(state["variables"]):
             raise ValueError(f"{directory}: the checkpoint has {len(state['variables'])} "
-                             f"dense variables, this model {len(variables)}")
-        optimizer_variables = self.network.optimizer.variables
-        names = [f"model/{i:04d}" for i in range(len(variables))] + [
-            f"optimizer/{i:04d}" for i in range(len(optimizer_variables))]
-        missing = [n for n in names if n not in arrays]
-        if missing:
-            raise ValueError(f"{os.path.join(directory, 'dense.npz')}: no array {missing[0]} "
-                             "for this model")
-        dense_path = os.path.join(directory, "dense.npz")
-        for name, v in zip(names, [*variables, *optimizer_variables]):
-            array = arrays[name]
-            if tuple(array.shape) != tuple(v.shape) or not (
-                    np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
-                raise CheckpointDamagedError(
-                    f"{dense_path}: array {name} is {array.dtype}{list(array.shape)}, this "
-                    f"model's {v.path} is {v.dtype.name}{list(v.shape)}; the checkpoint is "
-                    "damaged or of another model")
+                             f"dense variables, this model {len(self.network.variables)}")
+        self.check_dense_arrays(arrays, os.path.join(directory, "dense.npz"),
+                                CheckpointDamagedError)
         if config is not self.config:
-            self.config = config
-            for name, dense in config.dense:
-                self.layout.dense_configs[name] = dense
-        for name, v in zip(names, [*variables, *optimizer_variables]):
-            v.assign(arrays[name])
+            self.set_config(config)
+        self.set_dense_arrays(arrays)
         self.stores.update(stores)
         self.step, self.samples = state["step"], state["samples"]
         self.expired = state.get("expired", 0)
@@ -797,20 +522,6 @@ def _read_dense(directory: str) -> dict:
     return arrays
 
 
-def config_before_l2(config: dict) -> dict:
-    """A checkpoint's config written before the rows' L2 existed (no ``l2`` in its tables)
-    with that version's behaviour written out: no L2."""
-    config = dict(config)
-    embedding = dict(config.get("embedding") or {})
-    if "l2" in embedding:
-        return config
-    embedding["l2"] = 0.0
-    config["embedding"] = embedding
-    config["tables"] = {name: {**(raw or {}), "l2": (raw or {}).get("l2", 0.0)}
-                        for name, raw in (config.get("tables") or {}).items()}
-    return config
-
-
 def _config_v1(config: dict, schema) -> dict:
     """A version-1 checkpoint's config with that version's defaults written out: ids lists
     pooled by sum, dense values untransformed unless configured and never standardized, row
@@ -829,58 +540,6 @@ def _config_v1(config: dict, schema) -> dict:
     return config
 
 
-_SCALAR_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
-
-
-def _scalar(name: str, value) -> None:
-    """A TensorBoard scalar through TensorFlow's own summary op: ``tf.summary.scalar`` lives in
-    the tensorboard package, which the trainer does not need in order to write event files."""
-    tf.summary.write(name, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
-
-
-def write_scalars(writer, step: int, scalars: dict) -> None:
-    """TensorBoard scalars ``{name: value}`` at ``step`` through ``writer``."""
-    with writer.as_default(step=step):
-        for name, value in scalars.items():
-            _scalar(name, value)
-
-
-def _dense_optimizer(config: TrainConfig):
-    opt = config.dense_optimizer
-    if opt.name == "adam":
-        return keras.optimizers.Adam(learning_rate=opt.lr)
-    if opt.name == "adagrad":
-        return keras.optimizers.Adagrad(learning_rate=opt.lr)
-    return keras.optimizers.SGD(learning_rate=opt.lr)
-
-
-_threads_set = []
-
-
-def _configure_threads(threads: int):
-    """Size TensorFlow's pools once per process (it refuses after its first op)."""
-    if threads <= 0 or _threads_set:
-        return
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-        _threads_set.append(threads)
-    except RuntimeError:
-        pass  # TensorFlow already started: its pools keep their size
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def set_postfix(self, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
-
 def _close(batches) -> None:
     """Close a pass that will not be read (a generator's ``finally`` blocks run now)."""
     close = getattr(batches, "close", None)
@@ -888,19 +547,47 @@ def _close(batches) -> None:
         close()
 
 
-def _close_bar(bar, completed: bool) -> None:
-    """Close a progress bar; after a pass that completed, first make its total what it counted
-    (training that stopped early, before ``samples x epochs``, ends the bar at 100%)."""
-    if completed and getattr(bar, "total", None) is not None and bar.n != bar.total:
-        bar.total = bar.n
-        bar.refresh()
-    bar.close()
+class _Passes:
+    """The passes of one in-process fit (see :mod:`trainer.fitting`): pass k's tree order
+    comes from (seed, k), so a resumed fit deals the orders of the passes before its own."""
 
+    def __init__(self, trainer: Trainer, data, shuffle: bool):
+        self.trainer = trainer
+        config = trainer.config
+        self.source = batch_source(data, trainer.schema, config.batch_size, config.split_trees,
+                                   shuffle_seed=config.seed if shuffle else None)
+        self.samples = count_samples(data, trainer.schema)
+        self.dealt = 0  # passes whose order was dealt
 
-def progress_bar(enabled: bool, total, desc: str):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
+    def first_epoch(self, state: FitState) -> int:
+        return state.epoch
 
-    return tqdm(total=total, desc=desc, unit="samples", unit_scale=True, dynamic_ncols=True,
-                mininterval=0.5)
+    def begin(self, epoch: int, continued: bool) -> None:
+        pass
+
+    def train(self, epoch: int, skip: int, dense: bool, pause):
+        """Pass ``epoch`` less its first ``skip`` batches, one :class:`fitting.Step` a batch."""
+        while self.dealt < epoch - 1:  # passes a resumed fit did: their orders, not their data
+            _close(self.source())
+            self.dealt += 1
+        self.dealt += 1
+        source = self.source
+        if skip:
+            source = lambda: islice(self.source(), skip, None)  # noqa: E731
+        trainer = self.trainer
+        for feed in trainer._pipeline(source, train=True):
+            loss, probabilities = trainer._train_on(feed, dense=dense)
+            yield fitting.Step(loss, feed.num_leaves, 1, [(probabilities, feed.labels)],
+                               (loss, probabilities, feed.labels))
+
+    def evaluate(self, data, log_dir: str | None) -> dict:
+        return self.trainer.evaluate(data, log_dir=log_dir)
+
+    def guard(self, body, progress):
+        return body()
+
+    def checkpoint(self, directory, snapshot: dict) -> None:
+        self.trainer.save(directory)
+
+    def result(self, steps: int, state: FitState) -> dict:
+        return {}

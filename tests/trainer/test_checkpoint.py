@@ -95,3 +95,38 @@ def test_a_version_1_checkpoint_restores_with_that_versions_defaults(schema, tre
     price = config.dense_config("price")
     assert (price.transform, price.standardize) == ("none", False) and price.resolved
     assert restored.step == trainer.step
+
+
+def test_a_fit_stopped_by_should_stop_resumes_exactly_and_checkpoints_on_schedule(
+        schema, trees_small, tmp_path):
+    """The one fit loop in process: ``checkpoint_dir`` gets a checkpoint before the first step
+    and every ``checkpoint_every`` steps; ``should_stop`` ends the fit after the step it was
+    asked at (``interrupted``), and the fit resumed from ``fit_state`` on the trainer saved
+    then ends where the uninterrupted fit ends."""
+    config = TrainConfig.from_dict(CONFIG)
+    batches = list(compression.iter_batches(trees_small, schema, config.batch_size))
+    straight = Trainer(schema, models.MLP(hidden=(16, 8)), config)
+    expected = straight.fit(batches, epochs=2)
+    assert expected["interrupted"] is False
+
+    first = Trainer(schema, models.MLP(hidden=(16, 8)), config)
+    stop_after = len(batches) + 2  # in the second pass
+    history = first.fit(batches, epochs=2, checkpoint_dir=tmp_path / "rollback",
+                        checkpoint_every=3, should_stop=lambda: first.step >= stop_after)
+    assert history["interrupted"] is True and first.step == stop_after
+    state = first.fit_state
+    assert (state.epoch, state.batches, state.steps) == (2, 2, stop_after)
+    # checkpoints at steps 0, 3, ..., 15, the end of pass 1 (16), not 18: a stop comes first
+    assert len(batches) == 16
+    assert Trainer.restore(tmp_path / "rollback").step == len(batches)
+    first.save(tmp_path / "stopped")
+    resumed = Trainer.restore(tmp_path / "stopped")
+    result = resumed.fit(batches, epochs=2, resume=state)
+    assert (result["steps"], result["samples"]) == (expected["steps"], expected["samples"])
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    for a, b in zip(resumed.network.variables, straight.network.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+    for table in straight.stores:
+        ra, rb = store_rows(resumed.stores[table]), store_rows(straight.stores[table])
+        for key in ("ids", "update_counts", "last_steps"):
+            np.testing.assert_array_equal(ra[key], rb[key], err_msg=f"{table} {key}")

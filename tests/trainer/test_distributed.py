@@ -65,7 +65,7 @@ def test_placement_is_stable_and_keeps_trees_whole(schema, trees):
     assert counts.min() > 2300  # sequential ids spread evenly
     owner = tree_workers(trees, schema, W)
     # the Beam job's root-key shard hash: its shard files split whole across workers
-    from pipelines._shards import root_key_hash
+    from schemas.hashing import root_key_hash
 
     np.testing.assert_array_equal(owner, root_key_hash(trees, schema) % np.uint64(W))
     users = trees.column("user_id").to_numpy()

@@ -4,7 +4,6 @@ synchronous steps, checkpoints, recovers from a dead actor, and runs ``trainer.t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -25,7 +24,8 @@ import schemas
 from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
-from trainer import runs
+from trainer import fitting, runs
+from trainer.checkpoints import config_before_l2
 from trainer.config import ConfigError, TrainConfig, resolve_function, table_seed
 from trainer.data import count_samples
 from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
@@ -34,7 +34,8 @@ from trainer.distributed.placement import shard_of
 from trainer.distributed.shard import RESTARTED, Shard
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
                                         unresolved_dense, worker_batch_size)
-from trainer.metrics import StreamingAUC, auc, logloss
+from trainer.fitting import FitState
+from trainer.metrics import auc, logloss
 from trainer.ray_address import check_ray_address
 
 # Shards are processes; past a few thousand the per-step calls (one per shard and worker)
@@ -74,25 +75,6 @@ def _is_actor_failure(error: BaseException) -> bool:
 def _refs(value, n: int) -> list:
     """``num_returns=n`` gives a single ref for n == 1, a list otherwise."""
     return [value] if n == 1 else list(value)
-
-
-class _FitProgress:
-    """What one ``fit`` accumulates on the driver besides the trainer's counters; copied at
-    every checkpoint so that a rollback forgets the steps it replays."""
-
-    def __init__(self):
-        self.train_auc, self.window_auc = StreamingAUC(), StreamingAUC()
-        self.loss = float("nan")
-        self.label = None
-        self.evaluations: list[dict] = []
-        self.best: dict | None = None
-        self.stale = 0  # evaluations since the best one
-
-    def snapshot(self) -> dict:
-        return copy.deepcopy(self.__dict__)
-
-    def restore(self, snapshot: dict) -> None:
-        self.__dict__.update(copy.deepcopy(snapshot))
 
 
 class DistributedTrainer:
@@ -350,285 +332,80 @@ class DistributedTrainer:
         and its counters, so the result is the whole fit's) and ends as the uninterrupted
         fit would (``python -m trainer.train --resume`` of a Ray run). Without it, the
         evaluations and early-stopping state start over."""
-        from trainer.trainer import FitState, progress_bar
-
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs: expected a positive integer, got {epochs!r}")
-        for key, value in (("eval_every", eval_every), ("patience", patience),
-                           ("checkpoint_every", checkpoint_every)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{key}: expected a positive integer or None, got {value!r}")
-        if (eval_every or patience or best_dir) and eval_data is None:
-            raise ValueError("eval_every, patience and best_dir need eval_data")
-        if checkpoint_every and not checkpoint_dir:
-            raise ValueError("checkpoint_every needs checkpoint_dir")
-        if checkpoint_dir and best_dir and os.path.abspath(os.fspath(checkpoint_dir)) == \
-                os.path.abspath(os.fspath(best_dir)):
-            raise ValueError("checkpoint_dir and best_dir must be different directories")
-        W = self.workers
-        mean = self.config.row_gradients == "mean"
-        bar = progress_bar(progress, None, "train")
-        writer = None
-        if log_dir:
-            import tensorflow as tf
-
-            writer = tf.summary.create_file_writer(os.path.join(log_dir, "train"))
-        run = _FitProgress()
-        state, carried = None, {"bytes": {}, "recoveries": []}
+        carried = {"bytes": {}, "recoveries": []}
+        state = None
         if resume is not None:
             raw = dict(resume)
             carried = {"bytes": dict(raw.pop("bytes", {})),
                        "recoveries": list(raw.pop("recoveries", []))}
             state = FitState.from_dict(raw)
-            run.train_auc, run.loss, run.stale = state.train_auc, state.loss, state.stale
-            run.evaluations = list(state.evaluations)
-            run.best = None if state.best is None else run.evaluations[state.best]
-        # this fit's counters start where the interrupted fit's started
-        started = time.perf_counter() - (state.seconds if state else 0.0)
-        samples0 = self.samples - (state.samples if state else 0)
-        steps0 = self.step - (state.steps if state else 0)
-        ids0 = self.ids_fed - (state.ids_fed if state else 0)
-        leaf_ids0 = self.leaf_ids - (state.leaf_ids if state else 0)
-        bytes0 = {k: self.bytes.get(k, 0) - carried["bytes"].get(k, 0)
-                  for k in set(self.bytes) | set(carried["bytes"])}
-        recoveries0 = len(self.recoveries)
-        marks = {"time": time.perf_counter(), "samples": self.samples}
-        self._rollback = None
-        stop_asked = False
-        # the rows' L2 unit, as in process: the data's samples where cheap to count, else
-        # those of the fit's first pass
-        pass_samples = state.pass_samples if state is not None else None
-        if pass_samples is None:
-            pass_samples = (sum(b.num_leaves for part in data for b in part)
-                            if per_worker_lists(data, W) else count_samples(data, self.schema))
+        return fitting.fit(self, data, epochs, progress=progress, log_dir=log_dir,
+                           callback=callback, eval_data=eval_data, eval_every=eval_every,
+                           patience=patience, best_dir=best_dir, shuffle=shuffle,
+                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                           should_stop=should_stop, resume=state, carried=carried)
 
-        def stop_requested() -> bool:
-            """Whether should_stop asked to stop, once or since (a stop is not taken back)."""
-            nonlocal stop_asked
-            stop_asked = stop_asked or (should_stop is not None and bool(should_stop()))
-            return stop_asked
+    def fit_passes(self, data, shuffle: bool, carried: dict) -> "_Passes":
+        """The passes of one fit over ``data`` (the engine side of :func:`fitting.fit`)."""
+        return _Passes(self, data, shuffle, carried)
 
-        def evaluate(epoch: int) -> bool:
-            """Evaluate now (between steps); True when training should stop."""
-            result = self.evaluate(eval_data)
-            result.update(epoch=epoch, step=self.step, samples_trained=self.samples - samples0)
-            run.evaluations.append(result)
-            if progress:
-                bar.write(f"eval after epoch {epoch} (step {self.step}): AUC {result['auc']:.4f}"
-                          f" logloss {result['logloss']:.5f}", file=sys.stderr)
-            if run.best is None or result["auc"] > run.best["auc"]:
-                run.best, run.stale = result, 0
-                if best_dir:
-                    self.save(best_dir)
-            else:
-                run.stale += 1
-            return patience is not None and run.stale >= patience
-
-        def checkpoint() -> None:
-            path = self.save(checkpoint_dir)
-            self._rollback = {"directory": path, "losses": len(self.losses),
-                              "ids_fed": self.ids_fed, "leaf_ids": self.leaf_ids,
-                              "bytes": dict(self.bytes), "progress": run.snapshot()}
-
-        def after_step(results, metas) -> None:
-            n = sum(r["n"] for r in results)
-            run.loss = sum(r["loss"] * r["n"] for r in results if r["n"]) / n
-            self.losses.append(run.loss)
-            self.samples += n
-            self.ids_fed += sum(r.get("ids_fed", 0) for r in results)
-            self.leaf_ids += sum(r.get("leaf_ids", 0) for r in results)
-            self._count_bytes(metas, results)
-            for r in results:
-                if r["n"]:
-                    run.label = run.label or next(iter(r["probabilities"]))
-                    run.train_auc.add(r["probabilities"][run.label], r["labels"][run.label])
-                    run.window_auc.add(r["probabilities"][run.label], r["labels"][run.label])
-            bar.update(n)
-            if callback is not None:
-                callback(self, run.loss)
-            if self.step % self.config.log_every == 0:
-                self._log(writer, bar, run, marks)
-
-        stopped = completed = False
-        epoch = 0
-        # a resumed fit goes on in the pass it stopped in (pass `passes`, this fit's epoch
-        # `state.epoch`): its rest if it stopped in it, else the evaluation it did not wait for
-        resuming = state is not None and state.epoch >= 1 and self.passes >= 1
-        if resuming:
-            epoch = state.epoch - 1
-        try:
-            if checkpoint_dir:
-                self._attempt(checkpoint)  # the state before this fit: roll back to it
-            while epoch < epochs and not stopped and not stop_requested():
-                epoch += 1
-                if resuming:
-                    resuming = False
-                    continued = True
-                elif self._positions is None:
-                    self.passes += 1
-                    self._positions = [0] * W
-                    continued = False
-                else:
-                    continued = False
-                pass_index = self.passes
-                # as in process: the dense network trains in this fit's first
-                # dense_optimizer.epochs passes, later ones train the rows only
-                self._dense_trains = (self.config.dense_optimizer.epochs is None
-                                      or epoch <= self.config.dense_optimizer.epochs)
-                self.row_l2_scale = 1.0 / pass_samples if pass_samples else 0.0
-
-                def one_pass() -> bool:
-                    """The rest of pass ``pass_index``, its evaluation and checkpoint; True to
-                    stop training. Run again after a rollback."""
-                    if (continued and eval_every and self._positions is not None
-                            and any(self._positions) and self.step % eval_every == 0
-                            and (not run.evaluations
-                                 or run.evaluations[-1]["step"] != self.step)):
-                        # the resumed fit stopped right after the step this evaluation follows
-                        if stop_requested() or evaluate(epoch):
-                            return True
-                    if self._positions is not None:
-                        self._start_pass(data, pass_index, shuffle, "train", self._positions)
-                        if self._train_steps(mean, after_step, evaluate if eval_every else None,
-                                             eval_every, checkpoint if checkpoint_every
-                                             else None, checkpoint_every, epoch,
-                                             stop_requested):
-                            return True
-                        self._positions = None
-                    if stop_requested():  # the pass is trained; its evaluation is not waited for
-                        return True
-                    stop = False
-                    if eval_data is not None and (not run.evaluations or
-                                                  run.evaluations[-1]["step"] != self.step):
-                        stop = evaluate(epoch)
-                    if checkpoint_dir:
-                        checkpoint()
-                    return stop
-
-                stopped = self._attempt(one_pass, run, pass_index)
-                if epoch == 1 and self._positions is None and not pass_samples:
-                    pass_samples = self.samples - samples0  # the data's size, counted
-            completed = True
-        finally:
-            self.row_l2_scale = 0.0
-            try:
-                if writer is not None and completed:
-                    self._log(writer, bar, run, marks)
-            finally:
-                bar.close()
-                if writer is not None:
-                    writer.flush()
-                    writer.close()
-        seconds = time.perf_counter() - started
-        steps = self.step - steps0
-        samples = self.samples - samples0
-        fit_bytes = {k: self.bytes.get(k, 0) - bytes0.get(k, 0)
-                     for k in set(self.bytes) | set(bytes0)}
-        per_step = {k: v / max(steps, 1) for k, v in fit_bytes.items()}
-        recoveries = carried["recoveries"] + self.recoveries[recoveries0:]
-        out = {"samples": samples, "steps": steps, "seconds": seconds,
-               "samples_per_sec": samples / max(seconds, 1e-9), "loss": run.loss,
-               "train_auc": run.train_auc.result(), "store_rows": self.store_rows(),
-               "id_compression": (self.leaf_ids - leaf_ids0) / max(self.ids_fed - ids0, 1),
-               "recoveries": recoveries,
-               "bytes_per_step": {
-                   "per_worker": (per_step.get("worker_sent", 0)
-                                  + per_step.get("worker_received", 0)) / self.workers,
-                   "per_shard": (per_step.get("shard_sent", 0)
-                                 + per_step.get("shard_received", 0)) / self.shards,
-                   **per_step}}
-        if eval_data is not None:
-            out.update(evaluations=run.evaluations, best=run.best,
-                       stopped_early=(stopped and not stop_asked) or (
-                           patience is not None and run.stale >= patience))
-            if best_dir and run.best is not None and run.best is not run.evaluations[-1] \
-                    and not stop_asked:
-                self.load(best_dir)  # back to the best model
-        out["interrupted"] = stop_asked
-        # where this fit is, for fit(resume=...) on the checkpoint saved now
-        best = (None if run.best is None else
-                next(i for i, e in enumerate(run.evaluations) if e is run.best))
-        fit_state = FitState(
-            epoch=epoch, batches=sum(self._positions or []), samples=samples, steps=steps,
-            ids_fed=self.ids_fed - ids0, leaf_ids=self.leaf_ids - leaf_ids0, seconds=seconds,
-            loss=run.loss, evaluations=run.evaluations, best=best, stale=run.stale,
-            train_auc=run.train_auc, pass_samples=pass_samples or None).to_dict()
-        out["fit_state"] = {**fit_state, "bytes": fit_bytes, "recoveries": recoveries}
-        return out
-
-    def _log(self, writer, bar, run: _FitProgress, marks: dict) -> None:
-        from trainer.trainer import write_scalars
-
-        now = time.perf_counter()
-        rate = (self.samples - marks["samples"]) / max(now - marks["time"], 1e-9)
-        marks["time"], marks["samples"] = now, self.samples
-        bar.set_postfix(loss=f"{run.loss:.4f}", auc=f"{run.window_auc.result():.4f}",
-                        refresh=False)
-        if writer is not None:
-            stats = self.store_stats()
-            scalars = {"loss": run.loss, "samples_per_sec": rate,
-                       **{f"store/{k}": stats.get(k, 0)
-                          for k in ("rows", "admitted", "rejected", "expired")}}
-            if np.isfinite(run.window_auc.result()):
-                scalars["auc"] = run.window_auc.result()
-            write_scalars(writer, self.step, scalars)
-        run.window_auc.reset()
-
-    def _train_steps(self, mean: bool, after_step, evaluate, eval_every, checkpoint,
-                     checkpoint_every, epoch: int, stop_requested=lambda: False) -> bool:
-        """The steps of the pass the workers are reading, to its end; True when an
-        evaluation asked to stop or ``stop_requested()`` did (then the pipeline is drained:
-        the first step submitted after it looks nothing up ahead, and the steps return after
-        it).
+    def _train_steps(self, mean: bool, pause):
+        """The steps of the pass the workers are reading, to its end, one
+        :class:`fitting.Step` each; ``pause(step)``: whether the fit will evaluate,
+        checkpoint or stop after step ``step`` (then the pipeline is drained: that step is
+        submitted without looking the next one up, and the Step is ``pausable``).
 
         Each step's calls are submitted before the previous step's results are read (Ray
         runs an actor's calls in the order one caller submitted them, so a shard applies
         step k before it looks up step k+1, in the same call). A step past the end of the
-        data changes nothing. Before a checkpoint or an evaluation the pipeline drains
-        instead: the shards apply the step without looking the next one up, and nothing of
-        the next step has run (its batches are taken but not looked up or trained)."""
-        def due(every, step):
-            return every is not None and step % every == 0
-
-        def drained(step):
-            return due(eval_every, step) or due(checkpoint_every, step) or stop_requested()
-
+        data changes nothing. Before a pause the pipeline drains instead: the shards apply
+        the step without looking the next one up, and nothing of the next step has run (its
+        batches are taken but not looked up or trained)."""
         nxt = self._next("train")
         current = self._submit_step(self.step + 1, mean,
                                     self._lookup([refs[1:] for refs in nxt], True),
-                                    not drained(self.step + 1))
+                                    not pause(self.step + 1))
         while True:
             following = None if current["next_rows"] is None else self._submit_step(
-                self.step + 2, mean, current["next_rows"], not drained(self.step + 2))
+                self.step + 2, mean, current["next_rows"], not pause(self.step + 2))
             results = ray.get(current["results"])
             if not any(r["n"] for r in results):
                 outstanding = [current] + ([following] if following else [])
                 ray.get([ref for c in outstanding for ref in c["results"] + c["applied"]
                          + c["dense_applied"]])
-                return False
-            metas = [r.get("meta", {}) for r in results]
+                return
             self.expired += sum(ray.get(current["applied"]))
             self.step += 1
             for w, r in enumerate(results):
                 if r["n"]:
                     self._positions[w] += 1
-            after_step(results, metas)
+            step = self._stepped(results)
             if following is not None:
+                yield step
                 current = following
                 continue
             ray.get(current["dense_applied"])
-            if stop_requested():
-                return True
-            if due(eval_every, self.step) and evaluate(epoch):
-                return True
-            if due(checkpoint_every, self.step):
-                checkpoint()
+            step.pausable = True
+            yield step
             current = self._submit_step(self.step + 1, mean,
                                         self._lookup(current["messages"], True),
-                                        not drained(self.step + 1))
+                                        not pause(self.step + 1))
 
-    def _attempt(self, body, run: _FitProgress | None = None, pass_index: int | None = None):
+    def _stepped(self, results) -> fitting.Step:
+        """The driver's counters after a step with the workers' ``results``."""
+        trained = [r for r in results if r["n"]]
+        n = sum(r["n"] for r in trained)
+        loss = sum(r["loss"] * r["n"] for r in trained) / n
+        self.losses.append(loss)
+        self.samples += n
+        self.ids_fed += sum(r.get("ids_fed", 0) for r in results)
+        self.leaf_ids += sum(r.get("leaf_ids", 0) for r in results)
+        self._count_bytes([r.get("meta", {}) for r in results], results)
+        return fitting.Step(loss, n, len(trained),
+                            [(r["probabilities"], r["labels"]) for r in trained], (loss,),
+                            pausable=False)
+
+    def _attempt(self, body, progress=None, pass_index: int | None = None):
         """``body()``; when an actor dies in it, roll back to the last checkpoint fit wrote
         and call ``body`` again (the pass it trains resumes at the checkpoint's input
         positions)."""
@@ -638,9 +415,9 @@ class DistributedTrainer:
             except ray.exceptions.RayError as error:
                 if not _is_actor_failure(error):
                     raise
-                self._recover(error, run, pass_index)
+                self._recover(error, progress, pass_index)
 
-    def _recover(self, error, run: _FitProgress | None, pass_index: int | None) -> None:
+    def _recover(self, error, progress, pass_index: int | None) -> None:
         cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the death
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).strip()
         summary = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
@@ -656,8 +433,8 @@ class DistributedTrainer:
         del self.losses[rollback["losses"]:]
         self.ids_fed, self.leaf_ids = rollback["ids_fed"], rollback["leaf_ids"]
         self.bytes = defaultdict(int, rollback["bytes"])
-        if run is not None:
-            run.restore(rollback["progress"])
+        if progress is not None:
+            progress.restore(rollback["progress"])
         if pass_index is not None and self.passes != pass_index:
             if self._positions is None and self.passes == pass_index - 1:
                 self.passes, self._positions = pass_index, [0] * self.workers
@@ -711,11 +488,9 @@ class DistributedTrainer:
     def evaluate(self, data, *, progress: bool = False) -> dict:
         """AUC and log loss over ``data`` (no update, no admission), as ``Trainer.evaluate``:
         each worker scores its own trees, the driver joins the predictions."""
-        from trainer.trainer import progress_bar
-
-        W, S = self.workers, self.shards
+        S = self.shards
         started = time.perf_counter()
-        bar = progress_bar(progress, None, "eval")
+        bar = fitting.progress_bar(progress, None, "eval")
         probabilities, labels = defaultdict(list), defaultdict(list)
         loss_sum, n_total = 0.0, 0
         try:
@@ -857,8 +632,6 @@ class DistributedTrainer:
                                  "model= (a function returning a fresh DenseNet)")
             model = models_lib.from_spec(manifest["model"])
         schema = schemas.from_dict(manifest["schema"])
-        from trainer.trainer import config_before_l2
-
         config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
         trainer = cls(schema, model, config, workers=workers or manifest["workers"],
                       shards=shards, **kwargs)
@@ -911,8 +684,6 @@ class DistributedTrainer:
         expired = manifest["shard_expired"]
         if self.shards != manifest["shards"]:  # resharded: the total on shard 0
             expired = [sum(expired)] + [0] * (self.shards - 1)
-        from trainer.trainer import config_before_l2
-
         self.config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
         ray.get([s.load.remote(shard_snapshot_spec(directory, manifest, i, self.shards), e)
                  for i, (s, e) in enumerate(zip(self._shards, expired))]
@@ -923,19 +694,17 @@ class DistributedTrainer:
 
     # -- serving --------------------------------------------------------------------------
 
-    def _serving_trainer(self):
-        """An in-process Trainer holding worker 0's dense weights (its stores unused): what
+    def _serving_core(self):
+        """A :class:`~trainer.model.ModelCore` holding worker 0's dense weights: what
         :mod:`trainer.serving` builds the SavedModel from."""
-        from trainer.trainer import Trainer
+        from trainer.model import ModelCore
 
         model = (models_lib.from_spec(self._model) if isinstance(self._model, dict)
                  else self._model())
-        local = Trainer(self.schema, model, self.config)
-        state = ray.get(self._workers[0].dense_state.remote())
-        for i, v in enumerate(local.network.variables):
-            v.assign(state["arrays"][f"model/{i:04d}"])
-        local.step = self.step
-        return local
+        core = ModelCore(self.schema, model, self.config)
+        core.set_dense_arrays(ray.get(self._workers[0].dense_state.remote())["arrays"],
+                              optimizer=False)
+        return core
 
     def export(self, directory) -> str:
         """A serving export (:class:`trainer.serving.Predictor` reads it) of the sharded run:
@@ -950,7 +719,8 @@ class DistributedTrainer:
                      for s in self._shards])
             return {"shards": self.shards, "placement": "mix64(id) % shards"}
 
-        return serving.export(self._serving_trainer(), directory, write_stores=write_stores)
+        return serving.export(self._serving_core(), directory, step=self.step,
+                              write_stores=write_stores)
 
     def export_increment(self, directory) -> dict:
         """Keep a serving export up to date: the first call writes :meth:`export`; later
@@ -1048,3 +818,80 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
             "recoveries": len(history["recoveries"])})
     finally:
         trainer.close()
+
+
+class _Passes:
+    """The passes of one fit on Ray (see :mod:`trainer.fitting`): pass numbers run on across
+    fits (``DistributedTrainer.passes``; pass k deals worker w's trees in the order of seed
+    (config.seed, k, w)), a checkpoint records every worker's position in the pass, and an
+    actor's death rolls everything back to the last checkpoint of this fit."""
+
+    def __init__(self, trainer: DistributedTrainer, data, shuffle: bool, carried: dict):
+        self.trainer, self.data, self.shuffle = trainer, data, shuffle
+        W = trainer.workers
+        # the rows' L2 unit, as in process: the data's samples where cheap to count, else
+        # those of the fit's first pass
+        self.samples = (sum(b.num_leaves for part in data for b in part)
+                        if per_worker_lists(data, W) else count_samples(data, trainer.schema))
+        self.carried = carried
+        self.bytes0 = {k: trainer.bytes.get(k, 0) - carried["bytes"].get(k, 0)
+                       for k in set(trainer.bytes) | set(carried["bytes"])}
+        self.recoveries0 = len(trainer.recoveries)
+        self.pass_index = None
+        trainer._rollback = None
+
+    def first_epoch(self, state: FitState) -> int | None:
+        # the pass the interrupted fit was in is pass `passes` of the restored trainer
+        return state.epoch if state.epoch >= 1 and self.trainer.passes >= 1 else None
+
+    def begin(self, epoch: int, continued: bool) -> None:
+        t = self.trainer
+        if not continued and t._positions is None:
+            t.passes += 1
+            t._positions = [0] * t.workers
+        # else: the pass in progress (a resumed fit's, or that of a checkpoint taken in it)
+        self.pass_index = t.passes
+
+    def train(self, epoch: int, skip: int, dense: bool, pause):
+        """The rest of the pass (from the workers' positions: ``skip`` is for in process)."""
+        t = self.trainer
+        # as in process: the dense network trains in this fit's first
+        # dense_optimizer.epochs passes, later ones train the rows only
+        t._dense_trains = dense
+        if t._positions is None:  # trained already (a resumed fit stopped before evaluating)
+            return
+        t._start_pass(self.data, self.pass_index, self.shuffle, "train", t._positions)
+        yield from t._train_steps(t.config.row_gradients == "mean", pause)
+        t._positions = None
+
+    def evaluate(self, data, log_dir: str | None) -> dict:
+        # no TensorBoard scalars of evaluations: the run directory of a Ray run has "train"
+        # only (train.py's layout)
+        return self.trainer.evaluate(data)
+
+    def guard(self, body, progress):
+        return self.trainer._attempt(body, progress, self.pass_index)
+
+    def checkpoint(self, directory, snapshot: dict) -> None:
+        t = self.trainer
+        path = t.save(directory)
+        t._rollback = {"directory": path, "losses": len(t.losses), "ids_fed": t.ids_fed,
+                       "leaf_ids": t.leaf_ids, "bytes": dict(t.bytes), "progress": snapshot}
+
+    def result(self, steps: int, state: FitState) -> dict:
+        t = self.trainer
+        fit_bytes = {k: t.bytes.get(k, 0) - self.bytes0.get(k, 0)
+                     for k in set(t.bytes) | set(self.bytes0)}
+        per_step = {k: v / max(steps, 1) for k, v in fit_bytes.items()}
+        recoveries = self.carried["recoveries"] + t.recoveries[self.recoveries0:]
+        fit_state = state.to_dict()
+        fit_state["batches"] = sum(t._positions or [])
+        return {"recoveries": recoveries,
+                "bytes_per_step": {
+                    "per_worker": (per_step.get("worker_sent", 0)
+                                   + per_step.get("worker_received", 0)) / t.workers,
+                    "per_shard": (per_step.get("shard_sent", 0)
+                                  + per_step.get("shard_received", 0)) / t.shards,
+                    **per_step},
+                # where this fit is, for fit(resume=...) on the checkpoint saved now
+                "fit_state": {**fit_state, "bytes": fit_bytes, "recoveries": recoveries}}

@@ -156,35 +156,17 @@ class _Stream:
 
 
 class Worker:
-    """A data-parallel worker: a Trainer's network and feed builder (its own stores unused),
-    fed by the shards."""
+    """A data-parallel worker: a :class:`~trainer.model.ModelCore` (the network and feed
+    builder, no stores) fed the rows by the shards."""
 
     def __init__(self, index: int, workers: int, shards: int, schema_dict: dict, model,
                  config_dict: dict):
-        import tensorflow as tf
-
-        from trainer.network import FlatCall
-        from trainer.trainer import Trainer
+        from trainer.model import ModelCore
 
         self.index, self.workers, self.shards = index, workers, shards
         self.schema = schemas.from_dict(schema_dict)
         model = models_lib.from_spec(model) if isinstance(model, dict) else model()
-        self.trainer = Trainer(self.schema, model, TrainConfig.from_dict(config_dict))
-        network = self.trainer.network
-        variables = network.variables
-
-        def gradients(feed):
-            loss, outputs, dense, row_grads = network.loss_and_grads(feed)
-            dense = [tf.zeros_like(v) if g is None else g for g, v in zip(dense, variables)]
-            return loss, dense, row_grads, network.model.probabilities(outputs)
-
-        def apply_dense(grads):
-            network.optimizer.apply_gradients(zip(grads, variables))
-            return tf.constant(0)
-
-        self._gradients = FlatCall(tf.function(gradients, input_signature=[network.signature]))
-        self._apply = tf.function(apply_dense, input_signature=[
-            [tf.TensorSpec(v.shape, v.dtype) for v in variables]])
+        self.core = ModelCore(self.schema, model, TrainConfig.from_dict(config_dict))
         self._dedupe = native.EmbeddingStore(native.StoreConfig(dim=1))
         self._streams: dict[str, _Stream] = {}
         self._current: dict = {}  # stream -> the batch taken from it last (None: its end)
@@ -213,11 +195,11 @@ class Worker:
         if isinstance(data, (list, tuple)) and (not data or isinstance(data[0], TreeBatch)):
             batches = iter(list(data)[skip:])
         else:
-            batches = worker_batches(data, self.schema, self.trainer.config, self.index,
+            batches = worker_batches(data, self.schema, self.core.config, self.index,
                                      self.workers, pass_index, shuffle)
             for _ in zip(range(skip), batches):  # batched again, not prepared or trained
                 pass
-        state = self._streams[stream] = _Stream(max(self.trainer.config.pipeline_depth, 1))
+        state = self._streams[stream] = _Stream(max(self.core.config.pipeline_depth, 1))
         state.thread = threading.Thread(target=self._read, args=(state, batches), daemon=True,
                                         name=f"worker{self.index}-{stream}")
         state.thread.start()
@@ -232,7 +214,7 @@ class Worker:
                     if state.stop.is_set():
                         return
                 t0 = time.perf_counter()
-                item = self._split(self.trainer.prepare_numpy(batch))
+                item = self._split(self.core.prepare_numpy(batch))
                 self.timings["prepare"] += time.perf_counter() - t0
                 if not state.put(item):
                     return
@@ -249,10 +231,7 @@ class Worker:
         return None if state.first is None else dense_sample(state.first, self.schema, names)
 
     def set_config(self, config_dict: dict) -> None:
-        config = TrainConfig.from_dict(config_dict)
-        self.trainer.config = config
-        for name, dense in config.dense:
-            self.trainer.layout.dense_configs[name] = dense
+        self.core.set_config(TrainConfig.from_dict(config_dict))
 
     def release(self, stream: str) -> None:
         self._streams[stream].released.set()
@@ -287,7 +266,7 @@ class Worker:
             for s, pos in enumerate(positions):
                 requests[s][table] = unique[pos]
             tables[table] = (unique, inverse.reshape(-1), positions)
-        dims = self.trainer.layout.dims
+        dims = self.core.layout.dims
         meta = {"n": prepared.num_leaves, "ids": sum(len(t[0]) for t in tables.values()),
                 "request_bytes": sum(a.nbytes for r in requests for a in r.values()),
                 "rows_bytes": sum(len(t[0]) * dims[name] * 4 for name, t in tables.items())}
@@ -320,12 +299,12 @@ class Worker:
         prepared, tables, _ = current
         stores = {}
         for table, (unique, inverse, positions) in tables.items():
-            dim = self.trainer.layout.dims[table]
+            dim = self.core.layout.dims[table]
             rows = np.empty((len(unique), dim), np.float32)
             for s, pos in enumerate(positions):
                 rows[pos] = shard_rows[s][table]
             stores[table] = _FixedRows(unique, inverse, rows)
-        return self.trainer.builder.lookup(prepared, stores, train=True)
+        return self.core.builder.lookup(prepared, stores, train=True)
 
     def train_step(self, *shard_rows):
         """The loss and gradients of the current training batch on the rows the shards sent
@@ -354,7 +333,7 @@ class Worker:
         t0 = time.perf_counter()
         feed = self._feed(current, shard_rows)
         n = feed.num_leaves
-        loss, dense, row_slices, probabilities = self._gradients(feed.feed)
+        loss, dense, row_slices, probabilities = self.core.network.gradients(feed.feed)
         rows = sum_row_slices(row_slices, feed.feed["rows"])
         scale = np.float32(n)
         messages = [{} for _ in range(self.shards)]
@@ -391,7 +370,7 @@ class Worker:
                 continue
             summed = list(grads) if summed is None else [a + g for a, g in zip(summed, grads)]
         if summed is not None and total:
-            self._apply([g / np.float32(total) for g in summed])
+            self.core.network.apply_dense([g / np.float32(total) for g in summed])
         self.timings["apply_dense"] += time.perf_counter() - t0
 
     def predict_step(self, *shard_rows):
@@ -400,7 +379,7 @@ class Worker:
         if current is None:
             return {"n": 0}
         feed = self._feed(current, shard_rows)
-        loss, probabilities = self.trainer.network.predict_step(feed.feed)
+        loss, probabilities = self.core.network.predict_step(feed.feed)
         return {"n": feed.num_leaves, "loss": float(loss),
                 "probabilities": {k: v.numpy() for k, v in probabilities.items()},
                 "labels": feed.labels}
@@ -412,26 +391,14 @@ class Worker:
 
     def dense_state(self) -> dict:
         self._check()
-        network = self.trainer.network
-        arrays = {f"model/{i:04d}": v.numpy() for i, v in enumerate(network.variables)}
-        arrays.update({f"optimizer/{i:04d}": np.asarray(v.numpy())
-                       for i, v in enumerate(network.optimizer.variables)})
-        return {"arrays": arrays, "variables": [v.path for v in network.variables]}
+        return {"arrays": self.core.dense_arrays(), "variables": self.core.variable_paths()}
 
     def variable_shapes(self) -> dict:
         """``model/NNNN`` and ``optimizer/NNNN`` -> shape: what a checkpoint must hold."""
-        network = self.trainer.network
-        shapes = {f"model/{i:04d}": tuple(v.shape) for i, v in enumerate(network.variables)}
-        shapes.update({f"optimizer/{i:04d}": tuple(v.shape)
-                       for i, v in enumerate(network.optimizer.variables)})
-        return shapes
+        return self.core.dense_shapes()
 
     def set_dense_state(self, arrays: dict) -> None:
-        network = self.trainer.network
-        for i, v in enumerate(network.variables):
-            v.assign(arrays[f"model/{i:04d}"])
-        for i, v in enumerate(network.optimizer.variables):
-            v.assign(arrays[f"optimizer/{i:04d}"])
+        self.core.set_dense_arrays(arrays)
 
     def get_timings(self) -> dict:
         return dict(self.timings)
