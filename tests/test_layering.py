@@ -53,13 +53,17 @@ def test_only_one_module_imports_the_kafka_client():
     assert importers == [KAFKA_MODULE]
 
 
-def test_importing_schemas_and_compression_loads_neither_beam_nor_tensorflow():
-    code = ("import sys, schemas, compression, compression.inspect, compression.compress; "
-            "print(sorted(m for m in ('apache_beam', 'tensorflow', 'keras', 'confluent_kafka') "
-            "if m in sys.modules))")
+def loaded_by(imports: str, modules: tuple) -> list:
+    """Which of ``modules`` a fresh interpreter has loaded after ``import <imports>``."""
+    code = f"import sys, {imports}; print([m for m in {modules!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    return ast.literal_eval(out.stdout.strip())
+
+
+def test_importing_schemas_and_compression_loads_neither_beam_nor_tensorflow():
+    assert loaded_by("schemas, compression, compression.inspect, compression.compress",
+                     ("apache_beam", "tensorflow", "keras", "confluent_kafka")) == []
 
 
 def _uses_pyarrow_json(path: pathlib.Path) -> bool:
@@ -175,21 +179,12 @@ def test_a_store_shard_process_loads_neither_tensorflow_nor_ray():
     """Ray pickles the shard actor's class by reference; its process imports
     trainer.distributed.shard, which must not pull in TensorFlow (seconds and hundreds of MB
     per shard) or the driver."""
-    code = ("import sys, trainer.distributed.shard; "
-            "print(sorted(m for m in ('tensorflow', 'keras', 'ray', 'trainer.trainer', "
-            "'trainer.distributed.driver') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
-
+    assert loaded_by("trainer.distributed.shard", ("tensorflow", "keras", "ray", "trainer.trainer",
+                                                  "trainer.distributed.driver")) == []
 
 
 def test_the_fit_loop_loads_neither_tensorflow_nor_an_engine():
     """trainer.fitting is the one fit loop that Trainer.fit and DistributedTrainer.fit hand
     their arguments to; it knows engines only by what they do."""
-    code = ("import sys, trainer.fitting; "
-            "print(sorted(m for m in ('tensorflow', 'keras', 'ray', 'trainer.trainer', "
-            "'trainer.model', 'trainer.distributed.driver') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    assert loaded_by("trainer.fitting", ("tensorflow", "keras", "ray", "trainer.trainer",
+                                         "trainer.model", "trainer.distributed.driver")) == []
