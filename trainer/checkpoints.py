@@ -265,3 +265,10 @@ def config_before_l2(config: dict) -> dict:
     config["tables"] = {name: {**(raw or {}), "l2": (raw or {}).get("l2", 0.0)}
                         for name, raw in (config.get("tables") or {}).items()}
     return config
+
+
+def dense_name(kind: str, index: int) -> str:
+    """The name of dense array ``index`` in ``dense.npz`` (checkpoints, exports, deltas):
+    ``model/NNNN`` (``kind`` "model": the network's variables, in their build order) or
+    ``optimizer/NNNN`` (the dense optimizer's)."""
+    return f"{kind}/{index:04d}"

@@ -60,3 +60,19 @@ class StreamingAUC:
     def reset(self) -> None:
         self.pos[:] = 0
         self.neg[:] = 0
+
+
+def evaluation(probabilities: dict, labels: dict, loss_sum: float, n: int,
+               seconds: float) -> dict:
+    """An evaluation's dict: ``{"samples", "loss", "seconds", "samples_per_sec", "auc",
+    "logloss", "auc/<label>", "logloss/<label>", ...}`` from every head's joined
+    ``probabilities`` and ``labels`` (arrays per label) and the summed loss of ``n`` samples;
+    ``auc`` and ``logloss`` are the first head's."""
+    out = {"samples": n, "loss": loss_sum / max(n, 1), "seconds": seconds,
+           "samples_per_sec": n / max(seconds, 1e-9)}
+    for i, (name, p) in enumerate(probabilities.items()):
+        out[f"auc/{name}"] = auc(p, labels[name])
+        out[f"logloss/{name}"] = logloss(p, labels[name])
+        if i == 0:
+            out["auc"], out["logloss"] = out[f"auc/{name}"], out[f"logloss/{name}"]
+    return out

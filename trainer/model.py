@@ -26,6 +26,7 @@ import tensorflow as tf
 from compression import TreeBatch
 from schemas import Schema
 from trainer import models as models_lib
+from trainer.checkpoints import dense_name
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.feed import FeedBuilder, Layout, Prepared
 from trainer.network import Network
@@ -128,9 +129,10 @@ class ModelCore:
     def dense_names(self, optimizer: bool = True) -> list[str]:
         """``model/NNNN`` per dense variable, then (with ``optimizer``) ``optimizer/NNNN``
         per optimizer variable: the names in ``dense.npz``."""
-        names = [f"model/{i:04d}" for i in range(len(self.network.variables))]
+        names = [dense_name("model", i) for i in range(len(self.network.variables))]
         if optimizer:
-            names += [f"optimizer/{i:04d}" for i in range(len(self.network.optimizer.variables))]
+            names += [dense_name("optimizer", i)
+                      for i in range(len(self.network.optimizer.variables))]
         return names
 
     def _dense_variables(self, optimizer: bool = True) -> list:

@@ -42,6 +42,7 @@ import native
 import schemas
 from compression import LayerBatch, TreeBatch
 from schemas.hashing import id_shards
+from trainer.checkpoints import dense_name
 from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed, feed_signature
@@ -153,7 +154,7 @@ class Predictor:
             return
         with np.load(path) as arrays:
             for i, variable in enumerate(self.model.variables_):
-                variable.assign(arrays[f"model/{i:04d}"])
+                variable.assign(arrays[dense_name("model", i)])
             self.dense_step = int(arrays["step"])
 
     def predict(self, samples) -> np.ndarray:

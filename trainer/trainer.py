@@ -39,7 +39,7 @@ from trainer.config import ConfigError, TrainConfig, resolve_function, row_l2, t
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, Prepared
 from trainer.fitting import FitState
-from trainer.metrics import auc, logloss
+from trainer.metrics import evaluation
 from trainer.model import ModelCore
 from trainer.network import sum_row_slices
 
@@ -193,23 +193,15 @@ class Trainer(ModelCore):
         admission): ``{"samples", "loss", "auc", "logloss", "auc/<label>", ...}``; ``auc`` and
         ``logloss`` are of the model's first head."""
         started = time.perf_counter()
-        probabilities, labels, loss = self._predict_all(data, progress)
-        seconds = time.perf_counter() - started
-        n = len(next(iter(labels.values()))) if labels else 0
-        out = {"samples": n, "loss": loss, "seconds": seconds,
-               "samples_per_sec": n / max(seconds, 1e-9)}
-        for i, (name, p) in enumerate(probabilities.items()):
-            out[f"auc/{name}"] = auc(p, labels[name])
-            out[f"logloss/{name}"] = logloss(p, labels[name])
-            if i == 0:
-                out["auc"], out["logloss"] = out[f"auc/{name}"], out[f"logloss/{name}"]
+        probabilities, labels, loss_sum, n = self._predict_all(data, progress)
+        out = evaluation(probabilities, labels, loss_sum, n, time.perf_counter() - started)
         fitting.write_eval_scalars(log_dir, self.step, out)
         return out
 
     def predict(self, data, *, progress: bool = False) -> np.ndarray:
         """Probabilities per sample, in the leaf order of the batches (tree order): float32[n]
         for a one-head model, float32[n, heads] otherwise."""
-        probabilities, _, _ = self._predict_all(data, progress)
+        probabilities = self._predict_all(data, progress)[0]
         columns = list(probabilities.values())
         return columns[0] if len(columns) == 1 else np.stack(columns, axis=1)
 
@@ -231,7 +223,7 @@ class Trainer(ModelCore):
         finally:
             bar.close()
         join = lambda d: {k: np.concatenate(v) for k, v in d.items()}  # noqa: E731
-        return join(probabilities), join(labels), loss_sum / max(n, 1)
+        return join(probabilities), join(labels), loss_sum, n
 
     # -- the three-stage input pipeline -----------------------------------------------------
 

@@ -25,7 +25,7 @@ from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting, runs
-from trainer.checkpoints import config_before_l2
+from trainer.checkpoints import config_before_l2, dense_name
 from trainer.config import ConfigError, TrainConfig, resolve_function, table_seed
 from trainer.data import count_samples
 from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
@@ -35,7 +35,7 @@ from trainer.distributed.shard import RESTARTED, Shard
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
                                         unresolved_dense, worker_batch_size)
 from trainer.fitting import FitState
-from trainer.metrics import auc, logloss
+from trainer.metrics import evaluation
 from trainer.ray_address import check_ray_address
 
 # Shards are processes; past a few thousand the per-step calls (one per shard and worker)
@@ -516,14 +516,9 @@ class DistributedTrainer:
         finally:
             bar.close()
             ray.get([w.close_pass.remote("eval") for w in self._workers])
-        seconds = time.perf_counter() - started
-        out = {"samples": n_total, "loss": loss_sum / max(n_total, 1), "seconds": seconds,
-               "samples_per_sec": n_total / max(seconds, 1e-9)}
-        for i, (name, parts) in enumerate(probabilities.items()):
-            p, y = np.concatenate(parts), np.concatenate(labels[name])
-            out[f"auc/{name}"], out[f"logloss/{name}"] = auc(p, y), logloss(p, y)
-            if i == 0:
-                out["auc"], out["logloss"] = out[f"auc/{name}"], out[f"logloss/{name}"]
+        join = lambda d: {k: np.concatenate(v) for k, v in d.items()}  # noqa: E731
+        out = evaluation(join(probabilities), join(labels), loss_sum, n_total,
+                         time.perf_counter() - started)
         return out
 
     # -- state ----------------------------------------------------------------------------
@@ -569,7 +564,7 @@ class DistributedTrainer:
     def dense_weights(self, worker: int = 0) -> list[np.ndarray]:
         """The dense variables of one worker (all workers hold the same values)."""
         state = ray.get(self._workers[worker].dense_state.remote())
-        return [state["arrays"][f"model/{i:04d}"] for i in range(len(state["variables"]))]
+        return [state["arrays"][dense_name("model", i)] for i in range(len(state["variables"]))]
 
     def timings(self) -> dict:
         """Seconds spent so far in each part of the steps, per worker and per shard."""
