@@ -241,7 +241,29 @@ def fit_result(args, config, history: dict, stats: dict, keep_best: bool, epochs
                   rejected=stats.get("rejected", 0), expired=stats.get("expired", 0),
                   model=args.model, compute=config.compute, batch_size=config.batch_size,
                   epochs=epochs, run_dir=os.path.abspath(args.out))
+    if getattr(args, "export_dir", None):
+        result["export_dir"] = os.path.abspath(args.export_dir)
     return {k: json_number(v) for k, v in result.items()}
+
+
+def check_export_dir(export_dir: str, out: str, inputs) -> None:
+    """``--export-dir``, before any work: missing, empty or an export (replaced whole at the
+    end), and neither inside the run directory nor holding it or an input."""
+    from compression.cli import UsageError
+
+    real, run = os.path.realpath(export_dir), os.path.realpath(out)
+    for other, what in ((run, f"the run directory {out}"),
+                        *((os.path.realpath(i), f"the input {i}") for i in inputs)):
+        if real == other or real.startswith(other.rstrip(os.sep) + os.sep) or \
+                other.startswith(real.rstrip(os.sep) + os.sep):
+            raise UsageError(f"--export-dir {export_dir}: overlaps {what}; choose a directory "
+                             "of its own")
+    if os.path.lexists(export_dir) and not os.path.isdir(export_dir):
+        raise UsageError(f"--export-dir {export_dir}: exists and is not a directory")
+    if os.path.isdir(export_dir) and os.listdir(export_dir) and \
+            not os.path.isfile(os.path.join(export_dir, "export.json")):
+        raise UsageError(f"--export-dir {export_dir}: holds something other than an export "
+                         "(no export.json); choose an empty or new directory")
 
 
 def result_line(result: dict) -> str:
@@ -258,7 +280,8 @@ def result_line(result: dict) -> str:
                  f"{result['worker_batch_size']:,}")
     return (f"{auc} | {result['samples_per_sec']:,.0f} samples/s | "
             f"{result['id_compression']:.2f}x fewer ids looked up than flat samples hold | "
-            f"{result['store_rows']:,} store rows{batch}")
+            f"{result['store_rows']:,} store rows{batch}"
+            + (f" | serving export in {result['export_dir']}" if result.get("export_dir") else ""))
 
 
 def json_number(v):

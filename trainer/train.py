@@ -6,7 +6,8 @@
 
 Shows a progress bar on stderr, writes TensorBoard scalars (loss, AUC, samples/s, store rows,
 admitted/rejected/expired) to ``RUN_DIR/train`` and ``RUN_DIR/eval``, the checkpoint to
-``RUN_DIR/checkpoint`` and the result to ``RUN_DIR/result.json``, and prints the result as one
+``RUN_DIR/checkpoint`` (with ``--export-dir``, a serving export of the kept model too) and the
+result to ``RUN_DIR/result.json``, and prints the result as one
 JSON line on stdout (``id_compression``: ids the samples hold expanded to the leaves over ids
 looked up, i.e. what the tree structure saved the trainer).
 
@@ -31,7 +32,7 @@ import schemas
 from compression import cli
 from trainer.config import ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
-                          StopOnSignal, fit_result, interrupted_run, link_tree,
+                          StopOnSignal, check_export_dir, fit_result, interrupted_run, link_tree,
                           load_tensorflow, result_line, run_settings, write_interrupted)
 
 PROG = "python -m trainer.train"
@@ -76,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
                         "renamed into place at the end (or on an interrupt, with the "
                         "checkpoint); a directory holding another run is refused, an "
                         "interrupted one is continued with --resume")
+    p.add_argument("--export-dir", metavar="DIR",
+                   help="also write a serving export of the kept model here at the end "
+                        "(SavedModel + embedding snapshots: trainer.serving.Predictor reads "
+                        "it); a directory holding an export is replaced atomically")
     cli.add_overwrite_flag(p, "the run directory")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out (same arguments otherwise): "
@@ -145,6 +150,8 @@ def run(argv=None) -> dict:
             "workers": args.workers, "shards": args.shards} if distributed_run else None)
     else:
         cli.check_output(args.out, args.overwrite, "--out", inputs)
+    if args.export_dir:
+        check_export_dir(args.export_dir, args.out, inputs)
     if args.ray_address:
         # before TensorFlow is imported (~10 s): an address where nothing answers is told now
         from trainer.ray_address import check_ray_address
@@ -213,6 +220,8 @@ def run(argv=None) -> dict:
                 f"{go_on}") from None
         if not keep_best:
             trainer.save(checkpoint)
+        if args.export_dir:
+            trainer.export(args.export_dir)  # the kept model: fit went back to the best
         result = fit_result(args, config, history, trainer.store_stats(), keep_best, epochs)
         with open(os.path.join(run_dir, "result.json"), "w") as f:
             json.dump(result, f, indent=1)

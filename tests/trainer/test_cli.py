@@ -44,7 +44,7 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
                           "--eval-data", str(tmp_path / "eval.parquet"),
                           "--config", str(config), "--model", "mlp", "--hidden", "8",
                           "--compute", "structured", "--batch-size", "200", "--epochs", "2",
-                          "--out", str(run_dir)])
+                          "--out", str(run_dir), "--export-dir", str(tmp_path / "export")])
     assert result["samples"] == 2 * raw_small.num_rows and result["eval_samples"] == 600
     assert result["steps"] == 20
     assert result["id_compression"] > 1.5   # ~10 samples per user: user ids looked up once
@@ -69,6 +69,28 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
     assert evaluation["auc"] == result["auc"]  # the run's AUC is its kept checkpoint's
     assert evaluation["logloss"] == pytest.approx(result["logloss"], rel=1e-6)
     assert evaluation["store_rows"] == result["store_rows"]
+
+    # --export-dir: a serving export of the kept model, which scores the eval data as it did
+    from trainer.metrics import auc
+    from trainer.serving import Predictor
+
+    assert result["export_dir"] == str(tmp_path / "export")
+    assert f"| serving export in {tmp_path / 'export'}" in stderr
+    eval_table = pq.read_table(tmp_path / "eval.parquet")
+    scores = Predictor(tmp_path / "export").predict(eval_table)
+    assert auc(scores, eval_table.column("click").to_numpy()) == pytest.approx(result["auc"],
+                                                                              abs=1e-6)
+    # a directory holding something else is refused before any work
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    refused = subprocess.run([sys.executable, "-m", "trainer.train", "--schema", SCHEMA_PATH,
+                              "--train-data", str(tmp_path / "eval.parquet"),
+                              "--out", str(tmp_path / "run2"),
+                              "--export-dir", str(tmp_path / "other")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert refused.returncode == 2
+    assert "--export-dir" in refused.stderr and "no export.json" in refused.stderr
+    assert not (tmp_path / "run2").exists()
 
 
 def test_bad_config_is_a_usage_error(tmp_path):

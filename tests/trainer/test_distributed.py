@@ -189,7 +189,8 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     # evaluation after every pass and every 4 steps, the best model kept, early stopping
     result = train.run(base + ["--out", str(tmp_path / "run"), "--workers", "2",
                                "--shards", "2", "--eval-data", str(tmp_path / "trees"),
-                               "--epochs", "2", "--eval-every", "3", "--patience", "1"])
+                               "--epochs", "2", "--eval-every", "3", "--patience", "1",
+                               "--export-dir", str(tmp_path / "export")])
     evaluations = result["evaluations"]
     cfg800 = TrainConfig.from_dict({"embedding": {"dim": 4}, "batch_size": 800})
     per_pass = max(len(list(distributed.worker_batches(trees, schema, cfg800, w, W, 1, True)))
@@ -209,6 +210,15 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     assert result["id_compression"] > 1.5  # (its AUC is the best evaluation's: above)
     assert (tmp_path / "run" / "result.json").exists()
     assert [p for p in os.listdir(tmp_path / "run" / "train") if p.startswith("events.")]
+    # --export-dir: the kept (best) model, sharded, scores the eval data as it did
+    from trainer.metrics import auc
+    from trainer.serving import Predictor
+
+    export = __import__("json").loads((tmp_path / "export" / "export.json").read_text())
+    assert export["step"] == best["step"] and export["shards"] == 2
+    flat = compression.flatten(trees, schema)
+    scores = Predictor(tmp_path / "export").predict(flat)
+    assert auc(scores, flat.column("click").to_numpy()) == pytest.approx(result["auc"], abs=1e-6)
 
     # the CLI's 2-shard checkpoint restored into 3 shards: every id looks up the same row
     checkpoint = tmp_path / "run" / "checkpoint"

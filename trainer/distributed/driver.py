@@ -801,6 +801,8 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
                     keep_best, history.get("best"), go_on)
             if not keep_best:
                 trainer.save(checkpoint)
+        if args.export_dir:
+            trainer.export(args.export_dir)  # the kept model: fit went back to the best
         stats = trainer.store_stats()
         rows = stats.get("rows", 0)
         if history["samples"] and rows and args.shards > rows:
