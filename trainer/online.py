@@ -646,7 +646,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoints and TensorBoard logs; restored from on start")
     parser.add_argument("--config", help="trainer YAML (see trainer/examples/mlp.yaml)")
     parser.add_argument("--model", choices=sorted(MODEL_NAMES),
-                        default="mlp", help="built-in model for a new run (default mlp)")
+                        help="built-in model for a new run (default mlp)")
+    parser.add_argument("--init-from", metavar="RUN_DIR",
+                        help="start a new run from the model a trainer.train run kept (in "
+                             "process or on Ray): its dense weights, every embedding row with "
+                             "its optimizer state and counters, the entry filters' state, its "
+                             "step and config; what the batch run saw counts as seen. Ignored "
+                             "once --run-dir holds a checkpoint of its own")
     parser.add_argument("--export-dir", help="write store deltas and dense weights here")
     parser.add_argument("--export-every", type=float, default=10.0,
                         help="seconds between exports (default 10)")
@@ -691,6 +697,9 @@ def run(argv=None) -> dict:
         parser.error(f"--unit-samples: expected at least 1, got {args.unit_samples}")
     if args.max_message_bytes < 1:
         parser.error(f"--max-message-bytes: expected at least 1, got {args.max_message_bytes}")
+    if args.init_from and (args.config or args.model):
+        parser.error("--init-from takes the batch run's config and model; drop --config and "
+                     "--model")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     load_tensorflow(args.debug)
     from trainer.models import MODELS
@@ -709,9 +718,15 @@ def run(argv=None) -> dict:
             trainer = Trainer.restore(os.path.join(latest.path, "model"))
             offsets = {int(p): o for p, o in latest.state["offsets"].items()}
             log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
+            if args.init_from:
+                log.info("--init-from %s ignored: %s holds a checkpoint of its own",
+                         args.init_from, args.run_dir)
+        elif args.init_from:
+            trainer = _init_from(parser, args.init_from, schema)
+            offsets = {}
         else:
             config = TrainConfig.load(args.config) if args.config else TrainConfig()
-            trainer = Trainer(schema, MODELS[args.model](), config)
+            trainer = Trainer(schema, MODELS[args.model or "mlp"](), config)
             offsets = {}
         if args.expire_every is not None:
             trainer.config = trainer.config.with_expire_every(args.expire_every)
@@ -747,6 +762,24 @@ def run(argv=None) -> dict:
           f"p99 {delay['p99']} s), {summary['store_rows']:,} store rows", flush=True)
     print(json.dumps(summary, sort_keys=True), flush=True)
     return summary
+
+
+def _init_from(parser, run_dir: str, schema: schemas.Schema) -> Trainer:
+    """The model a batch run kept, checked against this run's schema."""
+    from trainer.checkpoints import CheckpointDamagedError
+    from trainer.distributed.manifest import schema_difference
+    from trainer.trainer import Trainer
+
+    try:
+        trainer = Trainer.restore_run(run_dir)
+    except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
+        parser.error(f"--init-from {run_dir}: {e}")
+    if trainer.schema.to_dict() != schema.to_dict():
+        parser.error(f"--init-from {run_dir}: the batch run was trained on another schema "
+                     f"({schema_difference(trainer.schema.to_dict(), schema.to_dict())})")
+    log.info("initialised from %s: step %d, %d store rows", run_dir, trainer.step,
+             trainer.store_rows())
+    return trainer
 
 
 def main(argv=None) -> int:

@@ -392,6 +392,46 @@ class Trainer(ModelCore):
         trainer._load_state(directory, state)
         return trainer
 
+    @classmethod
+    def restore_run(cls, run_dir: str | os.PathLike,
+                    model: models_lib.DenseNet | None = None) -> "Trainer":
+        """The model a ``trainer.train`` run kept (``RUN_DIR/checkpoint``), in process or on
+        Ray, as one in-process Trainer: a Ray run's store shards are merged into one store
+        per table (every row with its optimizer state, update count and last step, and the
+        entry filters' state, as resharding moves them), its dense weights and optimizer
+        state, step and counters taken as they are. What ``trainer.online --init-from``
+        starts from."""
+        run_dir = os.fspath(run_dir)
+        checkpoint = os.path.join(run_dir, "checkpoint")
+        if os.path.isfile(os.path.join(checkpoint, "trainer.json")):
+            return cls.restore(checkpoint, model)
+        if not os.path.isfile(os.path.join(checkpoint, "manifest.json")):
+            raise FileNotFoundError(
+                f"{run_dir}: not a trainer.train run directory (no checkpoint/trainer.json or "
+                "checkpoint/manifest.json); an interrupted run keeps its model there too")
+        from trainer.distributed.manifest import read_manifest, shard_snapshot_spec
+        from trainer.distributed.shard import Shard, table_specs
+
+        manifest = read_manifest(checkpoint)
+        if model is None:
+            if manifest["model"] is None:
+                raise ValueError(f"{checkpoint}: the run's model is not built in; pass model= "
+                                 "(a fresh instance of the same DenseNet)")
+            model = models_lib.from_spec(manifest["model"])
+        schema = schemas.from_dict(manifest["schema"])
+        config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
+        trainer = cls(schema, model, config)
+        arrays = _read_dense(checkpoint)
+        trainer.check_dense_arrays(arrays, os.path.join(checkpoint, "dense.npz"),
+                                   CheckpointDamagedError)
+        merged = Shard(0, 1, table_specs(config, trainer.tables, 1),
+                       restore=shard_snapshot_spec(checkpoint, manifest, 0, 1))
+        trainer.set_dense_arrays(arrays)
+        trainer.stores.update(merged.stores)
+        trainer.step, trainer.samples = manifest["step"], manifest["samples"]
+        trainer.expired = manifest["expired"]
+        return trainer
+
     def load(self, directory: str | os.PathLike) -> None:
         """Load the dense weights, stores and counters of a checkpoint of this same trainer
         (e.g. the best one ``fit`` kept) in place."""

@@ -416,3 +416,45 @@ def test_delay_histogram_percentiles_within_a_bucket():
     exact = np.percentile(np.r_[np.arange(1000) * 10.0, -5.0, 3_600_000.0], [50, 99]) / 1000
     assert abs(got["p50"] - exact[0]) <= 0.011 and abs(got["p99"] - exact[1]) <= 0.011
     assert histogram.counts.sum() == 1002 and histogram.counts[-1] == 1
+
+
+def test_init_from_a_batch_run_continues_its_model(kafka_broker, files, tmp_path):
+    """``--init-from RUN_DIR`` starts a new online run from the model a batch run kept: its
+    step, config and every row; a row the stream never touches stays the batch run's bit for
+    bit, the rows it does touch go on from the batch run's (counts add up)."""
+    import pyarrow as pa
+
+    import schemas
+    from trainer import TrainConfig, Trainer, models
+
+    schema_path, config_path = files
+    samples = [json.loads(_sample(i)[1]) for i in range(1200)]
+    batch = Trainer(schemas.load(schema_path), models.MLP(), TrainConfig.from_dict(CONFIG))
+    batch.fit(pa.Table.from_pylist(samples[:600]), shuffle=False)
+    batch.save(tmp_path / "batch" / "checkpoint")
+    topic = kafka_broker.create_topic()
+    kafka_broker.produce(topic, [_sample(i) for i in range(600, 1200)])
+    run_dir = str(tmp_path / "online")
+    command = [sys.executable, "-m", "trainer.online", "--schema", schema_path,
+               "--bootstrap-servers", kafka_broker.bootstrap, "--topic", topic,
+               "--group", "g-init", "--run-dir", run_dir, "--max-samples", "600"]
+    refused = subprocess.run(command + ["--init-from", str(tmp_path / "batch"), "--config",
+                                        config_path], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "drop --config" in refused.stderr
+    out = subprocess.run(command + ["--init-from", str(tmp_path / "batch")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"initialised from {tmp_path / 'batch'}: step {batch.step}" in out.stderr
+    latest, sids = _final_store(run_dir, "sid")
+    assert latest.step > batch.step
+    online = sids.to_numpy()
+    before = batch.stores["sid"].to_numpy()
+    seen = np.isin(online["ids"], before["ids"])
+    assert seen.sum() == len(before["ids"])  # every row of the batch run is there
+    order_a, order_b = np.argsort(online["ids"][seen]), np.argsort(before["ids"])
+    for key in ("values", "state", "update_counts", "last_steps"):
+        np.testing.assert_array_equal(online[key][seen][order_a], before[key][order_b])
+    _, uids = _final_store(run_dir, "uid")
+    after, start = uids.to_numpy(), batch.stores["uid"].to_numpy()
+    assert np.array_equal(np.sort(after["ids"]), np.sort(start["ids"]))  # 37 users, both
+    assert after["update_counts"].sum() > start["update_counts"].sum()

@@ -80,6 +80,10 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
     scores = Predictor(tmp_path / "export").predict(eval_table)
     assert auc(scores, eval_table.column("click").to_numpy()) == pytest.approx(result["auc"],
                                                                               abs=1e-6)
+    from trainer import Trainer
+
+    kept = Trainer.restore_run(run_dir)  # what trainer.online --init-from starts from
+    assert kept.step == best["step"] and kept.store_rows() == result["store_rows"]
     # a directory holding something else is refused before any work
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")

@@ -1,5 +1,6 @@
 """Distributed training on a real local Ray cluster (store shards and workers are separate
 processes) equals single-process training on the union of the workers' batches."""
+import glob
 import json
 import os
 import re
@@ -219,6 +220,11 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     flat = compression.flatten(trees, schema)
     scores = Predictor(tmp_path / "export").predict(flat)
     assert auc(scores, flat.column("click").to_numpy()) == pytest.approx(result["auc"], abs=1e-6)
+    # the run as one in-process Trainer (what trainer.online --init-from starts from): its
+    # shards merged, it scores as the export does
+    merged = Trainer.restore_run(tmp_path / "run")
+    assert merged.step == best["step"] and merged.store_rows() == export_rows(tmp_path / "export")
+    assert merged.evaluate(trees)["auc"] == pytest.approx(result["auc"], abs=1e-6)
 
     # the CLI's 2-shard checkpoint restored into 3 shards: every id looks up the same row
     checkpoint = tmp_path / "run" / "checkpoint"
@@ -430,6 +436,12 @@ def test_cli_sigint_drains_writes_a_checkpoint_and_exits_130(cluster, cli_files,
         assert dt.step == state["step"] and dt.samples == state["samples"]
         history = dt.fit(str(base / "trees"), epochs=1)
         assert history["steps"] > 0 and not history["interrupted"]
+
+
+def export_rows(directory) -> int:
+    """Rows of every table of a sharded export."""
+    return sum(len(native.EmbeddingStore.load(path))
+               for path in glob.glob(os.path.join(directory, "stores", "*", "shard-*")))
 
 
 def read_json(path):

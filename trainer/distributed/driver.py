@@ -4,7 +4,6 @@ synchronous steps, checkpoints, recovers from a dead actor, and runs ``trainer.t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -26,12 +25,12 @@ from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting, runs
 from trainer.checkpoints import config_before_l2, dense_name
-from trainer.config import ConfigError, TrainConfig, resolve_function, table_seed
+from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import count_samples
 from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
                                           shard_snapshot_spec, read_manifest)
 from trainer.distributed.placement import shard_of
-from trainer.distributed.shard import RESTARTED, Shard
+from trainer.distributed.shard import RESTARTED, Shard, table_specs
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
                                         unresolved_dense, worker_batch_size)
 from trainer.fitting import FitState
@@ -47,23 +46,6 @@ def _check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
     return value
-
-
-def _table_specs(config: TrainConfig, tables, shards: int) -> dict:
-    specs = {}
-    for table in tables:
-        tc = config.table(table)
-        if tc.max_rows is not None and shards > 1:
-            tc = dataclasses.replace(tc, max_rows=math.ceil(tc.max_rows / shards))
-        expire = tc.expire
-        specs[table] = {"store": tc.store_config(seed=table_seed(config.seed, table)),
-                        "l2": tc.l2,
-                        "expire": None if expire is None else {
-                            "every_steps": expire.every_steps,
-                            "max_idle_steps": expire.max_idle_steps,
-                            "max_idle_seconds": expire.max_idle_seconds,
-                            "function": expire.function}}
-    return specs
 
 
 def _is_actor_failure(error: BaseException) -> bool:
@@ -175,7 +157,7 @@ class DistributedTrainer:
                     f"the Ray cluster{'' if ray_address is None else ' at ' + ray_address} "
                     f"has {cpus:g} CPUs; {self.workers} workers + {self.shards} shards at "
                     f"{actor_cpus:g} CPU each need {needed:g} (lower actor_cpus or add nodes)")
-            specs = _table_specs(config, self.tables, self.shards)
+            specs = table_specs(config, self.tables, self.shards)
             # Ray restarts a dead actor by running its constructor again (max_restarts); a
             # task is never retried (max_task_retries=0): a step is not idempotent, the
             # driver rolls everything back to a checkpoint instead.

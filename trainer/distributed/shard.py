@@ -7,7 +7,9 @@ A module-level class that Ray pickles by reference: a shard process imports nump
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import math
 import os
 import shutil
 import tempfile
@@ -16,7 +18,7 @@ import time
 import numpy as np
 
 import native
-from trainer.config import row_l2
+from trainer.config import row_l2, table_seed
 from trainer.distributed.placement import shard_of
 
 RESTARTED = "prefixrec: actor restarted"
@@ -31,6 +33,26 @@ def reconstructed() -> bool:
         return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not in a Ray actor (tests use the classes directly)
         return False
+
+
+def table_specs(config, tables, shards: int) -> dict:
+    """What a :class:`Shard` of ``shards`` takes for every table of ``config`` (a
+    TrainConfig): its store config (a table's ``max_rows`` split over the shards), row L2 and
+    expiry."""
+    specs = {}
+    for table in tables:
+        tc = config.table(table)
+        if tc.max_rows is not None and shards > 1:
+            tc = dataclasses.replace(tc, max_rows=math.ceil(tc.max_rows / shards))
+        expire = tc.expire
+        specs[table] = {"store": tc.store_config(seed=table_seed(config.seed, table)),
+                        "l2": tc.l2,
+                        "expire": None if expire is None else {
+                            "every_steps": expire.every_steps,
+                            "max_idle_steps": expire.max_idle_steps,
+                            "max_idle_seconds": expire.max_idle_seconds,
+                            "function": expire.function}}
+    return specs
 
 
 class Shard:
