@@ -43,6 +43,16 @@ class DenseNet(keras.layers.Layer):
     def probabilities(self, outputs: dict) -> dict:
         return {name: tf.sigmoid(logits) for name, logits in outputs.items()}
 
+    def output_biases(self, outputs) -> dict:
+        """``{output name: bias variable}``: the bias added last to each output's logit, in the
+        order of ``outputs`` (the dict ``forward`` returned), for calibrating a fresh model to
+        its data's rates (``Trainer.calibrate_output``); {} when there is none to shift. The
+        built-in one-tower models shift their tower's output layer."""
+        tower = getattr(self, "tower", None)
+        if tower is None or getattr(tower, "out", None) is None or len(outputs) != 1:
+            return {}
+        return {next(iter(outputs)): tower.out.bias}
+
     def spec(self) -> dict:
         """Name and arguments that rebuild this model (checkpoints store them)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt from a checkpoint; "
@@ -232,6 +242,9 @@ class ESMM(DenseNet):
 
     def forward(self, inputs):
         return {"ctr": self.ctr(inputs), "cvr": self.cvr(inputs)}
+
+    def output_biases(self, outputs) -> dict:
+        return {"ctr": self.ctr.out.bias, "cvr": self.cvr.out.bias}
 
     def loss(self, outputs, labels):
         ctr_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(

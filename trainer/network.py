@@ -308,6 +308,10 @@ class Network:
         twin._compile()
         return twin
 
+    def outputs(self, feed) -> dict:
+        """The model's outputs (logits per head) on ``feed``, eagerly, not training."""
+        return self._forward(feed)
+
     def _forward(self, feed, training: bool = False):
         return self.model.forward(Inputs(self.layout, feed, flat=not self.structured,
                                          training=training))

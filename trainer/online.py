@@ -200,8 +200,11 @@ class OnlineTrainer:
                  poll_timeout: float = 0.2, status_path: str | None = None,
                  on_export=None, log_dir: str | None = None, report_every: float = 10.0,
                  reader_nice: int = DEFAULT_READER_NICE, unit_samples: int | None = None,
-                 record_predictions: bool = False):
+                 record_predictions: bool = False, calibrate: bool = False):
         self.schema = schema
+        # a new run's model: shift its output biases to the first batch's label rates first
+        # (Trainer.calibrate_output), so it starts at the constant predictor, not at 0.5
+        self.calibrate = calibrate
         self.trainer = trainer
         self.source = source
         self.checkpoints = checkpoints
@@ -418,6 +421,11 @@ class OnlineTrainer:
 
     def _train(self, unit: Unit):
         for batch in unit.batches:
+            if self.calibrate:
+                self.calibrate = False
+                for label, (rate, shift) in self.trainer.calibrate_output(batch).items():
+                    log.info("new model: %s output bias shifted by %+.3f to the first "
+                             "batch's rate %.4f", label, shift, rate)
             # the probabilities of the step, computed before its update: progressive validation
             _, probabilities, labels = self.trainer.train_batch(batch, predictions=True)
             if self.pv_label is None:
@@ -743,7 +751,8 @@ def run(argv=None) -> dict:
                            status_path=os.path.join(args.run_dir, "status.json"),
                            log_dir=os.path.join(args.run_dir, "online"),
                            report_every=args.report_every, reader_nice=args.reader_nice,
-                           unit_samples=args.unit_samples)
+                           unit_samples=args.unit_samples,
+                           calibrate=latest is None and not args.init_from)
     signal.signal(signal.SIGTERM, online.stop)
     signal.signal(signal.SIGINT, online.stop)
     try:

@@ -186,6 +186,35 @@ class Trainer(ModelCore):
                 "embeddings": {t: (feed.unique_ids[t], rows[str(d)][a:b])
                                for t, (d, a, b) in feed.row_ranges.items()}}
 
+    def calibrate_output(self, batch: TreeBatch | Prepared) -> dict:
+        """Shift each head's output bias so that the model's mean probability on ``batch``
+        equals the rate of that head's label there (a fresh model starts near 0.5 and scores
+        worse than the constant rate until it has learned the bias; online learning calls this
+        on a new run's first batch). Rows are looked up without admitting anything. Returns
+        ``{label: (rate, shift)}``; a model without ``output_biases`` is left as it is."""
+        prepared = batch if isinstance(batch, Prepared) else self.prepare_numpy(batch)
+        feed = self.builder.lookup(prepared, self.stores, train=False)
+        outputs = {k: v.numpy() for k, v in self.network.outputs(feed.feed).items()}
+        biases = self.model.output_biases(outputs)
+        labels = list(self.model.probabilities(outputs))  # the heads' labels, in output order
+        shifted = {}
+        for (name, bias), label in zip(biases.items(), labels):
+            rate = float(np.clip(np.mean(feed.labels[label]), 1e-4, 1 - 1e-4))
+
+            def mean_probability(shift):
+                trial = {**outputs, name: outputs[name] + np.float32(shift)}
+                return float(np.mean(self.model.probabilities(trial)[label]))
+
+            low, high = -30.0, 30.0  # the mean probability rises with the shift
+            for _ in range(60):
+                mid = (low + high) / 2
+                low, high = (mid, high) if mean_probability(mid) < rate else (low, mid)
+            shift = (low + high) / 2
+            outputs[name] = outputs[name] + np.float32(shift)
+            bias.assign(bias + shift)
+            shifted[label] = (rate, shift)
+        return shifted
+
     # -- evaluation -------------------------------------------------------------------------
 
     def evaluate(self, data, *, progress: bool = False, log_dir: str | None = None) -> dict:

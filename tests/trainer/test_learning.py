@@ -139,3 +139,33 @@ def test_metrics():
     streaming.add(p[:5000], y[:5000])
     streaming.add(p[5000:], y[5000:])
     assert streaming.result() == pytest.approx(auc(p, y), abs=2e-3)
+
+
+@pytest.mark.parametrize("model", [models.MLP, models.ESMM])
+def test_calibrate_output_starts_a_fresh_model_at_the_label_rates(schema, trees_small, model):
+    """A fresh model predicts ~0.5; after ``calibrate_output`` on a batch its mean probability
+    of every head there is that head's label rate, and its log loss within 1% of always
+    predicting the rate (the constant predictor an online run must beat from its start; what
+    is left is the spread of the random initial weights) where it was far above it."""
+    config = TrainConfig(batch_size=500)
+    trainer = Trainer(schema, model(), config)
+    batch = next(compression.iter_batches(trees_small, schema, config.batch_size))
+
+    def scored():
+        feed = trainer.builder.lookup(trainer.prepare_numpy(batch), trainer.stores, train=False)
+        _, probabilities = trainer.network.predict_step(feed.feed)
+        return {k: v.numpy() for k, v in probabilities.items()}, feed.labels
+
+    before, labels = scored()
+    shifted = trainer.calibrate_output(batch)
+    after, _ = scored()
+    assert list(shifted) == list(after)  # every head
+    for label, p in after.items():
+        rate = labels[label].mean()
+        assert shifted[label][0] == pytest.approx(rate, abs=1e-6)
+        assert abs(before[label].mean() - rate) > 0.05  # it was not calibrated before
+        assert p.mean() == pytest.approx(rate, abs=1e-4)
+        constant = logloss(np.full(len(p), rate), labels[label])
+        assert logloss(before[label], labels[label]) > 1.2 * constant
+        assert logloss(p, labels[label]) < 1.01 * constant
+    assert trainer.store_rows() == 0  # nothing admitted
