@@ -129,6 +129,7 @@ class DistributedTrainer:
         self.ids_fed = 0       # ids looked up (per node in structured compute), all workers
         self.leaf_ids = 0      # ids the same samples hold expanded to the leaves
         self.recoveries: list[dict] = []  # one per rollback after an actor died
+        self.fit_state: FitState | None = None  # where the latest fit is (fitting.fit)
         self._rollback = None  # the last checkpoint fit wrote, to roll back to
         self._owns_ray = False
         self._closed = False
