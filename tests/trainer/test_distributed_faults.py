@@ -13,11 +13,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-# The module-scoped `runs` fixture (a killed 2 x 2 run and its single-process reference, ~35 s
-# alone) serves four tests: under pytest-xdist they stay in one process (--dist loadgroup), or
-# each process that gets one of them pays for the fixture again.
-pytestmark = pytest.mark.xdist_group("distributed_faults")
-
 import compression  # noqa: E402
 from trainer import TrainConfig, models  # noqa: E402
 from trainer.distributed import DistributedTrainer  # noqa: E402
