@@ -20,8 +20,12 @@ $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt require
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
+# pytest-xdist: TEST_WORKERS processes share the 2 cores of the reference machine; most tests
+# wait on brokers, child processes and Ray more than they compute, so more processes than cores
+# finish sooner. Every test is safe in parallel: own ports (port 0), tmp_path, own topics.
+TEST_WORKERS ?= 4
 test: $(STAMP) test-cpp
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS)
 
 # C++ unit tests of native/src (native/tests/*.cc), built at -O1 from the sources without the
 # Python binding (a rebuild after a native change takes ~30 s on 2 cores). Runner: doctest, a

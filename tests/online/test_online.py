@@ -17,7 +17,7 @@ import yaml
 from confluent_kafka import Consumer, TopicPartition
 
 import native
-from kafka_broker import KafkaBroker
+from kafka_broker import KafkaBroker, group_settings_for_tansu
 from pipelines import local_broker
 from tcp_proxy import TcpProxy
 from trainer.checkpoints import CheckpointManager
@@ -210,9 +210,12 @@ def _assert_trained_exactly_once(broker, topic, group, run_dir, stdout, total):
 @pytest.fixture
 def broker_behind_proxy():
     """A Tansu broker of its own that clients reach only through a TcpProxy (it advertises
-    the proxy's port), so a test can take it away and bring it back."""
+    the proxy's port), so a test can take it away and bring it back. Its clients get the
+    6 s group session (as with the ``kafka_broker`` fixture, which may not have run in this
+    process)."""
     proxy_port = local_broker.free_port()
-    with local_broker.tansu(advertised_port=proxy_port) as (bootstrap, process, log_path):
+    with local_broker.tansu(advertised_port=proxy_port) as (bootstrap, process, log_path), \
+            group_settings_for_tansu():
         upstream = ("127.0.0.1", int(bootstrap.rsplit(":", 1)[1]))
         with TcpProxy(upstream, port=proxy_port) as proxy:
             broker = KafkaBroker(f"127.0.0.1:{proxy_port}", process, log_path)

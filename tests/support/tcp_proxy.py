@@ -55,15 +55,25 @@ class TcpProxy:
         """Stop listening and reset every open connection (both sides see the peer vanish)."""
         listener, self._listener = self._listener, None
         if listener is not None:
+            # close() alone does not wake the thread blocked in accept() (Linux): shutdown()
+            # does, so the join below does not sit out its timeout
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             listener.close()
         with self._lock:
             sockets, self._sockets = self._sockets, set()
         for s in sockets:
             try:  # SO_LINGER 0: close sends RST, as a dead process's sockets do
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                s.close()
+                # close() alone does not end the pump thread's recv() on this socket, and the
+                # connection lives on (no RST) until that recv returns: SHUT_RD ends it now
+                # (and sends nothing; the close that follows sends the RST)
+                s.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
+            s.close()
         if self._acceptor is not None:
             self._acceptor.join(timeout=5)
         self.cuts += 1
