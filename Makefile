@@ -20,10 +20,12 @@ $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt require
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-# pytest-xdist: TEST_WORKERS processes share the 2 cores of the reference machine; most tests
-# wait on brokers, child processes and Ray more than they compute, so more processes than cores
-# finish sooner. Every test is safe in parallel: own ports (port 0), tmp_path, own topics.
-TEST_WORKERS ?= 4
+# pytest-xdist: TEST_WORKERS processes share the cores (make test TEST_WORKERS=4: 10-13 min
+# of pytest here instead of ~21). Serial by default until tests/pipelines/test_generate.py::
+# test_cli_interrupted_leaves_no_output passes under xdist: there its SIGINT reaches a
+# generate child that then runs to completion (exit 0), reproduced twice with -n 4 and never
+# seen in a serial run; the cause is not found yet.
+TEST_WORKERS ?= 0
 test: $(STAMP) test-cpp
 	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS)
 
