@@ -281,6 +281,18 @@ class EmbeddingStore:
         Returns the delta's sequence number. A refused delta changes nothing."""
         return self._native.apply_delta(os.fspath(path))
 
+    def read_delta(self, path: str | os.PathLike, ahead: int = 0) -> dict:
+        """What the delta at ``path`` would change, without applying it: refused as
+        :meth:`apply_delta` refuses it (damage, another dim or optimizer, a sequence other than
+        this store's ``delta_sequence + 1 + ahead``). Its net effect: ``ids`` (int64[n]) with
+        their embeddings ``rows`` (float32[n, dim]; no optimizer state) and ``tombstones``
+        (int64, ids it removes), each id in one of the two; plus ``sequence`` and
+        ``global_step``. A serving copy answers on "this store + the delta" while it applies it.
+        """
+        if ahead < 0:
+            raise InvalidInputError(f"read_delta: ahead must be >= 0, got {ahead}")
+        return dict(self._native.read_delta(os.fspath(path), int(ahead)))
+
     # -- entry-filter state ----------------------------------------------------------------
 
     def filter_state(self) -> dict[str, np.ndarray]:

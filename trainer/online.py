@@ -229,6 +229,8 @@ class OnlineTrainer:
         self._last_report = (time.monotonic(), 0, 0.0)  # (when, samples, trainer_waited then)
         self.last_lag: int | None = None
         self.last_delay: dict = {"p50": None, "p99": None}  # of the latest export
+        # Kafka arrival time (Unix s) of the newest sample trained into the latest export
+        self.newest_arrival: float | None = None
         self.stats = OnlineStats()
         # progressive validation of the first head: the whole run, and since the last report
         self.pv = ProgressiveValidation()
@@ -514,10 +516,13 @@ class OnlineTrainer:
         """Export store deltas (upserts and tombstones) and the dense weights for serving."""
         from trainer.serving import export_increment  # serving pieces live there
 
-        export_increment(self.trainer, self.export_dir)
-        now_ms = time.time() * 1000
         if self._pending_timestamps:
             stamps = np.concatenate(self._pending_timestamps)
+            if len(stamps):
+                self.newest_arrival = max(self.newest_arrival or 0.0, float(stamps.max()) / 1000)
+        export_increment(self.trainer, self.export_dir, newest_sample_time=self.newest_arrival)
+        now_ms = time.time() * 1000
+        if self._pending_timestamps:
             self._pending_timestamps = []
             delays = now_ms - stamps
             self.stats.delays.add(delays)

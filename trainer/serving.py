@@ -11,10 +11,22 @@ Layout of an export directory::
     export.json                 schema, config, model spec and heads, format version
     saved_model/                tf.saved_model with a ``predict`` function over the feed
     stores/<table>/store.snapshot
-    deltas/<table>/delta-NNNNNN.bin, dense.npz    (export_increment, later)
+    versions/vNNNNNNNN/<table>/delta-SSSSSS.bin   (export_increment, later: version N's
+    versions/vNNNNNNNN/dense.npz                   store deltas and dense weights)
+    versions/vNNNNNNNN.json                       its manifest, written last
+
+**Versions.** A full export is version 0 of a *lineage* (``export.json["lineage"]``, a random
+id). Each :func:`export_increment` after it publishes version N+1: its files under
+``versions/vNNNNNNNN/``, then the manifest ``versions/vNNNNNNNN.json`` (the lineage, the number,
+the step, every table's delta files, the dense weights, the newest sample's arrival time),
+written last and atomically. A reader trusts only what a manifest names, applies versions in
+order and never one of another lineage. A published file is never rewritten: a trainer that
+restarts (from a checkpoint older than what it published, say) starts a new lineage with a full
+export instead of renumbering deltas a follower may have applied. The older layout
+(``deltas/<table>/delta-NNNNNN.bin`` + ``dense.npz``) is still applied by ``Predictor.update``.
 
 A distributed run (``DistributedTrainer.export`` / ``export_increment``) keeps its shards:
-``stores/<table>/shard-SSSS/`` and ``deltas/<table>/shard-SSSS/delta-NNNNNN.bin``, with
+``stores/<table>/shard-SSSS/`` and ``versions/vNNNNNNNN/<table>/shard-SSSS/delta-*.bin``, with
 ``"shards": S`` in export.json; the Predictor then looks every id up on its shard
 (:class:`ShardedStore`), so each shard's deltas follow that shard's own sequence.
 
@@ -31,6 +43,9 @@ import json
 import os
 import re
 import shutil
+import time
+import uuid
+import weakref
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +64,7 @@ from trainer.network import dummy_feed, feed_signature
 
 EXPORT_VERSION = 1
 _DELTA = re.compile(r"delta-(\d+)\.bin$")
+_MANIFEST = re.compile(r"^v(\d{8})\.json$")
 
 
 def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None = None,
@@ -86,7 +102,7 @@ def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None
         for table, store in stores.items():
             os.makedirs(os.path.join(tmp, "stores", table))
             store.save(os.path.join(tmp, "stores", table))
-    meta = {"version": EXPORT_VERSION, "schema": core.schema.to_dict(),
+    meta = {"version": EXPORT_VERSION, "lineage": uuid.uuid4().hex, "schema": core.schema.to_dict(),
             "config": core.config.to_dict(), "model": core.spec(), "step": step,
             "tables": list(core.tables), "heads": heads, **extra}
     with open(os.path.join(tmp, "export.json"), "w") as f:
@@ -94,21 +110,97 @@ def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None
     return replace_directory(tmp, directory)
 
 
-def export_increment(trainer, directory: str | os.PathLike) -> dict:
-    """Keep an export directory up to date cheaply: the first call writes a full
-    :func:`export`; later calls add every store's delta under ``directory/deltas/<table>/`` and
-    replace ``directory/dense.npz`` (the dense weights, atomically). ``Predictor.update``
-    applies both."""
-    directory = os.fspath(directory)
-    if not os.path.exists(os.path.join(directory, "export.json")):
+# trainer -> {export directory: [lineage, last version]}: what this process published there.
+_PUBLISHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def version_path(directory: str, version: int) -> str:
+    """``directory/versions/vNNNNNNNN``: version ``version``'s files (+ ``.json``: manifest)."""
+    return os.path.join(directory, "versions", f"v{version:08d}")
+
+
+def published_versions(directory: str) -> list[int]:
+    """The version numbers whose manifest is in ``directory/versions``, ascending."""
+    try:
+        names = os.listdir(os.path.join(directory, "versions"))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_MANIFEST.match, names) if m)
+
+
+def read_lineage(directory: str) -> str | None:
+    """The lineage of the full export in ``directory`` (None: none there, or an export written
+    before lineages)."""
+    try:
+        with open(os.path.join(directory, "export.json")) as f:
+            return json.load(f).get("lineage")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def export_increment(trainer, directory: str | os.PathLike,
+                     newest_sample_time: float | None = None) -> dict:
+    """Keep an export directory up to date cheaply. The first call (and any call after which
+    this process cannot continue the directory's lineage: another writer, a new trainer object,
+    a failed increment) writes a full export, starting a new lineage; later calls publish the
+    next version: every store's delta and the dense weights under ``versions/vNNNNNNNN/``, then
+    its manifest. ``newest_sample_time``: the arrival time (Unix seconds) of the newest sample
+    trained into this version, for a follower's freshness lag.
+
+    ``trainer``: a :class:`~trainer.trainer.Trainer` or a ``DistributedTrainer`` (anything with
+    ``export(dir)``, ``export_delta(dir)`` -> ``{table: path or [path per shard]}``,
+    ``dense_arrays(optimizer=False)`` and ``step``). Returns ``{"full": dir}`` or
+    ``{"version": N, "manifest": path, "deltas": ..., "dense": path}``, plus ``"lineage"``."""
+    directory = os.path.abspath(os.fspath(directory))
+    mine = _PUBLISHED.setdefault(trainer, {})
+    state = mine.get(directory)
+    if state is None or read_lineage(directory) != state[0]:
         trainer.export(directory)
-        return {"full": directory}
-    deltas = trainer.export_delta(os.path.join(directory, "deltas"))
-    path = os.path.join(directory, "dense.npz")
-    tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, step=np.int64(trainer.step), **trainer.dense_arrays(optimizer=False))
-    os.replace(tmp, path)
-    return {"deltas": deltas, "dense": path}
+        lineage = read_lineage(directory)
+        mine[directory] = [lineage, 0]
+        return {"full": directory, "lineage": lineage}
+    lineage, version = state[0], state[1] + 1
+    files = version_path(directory, version)
+    shutil.rmtree(files, ignore_errors=True)  # a failed attempt's leftovers, never published
+    try:
+        deltas = trainer.export_delta(files)
+        dense = os.path.join(files, "dense.npz")
+        np.savez(dense, step=np.int64(trainer.step), **trainer.dense_arrays(optimizer=False))
+        relative = {table: [os.path.relpath(p, directory)
+                            for p in (paths if isinstance(paths, list) else [paths])]
+                    for table, paths in deltas.items()}
+        manifest = {"lineage": lineage, "version": version, "step": int(trainer.step),
+                    "deltas": relative, "dense": os.path.relpath(dense, directory),
+                    "newest_sample_time": newest_sample_time, "published_at": time.time()}
+        path = f"{files}.json"
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # the stores' delta sequences may have moved past what is published: the next
+        # call starts a new lineage rather than publish a version with a hole
+        mine.pop(directory, None)
+        raise
+    state[1] = version
+    return {"version": version, "manifest": path, "deltas": deltas, "dense": dense,
+            "lineage": lineage}
+
+
+def read_manifest(directory: str, version: int) -> dict:
+    """Version ``version``'s manifest, checked: ValueError naming the file if it is damaged."""
+    path = f"{version_path(directory, version)}.json"
+    with open(path) as f:
+        try:
+            manifest = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: damaged version manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("version") != version or not isinstance(
+            manifest.get("deltas"), dict) or not isinstance(manifest.get("dense"), str):
+        raise ValueError(f"{path}: not a version manifest of version {version}")
+    return manifest
 
 
 class Predictor:
@@ -147,15 +239,13 @@ class Predictor:
         self.batch_size = batch_size
         self.heads = meta["heads"]   # probability columns, in the model's order
         self.dense_step = meta["step"]
+        self.lineage = meta.get("lineage")
+        self.version = 0  # of the lineage: the full export
 
     def _update_dense(self) -> None:
         path = os.path.join(self.directory, "dense.npz")
-        if not os.path.exists(path) or _dense_step(path) <= self.dense_step:
-            return
-        with np.load(path) as arrays:
-            for i, variable in enumerate(self.model.variables_):
-                variable.assign(arrays[dense_name("model", i)])
-            self.dense_step = int(arrays["step"])
+        if os.path.exists(path) and _dense_step(path) > self.dense_step:
+            self._set_dense(path)
 
     def predict(self, samples) -> np.ndarray:
         """Probabilities for raw samples (a pyarrow Table, a list of row dicts, or raw files),
@@ -182,21 +272,56 @@ class Predictor:
         return out[:, 0] if out.shape[1] == 1 else out
 
     def update(self, delta_root: str | os.PathLike | None = None) -> int:
-        """Apply, in order, every delta not applied yet from ``delta_root/<table>/`` (written
-        by ``Trainer.export_delta``; default: the export's own ``deltas/`` of
-        :func:`export_increment`), and newer dense weights from ``dense.npz`` if there are.
-        Returns the number of delta files applied."""
-        if delta_root is None:
-            delta_root = os.path.join(self.directory, "deltas")
-        self._update_dense()
+        """Apply what the trainer published since: by default the export's versions
+        (:func:`export_increment`), in order, each one's deltas and dense weights; with
+        ``delta_root``, every delta not applied yet from ``delta_root/<table>/`` (written by
+        ``Trainer.export_delta``). Returns the number of delta files applied. A version of
+        another lineage (the trainer started a new full export) raises ValueError: load a new
+        Predictor (``trainer.serve`` does it by itself)."""
+        if delta_root is not None:
+            return self._apply_delta_tree(os.fspath(delta_root))
+        versions = [v for v in published_versions(self.directory) if v > self.version]
+        if not versions:  # an export of the older layout: deltas/ and dense.npz
+            self._update_dense()
+            return self._apply_delta_tree(os.path.join(self.directory, "deltas"))
+        applied = 0
+        for version in versions:
+            if version != self.version + 1:
+                raise ValueError(f"{self.directory}: version {self.version + 1} is missing "
+                                 f"(found {version}); load the export again")
+            manifest = read_manifest(self.directory, version)
+            if manifest["lineage"] != self.lineage:
+                raise ValueError(f"{self.directory}: version {version} belongs to lineage "
+                                 f"{manifest['lineage']}, this Predictor holds {self.lineage}; "
+                                 "load the export again")
+            for table, store in self.stores.items():
+                shards = store.shards if isinstance(store, ShardedStore) else [store]
+                paths = manifest["deltas"][table]
+                if len(paths) != len(shards):
+                    raise ValueError(f"{self.directory}: version {version} has {len(paths)} "
+                                     f"delta files for table {table}, the export {len(shards)}")
+                for shard, path in zip(shards, paths):
+                    shard.apply_delta(os.path.join(self.directory, path))
+                    applied += 1
+            self._set_dense(os.path.join(self.directory, manifest["dense"]))
+            self.version = version
+        return applied
+
+    def _set_dense(self, path: str) -> None:
+        with np.load(path) as arrays:
+            for i, variable in enumerate(self.model.variables_):
+                variable.assign(arrays[dense_name("model", i)])
+            self.dense_step = int(arrays["step"])
+
+    def _apply_delta_tree(self, delta_root: str) -> int:
         applied = 0
         for table, store in self.stores.items():
             if isinstance(store, ShardedStore):  # deltas/<table>/shard-NNNN/delta-*.bin
                 for i, shard in enumerate(store.shards):
-                    applied += _apply_deltas(shard, os.path.join(
-                        os.fspath(delta_root), table, f"shard-{i:04d}"))
+                    applied += _apply_deltas(shard, os.path.join(delta_root, table,
+                                                                 f"shard-{i:04d}"))
             else:
-                applied += _apply_deltas(store, os.path.join(os.fspath(delta_root), table))
+                applied += _apply_deltas(store, os.path.join(delta_root, table))
         return applied
 
 

@@ -395,7 +395,30 @@ PYBIND11_MODULE(_store, m) {
              py::gil_scoped_release release;
              return s.ApplyDelta(path);
            },
-           py::arg("path"));
+           py::arg("path"))
+      .def("read_delta",
+           [](const EmbeddingStore& s, const std::string& path, uint64_t ahead) {
+             EmbeddingStore::DeltaContents c;
+             {
+               py::gil_scoped_release release;
+               c = s.ReadDelta(path, ahead);
+             }
+             const auto n = static_cast<py::ssize_t>(c.ids.size());
+             py::array_t<int64_t> ids(n);
+             std::memcpy(ids.mutable_data(), c.ids.data(), c.ids.size() * sizeof(int64_t));
+             py::array_t<float> rows = NewRows(c.ids.size(), s.dim());
+             std::memcpy(rows.mutable_data(), c.embeddings.data(), c.embeddings.size() * sizeof(float));
+             py::array_t<int64_t> tombstones(static_cast<py::ssize_t>(c.tombstones.size()));
+             std::memcpy(tombstones.mutable_data(), c.tombstones.data(), c.tombstones.size() * sizeof(int64_t));
+             py::dict d;
+             d["sequence"] = c.sequence;
+             d["global_step"] = c.global_step;
+             d["ids"] = ids;
+             d["rows"] = rows;
+             d["tombstones"] = tombstones;
+             return d;
+           },
+           py::arg("path"), py::arg("ahead") = 0);
 
   m.def("scatter_add_rows", &ScatterAddRows, py::arg("values"), py::arg("index"), py::arg("num_rows"));
 

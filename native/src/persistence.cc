@@ -24,6 +24,7 @@
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "internal/hash.h"
@@ -696,6 +697,69 @@ void CheckDeltaFits(const std::string& path, const DeltaHeader& header,
 }
 
 }  // namespace
+
+EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path, uint64_t ahead) const {
+  const Impl& s = *impl_;
+  if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
+  FileReader r(path);
+  DeltaHeader header = ReadDeltaHeader(r);
+  // id -> its final state: -1 removed, else the index of its row in `rows`
+  std::unordered_map<int64_t, int64_t> last;
+  std::vector<float> rows;
+  std::vector<uint8_t> block;
+  const size_t dim = static_cast<size_t>(header.dim);
+  const size_t offset = header.version == 1 ? sizeof(RowHeaderV1) : sizeof(RowHeader);
+  for (;;) {
+    uint8_t kind = r.Get<uint8_t>();
+    if (kind == kSectionEnd) break;
+    uint64_t count = r.Get<uint64_t>();
+    if (kind == kSectionTombstones) {
+      r.CheckCount(count, 8, "tombstone");
+      block.resize(count * 8);
+      r.Read(block.data(), block.size());
+      for (uint64_t i = 0; i < count; ++i) {
+        int64_t id;
+        std::memcpy(&id, block.data() + i * 8, 8);
+        last[id] = -1;
+      }
+    } else if (kind == kSectionRows) {
+      r.CheckCount(count, header.row_bytes, "row");
+      if (header.row_bytes < offset + 4 * dim) Corrupt(path, "row size smaller than its embedding");
+      for (uint64_t done = 0; done < count;) {
+        size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
+        block.resize(n * header.row_bytes);
+        r.Read(block.data(), block.size());
+        for (size_t i = 0; i < n; ++i) {
+          const uint8_t* row = block.data() + i * header.row_bytes;
+          CheckRow(path, header.version, row);
+          int64_t id;
+          std::memcpy(&id, row, 8);
+          size_t at = rows.size() / (dim ? dim : 1);
+          if (dim) rows.resize(rows.size() + dim);
+          std::memcpy(rows.data() + at * dim, row + offset, 4 * dim);
+          last[id] = static_cast<int64_t>(at);
+        }
+        done += n;
+      }
+    } else {
+      Corrupt(path, "unknown section kind " + std::to_string(kind));
+    }
+  }
+  r.VerifyTrailer();
+  CheckDeltaFits(path, header, s, s.delta_sequence.load() + 1 + ahead);
+  DeltaContents out;
+  out.sequence = header.sequence;
+  out.global_step = header.global_step;
+  for (const auto& [id, at] : last) {
+    if (at < 0) {
+      out.tombstones.push_back(id);
+    } else {
+      out.ids.push_back(id);
+      out.embeddings.insert(out.embeddings.end(), rows.begin() + at * dim, rows.begin() + (at + 1) * dim);
+    }
+  }
+  return out;
+}
 
 uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
   Impl& s = *impl_;

@@ -139,8 +139,8 @@ def test_sharded_export_predicts_as_single_process_and_follows_deltas(runs, sche
     single.fit(union_batches(schema, cfg, trees, EPOCHS + 1, W), shuffle=False)
     dt.export_increment(tmp / "export-dt")
     assert sharded.update() == S * len(dt.tables)
-    assert sorted(os.listdir(tmp / "export-dt" / "deltas" / "cate")) == ["shard-0000",
-                                                                        "shard-0001"]
+    assert sorted(os.listdir(tmp / "export-dt" / "versions" / "v00000001" / "cate")) == [
+        "shard-0000", "shard-0001"]
     after = sharded.predict(samples)
     assert not np.allclose(after, want)
     single.export(tmp / "export-single-2")

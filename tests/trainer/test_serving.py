@@ -45,7 +45,7 @@ def test_export_increment_carries_embeddings_and_dense_weights(schema, raw_small
     batches = list(__import__("compression").iter_batches(trees_small, schema, 250))
     for batch in batches[:3]:
         trainer.train_batch(batch)
-    assert export_increment(trainer, tmp_path / "export") == {"full": str(tmp_path / "export")}
+    assert export_increment(trainer, tmp_path / "export")["full"] == str(tmp_path / "export")
     predictor = Predictor(tmp_path / "export")
     samples = raw_small.slice(0, 200)
     for batch in batches[3:]:

@@ -700,23 +700,27 @@ class DistributedTrainer:
         return serving.export(self._serving_core(), directory, step=self.step,
                               write_stores=write_stores)
 
-    def export_increment(self, directory) -> dict:
-        """Keep a serving export up to date: the first call writes :meth:`export`; later
-        calls add every shard's delta of every table
-        (``deltas/<table>/shard-NNNN/delta-MMMMMM.bin``) and replace ``dense.npz``;
-        ``Predictor.update`` applies both."""
+    def export_delta(self, directory) -> dict:
+        """Every shard's delta of every table
+        (``directory/<table>/shard-NNNN/delta-MMMMMM.bin``): ``{table: [path per shard]}``."""
         directory = os.path.abspath(os.fspath(directory))
-        if not os.path.exists(os.path.join(directory, "export.json")):
-            return {"full": self.export(directory)}
-        deltas = ray.get([s.export_delta.remote(os.path.join(directory, "deltas"))
-                          for s in self._shards])
-        state = ray.get(self._workers[0].dense_state.remote())
-        path = os.path.join(directory, "dense.npz")
-        tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(tmp, step=np.int64(self.step),
-                 **{k: v for k, v in state["arrays"].items() if k.startswith("model/")})
-        os.replace(tmp, path)
-        return {"deltas": deltas, "dense": path}
+        per_shard = ray.get([s.export_delta.remote(directory) for s in self._shards])
+        return {table: [paths[table] for paths in per_shard] for table in per_shard[0]}
+
+    def dense_arrays(self, optimizer: bool = True) -> dict:
+        """Worker 0's dense arrays under their ``dense.npz`` names (all workers hold the same
+        weights)."""
+        arrays = ray.get(self._workers[0].dense_state.remote())["arrays"]
+        return {k: v for k, v in arrays.items() if optimizer or k.startswith("model/")}
+
+    def export_increment(self, directory, newest_sample_time: float | None = None) -> dict:
+        """Keep a serving export up to date (:func:`trainer.serving.export_increment`): the
+        first call writes :meth:`export`; later calls publish versions holding every shard's
+        delta of every table (``versions/vNNNNNNNN/<table>/shard-NNNN/delta-MMMMMM.bin``) and
+        the dense weights; ``Predictor.update`` and ``trainer.serve`` apply them."""
+        from trainer import serving
+
+        return serving.export_increment(self, directory, newest_sample_time)
 
 
 # -- the command line (trainer/train.py dispatches here) ----------------------------------

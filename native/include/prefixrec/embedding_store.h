@@ -228,6 +228,19 @@ class EmbeddingStore {
   // (kIncompatible) or a sequence other than delta_sequence + 1 (kOutOfOrder). Returns the
   // sequence applied.
   uint64_t ApplyDelta(const std::string& path);
+  // What a delta holds, read without applying it (a serving copy answers on "this store + the
+  // delta" before it applies the delta): checked as ApplyDelta checks it (structure, checksum,
+  // dim/optimizer, sequence == delta_sequence + 1 + `ahead`), embeddings only (no optimizer
+  // state). Its net effect, as ApplyDelta would leave it: an id appears once, in `ids` if the
+  // last section naming it holds its row, in `tombstones` if it removes it.
+  struct DeltaContents {
+    uint64_t sequence = 0;
+    int64_t global_step = 0;
+    std::vector<int64_t> ids;         // upserted rows
+    std::vector<float> embeddings;    // ids.size() x dim
+    std::vector<int64_t> tombstones;  // removed ids
+  };
+  DeltaContents ReadDelta(const std::string& path, uint64_t ahead = 0) const;
 
   struct Impl;
 
