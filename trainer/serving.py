@@ -250,18 +250,12 @@ class Predictor:
     def predict(self, samples) -> np.ndarray:
         """Probabilities for raw samples (a pyarrow Table, a list of row dicts, or raw files),
         in their order: float32[n] for a one-head model, [n, heads] otherwise."""
-        if isinstance(samples, list):
-            samples = pa.Table.from_pylist(samples)
-        elif isinstance(samples, (str, os.PathLike)):
+        if isinstance(samples, (str, os.PathLike)):
             samples = compression.read_raw(os.fspath(samples), self.schema)
-        for label in self.schema.labels:  # serving samples have no labels yet
-            if label not in samples.column_names:
-                samples = samples.append_column(label, pa.array(np.zeros(samples.num_rows,
-                                                                         np.float32)))
-        table = compression.validate_raw(samples, self.schema)
+        table = request_table(samples, self.schema)
         outputs = []
         for start in range(0, table.num_rows, self.batch_size):
-            batch = _one_node_per_sample(table.slice(start, self.batch_size), self.schema)
+            batch = one_node_per_sample(table.slice(start, self.batch_size), self.schema)
             feed = self.builder.lookup(self.builder.prepare(batch), self.stores, train=False)
             probabilities = self.model.predict(tf.nest.map_structure(tf.convert_to_tensor,
                                                                      feed.feed))
@@ -373,7 +367,58 @@ def _dense_step(path: str) -> int:
         return int(arrays["step"])
 
 
-def _one_node_per_sample(table: pa.Table, schema) -> TreeBatch:
+def request_table(samples, schema) -> pa.Table:
+    """Samples to score (a pyarrow Table or a list of row dicts) checked against ``schema``
+    and in its canonical types; labels may be left out. Raises
+    :class:`compression.RawDataError` naming the row and column of a bad value."""
+    if isinstance(samples, list):
+        samples = _table_of_rows(samples, schema)
+    for label in schema.labels:  # serving samples have no labels yet
+        if label not in samples.column_names:
+            samples = samples.append_column(label, pa.array(np.zeros(samples.num_rows,
+                                                                     np.float32)))
+    return compression.validate_raw(samples, schema)
+
+
+def _table_of_rows(rows: list, schema) -> pa.Table:
+    """Row dicts as a table, column by column, so a value of the wrong kind is named by its
+    sample (0-based, as in the request) and column."""
+    names = list(dict.fromkeys(name for row in rows for name in row))
+    columns = []
+    for name in names:
+        values = [row.get(name) for row in rows]
+        try:
+            columns.append(pa.array(values))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            feature = next((f for f in schema.features if f.name == name), None)
+            want = ("a list" if feature is not None and feature.kind != "id" else
+                    "a string" if feature is not None and feature.dtype == "string" else
+                    "a number" if name in schema.labels else "an integer")
+            for i, value in enumerate(values):
+                try:
+                    pa.array([value] + [v for v in values[:i] if v is not None][:1])
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                    break
+            else:
+                i = 0
+            raise compression.RawDataError(
+                f"sample {i}: column {name!r} is {values[i]!r} ({type(values[i]).__name__}); "
+                f"expected {want}") from None
+    missing = [n for n in (f.name for f in schema.features) if n not in names]
+    if missing:
+        raise compression.RawDataError(
+            f"sample 0: column {missing[0]!r} missing: the schema {schema.name!r} needs every "
+            "feature of every layer in each sample")
+    table = pa.table(dict(zip(names, columns))) if names else pa.table({})
+    for name in names:  # a key some samples lack arrives as null
+        column = table.column(name)
+        if column.null_count and name not in schema.labels:
+            i = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise compression.RawDataError(f"sample {i}: column {name!r} missing or null")
+    return table
+
+
+def one_node_per_sample(table: pa.Table, schema) -> TreeBatch:
     """A batch in which every layer has one node per sample (parent i -> i): the samples keep
     their order and no grouping work is done at serving time."""
     n = table.num_rows

@@ -1,0 +1,421 @@
+"""A served model that follows an export directory version by version (``trainer.serve``'s core).
+
+    model = LiveModel("export/")           # the full export: lineage L, version 0
+    probabilities, version = model.predict(samples)          # flat: one tree per sample
+    probabilities, version = model.predict_tree(user, ads)   # one user's part computed once
+    model.poll()                           # apply what the trainer published since
+
+**One version per answer.** Every answer is computed on exactly one published version: all
+tables and the dense weights of one manifest (:mod:`trainer.serving`). A request *pins* the
+current version for its whole computation; the follower never changes what a pinned version
+reads:
+
+- version N+1 is served as "the stores + N+1's deltas": each table's delta is read (checked as
+  ``apply_delta`` checks it) into an overlay (the rows it changes, the ids it removes), which
+  lookups of N+1 apply over the stores' answers;
+- the deltas are applied to the stores themselves only once no request pins a version older
+  than N+1 (N+1's overlay keeps covering every row they change meanwhile);
+- dense weights alternate between two copies of the SavedModel: N+1's go into the copy no
+  pinned version uses.
+
+So applying a version never blocks requests (no lock is held while rows are copied) and costs
+the memory of one delta, not of a second model. A gap in the version numbers, a damaged or
+foreign manifest, or a delta the stores refuse is never applied: the model keeps answering on
+the last good version and says why it is not ready (:attr:`problem`) until the export directory
+holds a version it can apply or a new full export (a new lineage), which is loaded beside the
+served one and swapped in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import tensorflow as tf
+
+import compression
+from compression.batches import take
+import native
+import schemas
+from trainer.checkpoints import dense_name
+from trainer.config import TrainConfig
+from trainer.feed import FeedBuilder, Layout
+from trainer.network import dummy_feed
+from trainer.serving import (EXPORT_VERSION, ShardedStore, one_node_per_sample,
+                             published_versions, read_lineage, read_manifest, request_table,
+                             version_path)
+
+
+class Overlay:
+    """One table's pending version over its store: the rows its deltas change and the ids
+    they remove (the deltas' net effect; the shards' id sets are disjoint)."""
+
+    def __init__(self, parts: list[dict]):
+        ids = np.concatenate([p["ids"] for p in parts])
+        order = np.argsort(ids, kind="stable")
+        self.ids = ids[order]
+        self.rows = np.concatenate([p["rows"] for p in parts])[order]
+        self.tombstones = np.sort(np.concatenate([p["tombstones"] for p in parts]))
+
+    def __len__(self) -> int:
+        return len(self.ids) + len(self.tombstones)
+
+    def patch(self, unique: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (of the sorted ``unique`` ids, as the store read them) as this version
+        has them."""
+        if len(self.ids):
+            at = np.minimum(np.searchsorted(self.ids, unique), len(self.ids) - 1)
+            hit = self.ids[at] == unique
+            rows[hit] = self.rows[at[hit]]
+        if len(self.tombstones):
+            at = np.minimum(np.searchsorted(self.tombstones, unique), len(self.tombstones) - 1)
+            rows[self.tombstones[at] == unique] = 0.0  # a removed row reads as unseen
+        return rows
+
+
+class VersionedTable:
+    """A table as one version sees it: its store, then the version's overlay."""
+
+    def __init__(self, store, overlay: Overlay | None):
+        self.store, self.overlay = store, overlay
+
+    def lookup_unique(self, ids, train: bool = False):
+        if train:
+            raise ValueError("a served table does not train")
+        unique, inverse, rows = self.store.lookup_unique(ids, False)
+        if self.overlay is not None and len(self.overlay):
+            rows = self.overlay.patch(unique, rows)
+        return unique, inverse, rows
+
+
+class Base:
+    """What a full export loads: its description, stores and two SavedModel copies."""
+
+    def __init__(self, directory: str):
+        path = os.path.join(directory, "export.json")
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{directory}: not a trainer export (export.json missing); "
+                                    "write one with trainer.train --export-dir or "
+                                    "trainer.online --export-dir") from None
+        if meta.get("version") != EXPORT_VERSION:
+            raise ValueError(f"{path}: export version {meta.get('version')}, this server reads "
+                             f"version {EXPORT_VERSION}")
+        self.meta = meta
+        self.lineage = meta.get("lineage")
+        self.schema = schemas.from_dict(meta["schema"])
+        self.config = TrainConfig.from_dict(meta["config"])
+        tables = self.config.check(self.schema)
+        dims = {t: self.config.table(t).dim for t in tables}
+        poolings = {f.name: self.config.feature(f.name).pooling
+                    for f in self.schema.features if f.kind != "dense"}
+        self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
+        self.builder = FeedBuilder(self.layout, structured=True)
+        self.shards = meta.get("shards")
+        if self.shards:
+            self.stores = {t: ShardedStore([native.EmbeddingStore.load(os.path.join(
+                directory, "stores", t, f"shard-{i:04d}")) for i in range(self.shards)])
+                for t in tables}
+        else:
+            self.stores = {t: native.EmbeddingStore.load(os.path.join(directory, "stores", t))
+                           for t in tables}
+        saved = os.path.join(directory, "saved_model")
+        self.slots = [tf.saved_model.load(saved), tf.saved_model.load(saved)]
+        self.heads = list(meta["heads"])
+        warm = tf.nest.map_structure(tf.convert_to_tensor, dummy_feed(self.layout, True))
+        for slot in self.slots:  # trace and run once before the first request
+            slot.predict(warm)
+
+    def shard_stores(self, table: str) -> list:
+        store = self.stores[table]
+        return store.shards if isinstance(store, ShardedStore) else [store]
+
+
+@dataclass
+class Version:
+    """One published version as served: the stores plus ``overlays``, dense weights in
+    ``base.slots[slot]``."""
+
+    base: Base
+    number: int
+    step: int
+    slot: int
+    overlays: dict = field(default_factory=dict)
+    staged: list = field(default_factory=list)  # (store, private delta copy) to apply later
+    newest_sample_time: float | None = None
+    published_at: float | None = None
+    applied_at: float = field(default_factory=time.time)
+    readers: int = 0
+
+    @property
+    def lineage(self) -> str | None:
+        return self.base.lineage
+
+    def tables(self) -> dict:
+        return {t: VersionedTable(s, self.overlays.get(t)) for t, s in self.base.stores.items()}
+
+    def info(self) -> dict:
+        """What an answer reports about the version that computed it."""
+        return {"lineage": self.lineage, "version": self.number, "step": self.step,
+                "newest_sample_time": self.newest_sample_time}
+
+
+class LiveModel:
+    """Answers on one published version at a time and follows the export directory.
+
+    ``max_lag``: with it, :attr:`ready` also needs the freshness lag (now minus the newest
+    sample trained into the served version) to be at most that many seconds."""
+
+    def __init__(self, directory: str | os.PathLike, batch_size: int = 4096,
+                 max_lag: float | None = None):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.batch_size = batch_size
+        self.max_lag = max_lag
+        self.problem: str | None = None     # why the served version is not the newest
+        self.applied = 0                    # versions applied
+        self.failed = 0                     # versions (or full exports) refused
+        self.reloads = 0                    # full exports loaded after the first
+        self.last_apply_seconds: float | None = None
+        self._failures: set = set()         # (lineage, version, reason) counted once
+        self._cond = threading.Condition()
+        self._retired: list[Version] = []   # replaced versions some request may still pin
+        self._staging = tempfile.mkdtemp(prefix="prefixrec-serve-")
+        self._current: Version | None = None
+        self._current = self._load_full()
+
+    # -- answering -----------------------------------------------------------------------
+
+    @property
+    def version(self) -> Version | None:
+        return self._current
+
+    @property
+    def ready(self) -> bool:
+        if self._current is None or self.problem is not None:
+            return False
+        return self.max_lag is None or (self.freshness_lag() or 0.0) <= self.max_lag
+
+    def freshness_lag(self, now: float | None = None) -> float | None:
+        """Seconds from the newest sample trained into the served version to ``now``."""
+        current = self._current
+        if current is None or current.newest_sample_time is None:
+            return None
+        return (time.time() if now is None else now) - current.newest_sample_time
+
+    @contextlib.contextmanager
+    def pinned(self):
+        """The current version, kept whole until the block ends."""
+        with self._cond:
+            version = self._current
+            if version is None:
+                raise RuntimeError(f"{self.directory}: no model loaded yet ({self.problem})")
+            version.readers += 1
+        try:
+            yield version
+        finally:
+            with self._cond:
+                version.readers -= 1
+                if version.readers == 0:
+                    self._cond.notify_all()
+
+    def predict(self, samples) -> tuple[np.ndarray, dict]:
+        """Probabilities ``float32[n, heads]`` for raw samples (a pyarrow Table or a list of
+        row dicts), in their order, each scored as its own tree, and the version's
+        :meth:`Version.info`. Raises :class:`compression.RawDataError` naming the row and
+        column of a bad sample."""
+        with self.pinned() as version:
+            table = request_table(samples, version.base.schema)
+            out = self._score(version, [one_node_per_sample(table.slice(s, self.batch_size),
+                                                            version.base.schema)
+                                        for s in range(0, table.num_rows, self.batch_size)])
+            return out, version.info()
+
+    def predict_tree(self, root: dict, candidates: list[dict]) -> tuple[np.ndarray, dict]:
+        """A ranking request: ``root`` holds the root layer's features once (the user's),
+        every candidate the features of the layers below; probabilities
+        ``float32[len(candidates), heads]`` in the candidates' order. The root's part of the
+        network runs once for all candidates (structured compute); the answers equal
+        :meth:`predict` on the flat samples ``{**root, **candidate}`` up to float rounding."""
+        with self.pinned() as version:
+            schema = version.base.schema
+            root_names = {f.name for f in schema.layers[0].features}
+            for i, candidate in enumerate(candidates):
+                clash = root_names & set(candidate)
+                if clash:
+                    raise compression.RawDataError(
+                        f"candidate {i}: {sorted(clash)[0]!r} is a feature of the root layer "
+                        f"{schema.layers[0].name!r}; give it once, in the request's root")
+            rows = [{**root, **candidate} for candidate in candidates]
+            table = request_table(rows, schema)
+            batches = []
+            for start in range(0, table.num_rows, self.batch_size):
+                batch = one_node_per_sample(table.slice(start, self.batch_size), schema)
+                root_layer = batch.layers[0]
+                batch.layers[0] = compression.LayerBatch(
+                    root_layer.name, 1, None,
+                    {n: take(a, np.zeros(1, np.int64))
+                     for n, a in root_layer.features.items()})
+                below = batch.layers[1] if len(batch.layers) > 1 else None
+                if below is not None:
+                    batch.layers[1] = compression.LayerBatch(
+                        below.name, below.size, np.zeros(below.size, np.int32), below.features)
+                batches.append(batch)
+            return self._score(version, batches), version.info()
+
+    def _score(self, version: Version, batches) -> np.ndarray:
+        base = version.base
+        tables = version.tables()
+        slot = base.slots[version.slot]
+        outputs = []
+        for batch in batches:
+            feed = base.builder.lookup(base.builder.prepare(batch), tables, train=False)
+            probabilities = slot.predict(tf.nest.map_structure(tf.convert_to_tensor,
+                                                               feed.feed))
+            outputs.append(np.stack([probabilities[h].numpy() for h in base.heads], axis=1))
+        if not outputs:
+            return np.zeros((0, len(base.heads)), np.float32)
+        return np.concatenate(outputs)
+
+    # -- following ------------------------------------------------------------------------
+
+    def poll(self, reload: bool = False) -> int:
+        """Apply, in order, every version published since (or load a new full export; with
+        ``reload``, load the full export even of the served lineage); returns the number of
+        versions applied. Never raises for what it finds in the export
+        directory: a problem is kept in :attr:`problem` (and counted in :attr:`failed`) and
+        the served version stays."""
+        lineage = read_lineage(self.directory)
+        current = self._current
+        if lineage is None:
+            what = ("export.json missing" if not os.path.exists(
+                os.path.join(self.directory, "export.json")) else "export.json has no lineage")
+            self._refuse(None, 0, f"{self.directory}: {what}; waiting for a full export")
+            return 0
+        if current is None or lineage != current.lineage or reload:
+            try:
+                loaded = self._load_full()
+            except Exception as e:  # a half-written or damaged export: keep the old one
+                self._refuse(lineage, 0, f"full export of lineage {lineage}: {e}")
+                return 0
+            self._swap(loaded)
+            self.reloads += 1
+            current = loaded
+        applied = 0
+        while True:
+            number = current.number + 1
+            path = f"{version_path(self.directory, number)}.json"
+            if not os.path.exists(path):
+                later = [v for v in published_versions(self.directory) if v > number]
+                if later:
+                    self._refuse(lineage, number, f"version {number} is missing but "
+                                 f"{later[0]} is published (a gap); waiting for a new full "
+                                 "export")
+                else:
+                    self.problem = None
+                return applied
+            started = time.monotonic()
+            try:
+                following = self._prepare(current, read_manifest(self.directory, number))
+            except Exception as e:  # damaged, foreign or refused: never applied
+                self._refuse(lineage, number, f"version {number}: {e}")
+                return applied
+            self._swap(following)
+            self.last_apply_seconds = time.monotonic() - started
+            self.applied += 1
+            applied += 1
+            current = following
+
+    def follow(self, interval: float, stop: threading.Event) -> None:
+        """``poll`` every ``interval`` seconds until ``stop`` is set (a thread's loop)."""
+        while not stop.is_set():
+            self.poll()
+            stop.wait(interval)
+
+    def close(self) -> None:
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _refuse(self, lineage, number: int, reason: str) -> None:
+        self.problem = reason
+        key = (lineage, number, reason)
+        if key not in self._failures:
+            self._failures.add(key)
+            self.failed += 1
+
+    def _load_full(self) -> Version | None:
+        if self._current is None and not os.path.exists(
+                os.path.join(self.directory, "export.json")):
+            self.problem = f"{self.directory}: export.json missing; waiting for an export"
+            return None
+        base = Base(self.directory)
+        return Version(base, 0, int(base.meta["step"]), 0,
+                       published_at=base.meta.get("published_at"))
+
+    def _drain(self, keep: Version | None) -> None:
+        """Wait until no request pins a version other than ``keep``."""
+        with self._cond:
+            while any(v.readers for v in self._retired if v is not keep):
+                self._cond.wait()
+            self._retired = [v for v in self._retired if v is keep]
+
+    def _swap(self, following: Version) -> None:
+        with self._cond:
+            if self._current is not None and self._current.base is following.base:
+                self._retired.append(self._current)
+            self._current = following
+        self.problem = None
+
+    def _prepare(self, current: Version, manifest: dict) -> Version:
+        """Version ``current.number + 1`` ready to serve; ``current``'s deltas applied to
+        the stores on the way (once no request reads the stores without them)."""
+        if manifest["lineage"] != current.lineage:
+            raise ValueError(f"its manifest names lineage {manifest['lineage']}, the served "
+                             f"export is lineage {current.lineage}")
+        base = current.base
+        number = manifest["version"]
+        # read and check everything first: a refused version changes nothing
+        staged, overlays = [], {}
+        folder = os.path.join(self._staging, f"{current.lineage}-{number:08d}")
+        os.makedirs(folder, exist_ok=True)
+        for table in base.stores:
+            paths = manifest["deltas"].get(table)
+            shards = base.shard_stores(table)
+            if paths is None or len(paths) != len(shards):
+                raise ValueError(f"table {table}: {0 if paths is None else len(paths)} delta "
+                                 f"files, the export has {len(shards)} stores")
+            parts = []
+            for i, (store, path) in enumerate(zip(shards, paths)):
+                copy = os.path.join(folder, f"{table}-{i:04d}.bin")
+                shutil.copyfile(os.path.join(self.directory, path), copy)
+                # the stores still lack current's deltas: this one comes one after them
+                ahead = sum(1 for s, _ in current.staged if s is store)
+                parts.append(store.read_delta(copy, ahead=ahead))
+                staged.append((store, copy))
+            overlays[table] = Overlay(parts)
+        with np.load(os.path.join(self.directory, manifest["dense"])) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        slot_index = 1 - current.slot
+        slot = base.slots[slot_index]
+        names = [dense_name("model", i) for i in range(len(slot.variables_))]
+        for name, variable in zip(names, slot.variables_):
+            if name not in arrays or tuple(arrays[name].shape) != tuple(variable.shape):
+                raise ValueError(f"{manifest['dense']}: {name} missing or of another shape")
+        # current's deltas into the stores, once no request reads them without the overlay
+        self._drain(keep=current)
+        for store, copy in current.staged:
+            store.apply_delta(copy)
+            os.remove(copy)
+        current.staged = []
+        for name, variable in zip(names, slot.variables_):  # the copy no pinned version uses
+            variable.assign(arrays[name])
+        return Version(base, number, int(manifest["step"]), slot_index, overlays, staged,
+                       manifest.get("newest_sample_time"), manifest.get("published_at"))

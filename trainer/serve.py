@@ -1,0 +1,420 @@
+"""The prediction service: HTTP/JSON over an export that online learning keeps fresh.
+
+    python -m trainer.serve --export-dir export/ [--host 127.0.0.1] [--port 8500]
+
+Endpoints:
+
+- ``POST /v1/predict``: ``{"samples": [{...}, ...]}`` (raw samples in the schema's format, labels
+  left out; each scored as its own tree) or ``{"root": {...}, "candidates": [{...}, ...]}`` (a
+  ranking request: the root layer's features once, e.g. the user's, and the candidates' features
+  of the layers below; the root's part of the network runs once per request). The answer:
+  ``{"predictions": [{"<head>": p, ...}, ...], "model": {"lineage", "version", "step",
+  "freshness_lag_s"}}``, predictions in the request's order, all computed on that one version.
+  Bad input gets 400 (malformed JSON, a missing or mistyped column: the message names the sample
+  and column), 413 above ``--max-samples`` samples or ``--max-body-bytes``; 503 before a model is
+  loaded. The service keeps serving.
+- ``GET /livez`` (200 while the process serves), ``GET /readyz`` (200 once a model is loaded and
+  warmed, the newest published version is applied and, with ``--max-lag``, the freshness lag is
+  under it; else 503 with the reason), ``GET /metrics`` (Prometheus), ``GET /v1/model``.
+
+A follower thread polls the export directory every ``--poll-interval`` seconds and applies each
+new version in order (see :mod:`trainer.live`: one version per answer; a gap, a damaged or
+foreign version is never applied). SIGTERM (and Ctrl-C) stop accepting connections, answer
+every request already accepted and exit 0; SIGHUP reloads the full export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import textwrap
+import threading
+import time
+
+from compression import cli
+
+PROG = "python -m trainer.serve"
+MAX_SAMPLES = 10_000
+MAX_BODY_BYTES = 16 << 20
+# request latency buckets (s): a few ms for one sample, tens for hundreds of candidates
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                   0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class BadRequest(ValueError):
+    """A request the service refuses: HTTP ``status`` and a message naming what to fix."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_request(body: bytes, max_samples: int) -> tuple[str, object]:
+    """``("samples", [dict, ...])`` or ``("tree", (root, candidates))`` from a request body;
+    :class:`BadRequest` for anything else."""
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(request, dict):
+        raise BadRequest('the body must be a JSON object: {"samples": [...]} or '
+                         '{"root": {...}, "candidates": [...]}')
+    if "samples" in request and ("root" in request or "candidates" in request):
+        raise BadRequest('give either "samples" or "root" + "candidates", not both')
+    if "samples" in request:
+        kind, items = "samples", request["samples"]
+    elif "candidates" in request:
+        kind, items = "tree", request["candidates"]
+        if not isinstance(request.get("root"), dict):
+            raise BadRequest('"root" must be an object holding the root layer\'s features')
+    else:
+        raise BadRequest('no "samples" (or "root" + "candidates") in the request')
+    name = "samples" if kind == "samples" else "candidates"
+    if not isinstance(items, list):
+        raise BadRequest(f'"{name}" must be a list of objects')
+    if not items:
+        raise BadRequest(f'"{name}" is empty: nothing to score')
+    if len(items) > max_samples:
+        raise BadRequest(f'{len(items)} {name} in one request; the limit is {max_samples} '
+                         "(--max-samples): split the request", status=413)
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequest(f"{name[:-1]} {i}: not a JSON object but "
+                             f"{type(item).__name__}")
+    if kind == "samples":
+        return kind, items
+    return kind, (request["root"], items)
+
+
+def _metrics(live, registry):
+    """The service's Prometheus metrics; the model's state is read at every scrape."""
+    from prometheus_client import Counter, Gauge, Histogram
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class ModelCollector:
+        def collect(self):
+            version = live.version
+            g = GaugeMetricFamily("prefixrec_serve_model_version",
+                                  "version number (in its lineage) of the model answering",
+                                  labels=["lineage"])
+            if version is not None:
+                g.add_metric([str(version.lineage)], version.number)
+            yield g
+            lag = live.freshness_lag()
+            g = GaugeMetricFamily("prefixrec_serve_freshness_lag_seconds",
+                                  "now minus the arrival of the newest sample trained into the "
+                                  "model answering (NaN: unknown)")
+            g.add_metric([], float("nan") if lag is None else lag)
+            yield g
+            g = GaugeMetricFamily("prefixrec_serve_ready", "1 when /readyz answers 200")
+            g.add_metric([], 1.0 if live.ready else 0.0)
+            yield g
+            for name, value, text in (
+                    ("prefixrec_serve_versions_applied", live.applied,
+                     "published versions applied"),
+                    ("prefixrec_serve_failed_applies", live.failed,
+                     "versions or full exports refused (gap, damage, foreign lineage)"),
+                    ("prefixrec_serve_reloads", live.reloads,
+                     "full exports loaded after the first")):
+                c = CounterMetricFamily(name, text)
+                c.add_metric([], value)
+                yield c
+
+    registry.register(ModelCollector())
+    return {
+        "requests": Counter("prefixrec_serve_requests", "requests answered",
+                            ["endpoint", "status"], registry=registry),
+        "samples": Counter("prefixrec_serve_samples", "samples scored", registry=registry),
+        "latency": Histogram("prefixrec_serve_request_seconds",
+                             "time from a predict request's arrival to its answer",
+                             ["kind"], buckets=LATENCY_BUCKETS, registry=registry),
+        "apply": Histogram("prefixrec_serve_delta_apply_seconds",
+                           "time to read, check and swap in one published version",
+                           buckets=APPLY_BUCKETS, registry=registry),
+        "in_flight": Gauge("prefixrec_serve_requests_in_flight", "predict requests being "
+                           "computed", registry=registry),
+    }
+
+
+def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX_BODY_BYTES,
+              registry=None):
+    """The Starlette app over a :class:`trainer.live.LiveModel` (and its metrics)."""
+    from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry,
+                                   disable_created_metrics, generate_latest)
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from compression import RawDataError
+
+    disable_created_metrics()  # no *_created series: they carry nothing a dashboard uses
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = _metrics(live, registry)
+
+    def answer(endpoint, status, payload):
+        metrics["requests"].labels(endpoint, str(status)).inc()
+        return JSONResponse(payload, status_code=status)
+
+    def score(kind, items):
+        if kind == "samples":
+            return live.predict(items)
+        root, candidates = items
+        return live.predict_tree(root, candidates)
+
+    async def predict(request):
+        started = time.perf_counter()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return answer("predict", 413, {"error": f"request body of {length} bytes; the "
+                                                    f"limit is {max_body_bytes} "
+                                                    "(--max-body-bytes)"})
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                return answer("predict", 413, {"error": f"request body above {max_body_bytes}"
+                                                        " bytes (--max-body-bytes)"})
+        try:
+            kind, items = parse_request(bytes(body), max_samples)
+        except BadRequest as e:
+            return answer("predict", e.status, {"error": str(e)})
+        if live.version is None:
+            return answer("predict", 503, {"error": f"no model loaded yet: {live.problem}"})
+        metrics["in_flight"].inc()
+        try:
+            probabilities, info = await run_in_threadpool(score, kind, items)
+        except RawDataError as e:
+            return answer("predict", 400, {"error": str(e)})
+        finally:
+            metrics["in_flight"].dec()
+        heads = live.version.base.heads
+        predictions = [dict(zip(heads, map(float, row))) for row in probabilities]
+        lag = None if info["newest_sample_time"] is None else time.time() - info[
+            "newest_sample_time"]
+        metrics["samples"].inc(len(predictions))
+        metrics["latency"].labels(kind).observe(time.perf_counter() - started)
+        return answer("predict", 200, {"predictions": predictions, "model": {
+            "lineage": info["lineage"], "version": info["version"], "step": info["step"],
+            "freshness_lag_s": lag}})
+
+    async def livez(request):
+        return Response("ok\n", media_type="text/plain")
+
+    async def readyz(request):
+        if live.ready:
+            return Response("ready\n", media_type="text/plain")
+        reason = live.problem or (
+            "no model loaded yet" if live.version is None else
+            f"freshness lag {live.freshness_lag():.1f} s above --max-lag {live.max_lag} s")
+        return Response(f"not ready: {reason}\n", status_code=503, media_type="text/plain")
+
+    async def model_info(request):
+        version = live.version
+        return JSONResponse({
+            "export_dir": live.directory, "ready": live.ready, "problem": live.problem,
+            "model": None if version is None else {**version.info(),
+                                                   "heads": version.base.heads,
+                                                   "schema": version.base.schema.name},
+            "freshness_lag_s": live.freshness_lag(), "versions_applied": live.applied,
+            "failed_applies": live.failed, "reloads": live.reloads})
+
+    async def prometheus(request):
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app = Starlette(routes=[
+        Route("/v1/predict", predict, methods=["POST"]),
+        Route("/v1/model", model_info, methods=["GET"]),
+        Route("/livez", livez, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ])
+    app.state.metrics = metrics
+    return app
+
+
+class Follower:
+    """The thread that applies published versions (and reloads on request)."""
+
+    def __init__(self, live, interval: float, metrics: dict, log):
+        self.live, self.interval, self.metrics, self.log = live, interval, metrics, log
+        self.stop = threading.Event()
+        self.reload = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="follower", daemon=True)
+
+    def _run(self):
+        problem = None
+        while not self.stop.is_set():
+            if self.reload.is_set():
+                self.reload.clear()
+                self.live.poll(reload=True)
+                self.log(f"reloaded the full export: {self._describe()}")
+            before = self.live.version
+            applied = self.live.poll()
+            if applied and self.live.last_apply_seconds is not None:
+                self.metrics["apply"].observe(self.live.last_apply_seconds)
+            if self.live.version is not before and before is not None and \
+                    self.live.version.lineage != before.lineage:
+                self.log(f"loaded a new full export: {self._describe()}")
+            if self.live.problem != problem:
+                problem = self.live.problem
+                self.log(f"not ready: {problem}" if problem else
+                         f"ready: {self._describe()}")
+            self.stop.wait(self.interval)
+
+    def _describe(self) -> str:
+        v = self.live.version
+        return "no model" if v is None else f"lineage {v.lineage}, version {v.number}, " \
+                                            f"step {v.step}"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket. Made with ``IPPROTO_TCP`` so that asyncio sets TCP_NODELAY on
+    the connections it accepts (it does so only for sockets that say so): without it, a
+    keep-alive client waits out its delayed ACK (~40 ms here) for every answer whose headers
+    and body go out in two writes."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=textwrap.fill(
+            "Serve predictions over HTTP/JSON from a trainer export and follow the versions "
+            "online learning publishes there; every answer names the model version that "
+            "computed it."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=cli.epilog(
+            f"{PROG} --export-dir export/ --port 8500",
+            "curl -s localhost:8500/v1/predict -d '{\"samples\": [{\"user_id\": 7, ...}]}'",
+            "curl -s localhost:8500/v1/predict -d '{\"root\": {\"user_id\": 7, ...}, "
+            "\"candidates\": [{\"item_id\": 3, ...}, ...]}'",
+            notes="Endpoints: POST /v1/predict, GET /v1/model, /livez, /readyz, /metrics "
+                  "(Prometheus). SIGTERM and Ctrl-C answer every accepted request, then exit "
+                  "0; SIGHUP reloads the full export.",
+            exit_codes=cli.SERVICE_EXIT_CODES))
+    cli.add_debug_flag(parser)
+    parser.add_argument("--export-dir", required=True,
+                        help="the export to serve (trainer.train --export-dir, "
+                             "trainer.online --export-dir)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8500,
+                        help="port (default 8500; 0 picks a free one, printed on start)")
+    parser.add_argument("--poll-interval", type=float, default=0.2,
+                        help="seconds between looks for new versions (default 0.2)")
+    parser.add_argument("--max-lag", type=float,
+                        help="not ready while the freshness lag (now minus the newest sample "
+                             "trained into the served version) is above this many seconds")
+    parser.add_argument("--max-samples", type=int, default=MAX_SAMPLES,
+                        help=f"samples per request (default {MAX_SAMPLES}; more: HTTP 413)")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help=f"request body size (default {MAX_BODY_BYTES}; more: HTTP 413)")
+    parser.add_argument("--batch-size", type=int, default=4096,
+                        help="samples per model call within a request (default 4096)")
+    parser.add_argument("--threads", type=int, default=8,
+                        help="requests computed at once, off the event loop (default 8)")
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+    return parser
+
+
+def run(args) -> int:
+    for name in ("poll_interval", "max_samples", "max_body_bytes", "batch_size", "threads"):
+        if getattr(args, name) <= 0:
+            raise cli.UsageError(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(args, name)}")
+    if args.max_lag is not None and args.max_lag <= 0:
+        raise cli.UsageError(f"--max-lag must be positive, got {args.max_lag}")
+    if not 0 <= args.port <= 65535:
+        raise cli.UsageError(f"--port must be 0-65535, got {args.port}")
+    if not os.path.isdir(args.export_dir):
+        raise cli.UsageError(f"--export-dir {args.export_dir}: no such directory; write an "
+                             "export with trainer.train --export-dir or trainer.online "
+                             "--export-dir")
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        raise cli.UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}; "
+                             "pick another --port") from None
+
+    import uvicorn
+    from trainer import runs
+
+    def log(message):
+        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+    runs.load_tensorflow(args.debug)
+    from trainer.live import LiveModel
+
+    live = LiveModel(args.export_dir, batch_size=args.batch_size, max_lag=args.max_lag)
+    app = build_app(live, max_samples=args.max_samples, max_body_bytes=args.max_body_bytes)
+    follower = Follower(live, args.poll_interval, app.state.metrics, log)
+    signals = []
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # stop cleanly (uvicorn drains the accepted requests) and exit 0; uvicorn's own
+            # handler would re-raise the signal at the end and end the process by it
+            def stop(signum, frame):
+                signals.append(signum)
+                self.should_exit = True
+
+            previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP,
+                                                    lambda *_: follower.reload.set())
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    from anyio import to_thread
+
+    async def serve():
+        to_thread.current_default_thread_limiter().total_tokens = args.threads
+        host, port = sock.getsockname()[:2]
+        version = live.version
+        log(f"serving {live.directory} ("
+            + ("no model yet: " + str(live.problem) if version is None else
+               f"lineage {version.lineage}, version {version.number}, step {version.step}")
+            + f") on http://{host}:{port}")
+        await server.serve(sockets=[sock])
+
+    config = uvicorn.Config(app, log_level="warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=30, lifespan="off")
+    server = Server(config)
+    follower.thread.start()
+    try:
+        asyncio.run(serve())
+    finally:
+        follower.stop.set()
+        follower.thread.join(timeout=10)
+        live.close()
+    log("stopped" + (f" on {signal.Signals(signals[0]).name}" if signals else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run_command(PROG, lambda a: run(build_parser().parse_args(a)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
