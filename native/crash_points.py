@@ -25,6 +25,9 @@ Checkpoint (``trainer.checkpoints.CheckpointManager.save``):
     ``checkpoint.removing``      an older checkpoint renamed away, half removed
   and, in a save of a step that has a checkpoint already (a new revision), the same four with
   ``.same-step`` appended (``checkpoint.renamed.same-step``), reached after the plain one.
+Serving export (``trainer.serving.export_increment``):
+    ``export.published``         a version's manifest in place (followers may apply it), the
+                                 trainer's checkpoint not yet written
 Kafka offsets (``trainer.online.OnlineTrainer._commit``):
     ``offsets.commit``           the checkpoint holding the offsets is durable, not committed
     ``offsets.committed``        the commit sent (the final commit of a run: and answered)

@@ -54,6 +54,7 @@ import tensorflow as tf
 import compression
 from compression.cli import replace_directory
 import native
+from native.crash_points import crash_point
 import schemas
 from compression import LayerBatch, TreeBatch
 from schemas.hashing import id_shards
@@ -179,6 +180,7 @@ def export_increment(trainer, directory: str | os.PathLike,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        crash_point("export.published")  # see native.crash_points
     except BaseException:
         # the stores' delta sequences may have moved past what is published: the next
         # call starts a new lineage rather than publish a version with a hole

@@ -1,0 +1,281 @@
+"""The prediction service as a real child process over HTTP, following an export that a trainer
+publishes versions into: one version per answer, equal to the Predictor at every version,
+problems never applied, bad requests answered, SIGTERM drains."""
+
+import json
+import os
+import shutil
+import signal
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import compression
+import schemas
+from service import Service
+from trainer import models
+from trainer.config import TrainConfig
+from trainer.live import LiveModel
+from trainer.serving import Predictor, export_increment, version_path
+from trainer.trainer import Trainer
+
+SCHEMA = schemas.from_dict({"name": "serve_test", "labels": ["click"], "layers": [
+    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"},
+                                                  {"name": "age", "kind": "id"}]},
+    {"name": "sample", "key": ["item"], "features": [{"name": "item", "kind": "id"}]}]})
+CONFIG = TrainConfig.from_dict({"batch_size": 400, "seed": 3, "threads": 1,
+                                "embedding": {"dim": 4, "optimizer": {"name": "adagrad",
+                                                                      "lr": 0.2}}})
+# Every version trains the probe's users and items again: both tables' rows of every probe
+# sample change together in every version, so an answer mixing two versions is off.
+PROBE = [{"uid": u, "age": u % 5, "item": 100 + 7 * u} for u in range(12)]
+
+
+def _samples(n, seed):
+    rng = np.random.default_rng(seed)
+    uid = rng.integers(0, 40, n)
+    rows = [{"uid": int(u), "age": int(u % 5), "item": int(i), "click": float(c)}
+            for u, i, c in zip(uid, rng.integers(0, 300, n), rng.random(n) < 0.3)]
+    return rows + [{**p, "click": float(k % 2)} for k, p in enumerate(PROBE)]
+
+
+def _train(trainer, seed, n=300):
+    trees = compression.build_trees(pa.Table.from_pylist(_samples(n, seed)), SCHEMA)
+    for batch in compression.iter_batches(trees, SCHEMA, 400):
+        trainer.train_batch(batch)
+
+
+def _trainer():
+    trainer = Trainer(SCHEMA, models.MLP(hidden=(8,)), CONFIG)
+    _train(trainer, 0)
+    return trainer
+
+
+def _predictions(answer):
+    return np.array([p["click"] for p in answer["predictions"]])
+
+
+def test_every_answer_is_one_published_version_while_versions_apply(tmp_path):
+    export = tmp_path / "export"
+    trainer = _trainer()
+    export_increment(trainer, export)
+    reference = Predictor(export)
+    expected = {0: reference.predict(PROBE)}
+    seen, answers, stop = threading.Condition(), [], threading.Event()
+    with Service(export, "--poll-interval", "0.02") as service:
+        errors = []
+
+        def client():
+            connection = service.connection()
+            while not stop.is_set():
+                status, answer = service.predict({"samples": PROBE}, connection)
+                with seen:
+                    if status != 200:
+                        errors.append(answer)
+                        stop.set()
+                    else:
+                        answers.append((answer["model"]["version"], _predictions(answer)))
+                    seen.notify_all()
+
+        clients = [threading.Thread(target=client) for _ in range(3)]
+        for c in clients:
+            c.start()
+        try:
+            for version in range(1, 9):
+                _train(trainer, version)
+                assert export_increment(trainer, export)["version"] == version
+                assert reference.update() == len(trainer.tables)
+                expected[version] = reference.predict(PROBE)
+                assert not np.allclose(expected[version], expected[version - 1])
+                with seen:  # a client got an answer of this version: the swap happened
+                    assert seen.wait_for(lambda: errors or any(v == version for v, _ in answers),
+                                         60), service.stderr
+                    assert not errors, errors
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(60)
+        info = service.model()
+        assert info["model"]["version"] == 8 and info["ready"] and info["failed_applies"] == 0
+        assert info["model"]["lineage"] == reference.lineage
+    assert service.child.returncode == 0, service.stderr
+    versions = [v for v, _ in answers]
+    assert set(versions) == set(range(9))
+    for version, predictions in answers:  # each answer is exactly one version's
+        np.testing.assert_allclose(predictions, expected[version], rtol=2e-5, atol=1e-7)
+
+
+def _copy_version(source, target, version, damage=None):
+    """Publish ``source``'s version into ``target`` as a writer would: files, manifest last."""
+    files = version_path(str(source), version)
+    shutil.copytree(files, version_path(str(target), version))
+    if damage is not None:
+        damage(version_path(str(target), version))
+    shutil.copy(f"{files}.json", f"{version_path(str(target), version)}.json")
+
+
+def _truncate_a_delta(folder):
+    path = next(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs
+                if f.endswith(".bin"))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 5)
+    return path
+
+
+def test_damaged_missing_and_foreign_versions_are_never_applied(tmp_path):
+    """The trainer publishes into ``source``; the test copies versions into the served
+    directory, damaged or out of order: the service stays on the last good version, says why
+    it is not ready, and recovers once what it needs appears."""
+    source, served = tmp_path / "source", tmp_path / "served"
+    trainer = _trainer()
+    export_increment(trainer, source)
+    shutil.copytree(source, served)
+    reference = Predictor(source)
+    expected = {0: reference.predict(PROBE)}
+    for version in range(1, 5):
+        _train(trainer, version)
+        export_increment(trainer, source)
+        reference.update()
+        expected[version] = reference.predict(PROBE)
+
+    def answers_on(service, version):
+        status, answer = service.predict({"samples": PROBE})
+        assert status == 200 and answer["model"]["version"] == version, answer
+        np.testing.assert_allclose(_predictions(answer), expected[version], rtol=2e-5)
+
+    def not_ready(service, version, reason):
+        info = service.wait_for(lambda i: not i["ready"], what="not ready")
+        assert reason in info["problem"], info
+        status, text = service.request("GET", "/readyz")
+        assert status == 503 and reason in text
+        answers_on(service, version)
+
+    with Service(served, "--poll-interval", "0.02") as service:
+        _copy_version(source, served, 1)
+        service.wait_for(lambda i: i["model"]["version"] == 1 and i["ready"])
+        # a truncated delta: refused before anything changes
+        damaged = {}
+        _copy_version(source, served, 2,
+                      damage=lambda folder: damaged.setdefault("path", _truncate_a_delta(folder)))
+        not_ready(service, 1, "version 2")
+        assert service.metric("prefixrec_serve_failed_applies_total") >= 1
+        # the writer's complete file appears: applied
+        relative = os.path.relpath(damaged["path"], served)
+        shutil.copy(source / relative, damaged["path"])
+        service.wait_for(lambda i: i["model"]["version"] == 2 and i["ready"])
+        answers_on(service, 2)
+        # version 3 missing, 4 published: a gap
+        _copy_version(source, served, 4)
+        not_ready(service, 2, "version 3 is missing")
+        _copy_version(source, served, 3)
+        service.wait_for(lambda i: i["model"]["version"] == 4 and i["ready"])
+        answers_on(service, 4)
+        # a manifest of another lineage in place of version 5
+        other = Trainer(SCHEMA, models.MLP(hidden=(8,)), CONFIG)
+        _train(other, 9)
+        export_increment(other, tmp_path / "other")
+        _train(other, 10)
+        export_increment(other, tmp_path / "other")
+        shutil.copytree(version_path(str(tmp_path / "other"), 1), version_path(str(served), 5))
+        shutil.copy(version_path(str(tmp_path / "other"), 1) + ".json",
+                    version_path(str(served), 5) + ".json")
+        manifest = json.loads(open(version_path(str(served), 5) + ".json").read())
+        manifest["version"] = 5
+        with open(version_path(str(served), 5) + ".json", "w") as f:
+            json.dump(manifest, f)
+        not_ready(service, 4, "lineage")
+        # the export directory removed: still answering; a new full export: loaded
+        shutil.rmtree(served)
+        not_ready(service, 4, "export.json missing")
+        export_increment(other, served)
+        info = service.wait_for(lambda i: i["ready"] and i["model"]["lineage"] != reference
+                                .lineage, what="the new export loaded")
+        assert info["reloads"] == 1
+        status, answer = service.predict({"samples": PROBE})
+        assert status == 200 and answer["model"]["version"] == 0
+        np.testing.assert_allclose(_predictions(answer), Predictor(served).predict(PROBE),
+                                   rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory):
+    export = tmp_path_factory.mktemp("serve") / "export"
+    export_increment(_trainer(), export)
+    return export
+
+
+def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(small_export):
+    good = {"samples": PROBE[:2]}
+    service = Service(small_export, "--max-samples", "3000", "--max-body-bytes", "200000",
+                      "--threads", "1")
+    try:
+        cases = [
+            (b'{"samples": [', 400, "malformed JSON"),
+            ({"samples": []}, 400, "empty"),
+            ({"rows": PROBE}, 400, 'no "samples"'),
+            ({"samples": [PROBE[0], 7]}, 400, "sample 1: not a JSON object"),
+            ({"samples": [PROBE[0], {"uid": 1, "age": 1}]}, 400, "sample 1: column 'item'"),
+            ({"samples": [PROBE[0], {**PROBE[1], "age": "old"}]}, 400,
+             "sample 1: column 'age' is 'old'"),
+            ({"samples": [{**PROBE[0], "colour": 3}]}, 400, "'colour'"),
+            ({"root": {"uid": 1, "age": 1}, "candidates": [{"item": 1, "uid": 2}]}, 400,
+             "candidate 0: 'uid' is a feature of the root layer"),
+            ({"samples": PROBE * 300}, 413, "the limit is 3000"),
+            (json.dumps({"samples": PROBE, "pad": "x" * 300_000}).encode(), 413,
+             "--max-body-bytes"),
+        ]
+        for body, status, words in cases:
+            got, answer = service.predict(body)
+            assert (got, words in answer["error"]) == (status, True), (body, answer)
+            assert service.predict(good)[0] == 200  # still serving
+        # a ranking request: the user once, the candidates under it; as flat samples
+        root = {"uid": 3, "age": 3}
+        candidates = [{"item": i} for i in range(40)]
+        status, tree = service.predict({"root": root, "candidates": candidates})
+        assert status == 200
+        status, flat = service.predict({"samples": [{**root, **c} for c in candidates]})
+        np.testing.assert_allclose(_predictions(tree), _predictions(flat), rtol=1e-5)
+        assert service.request("GET", "/livez")[0] == 200
+        assert service.request("GET", "/readyz") == (200, "ready\n")
+
+        # SIGTERM while requests are being computed: every accepted one is answered
+        big = {"samples": [{**PROBE[i % 12], "item": i} for i in range(3000)]}
+        watcher = service.connection()
+        for _ in range(20):  # waves of 4 requests (one computed at a time) until one is caught
+            results = []
+            clients = [threading.Thread(target=lambda: results.append(
+                service.predict(big)[0])) for _ in range(4)]
+            for c in clients:
+                c.start()
+            caught = False
+            while not caught and any(c.is_alive() for c in clients):
+                caught = "prefixrec_serve_requests_in_flight 0.0" not in service.request(
+                    "GET", "/metrics", connection=watcher)[1]
+            if caught:
+                break
+            for c in clients:
+                c.join()
+        assert caught, "no request was ever seen being computed"
+        service.child.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(120)
+        assert service.child.wait(120) == 0, service.stderr
+        assert results == [200] * 4, results
+        assert "stopped on SIGTERM" in service.stderr
+    finally:
+        service.stop(signal.SIGKILL)
+
+
+def test_a_tree_request_runs_the_root_once_and_equals_flat_scoring(small_export):
+    """In process, over the same export: the candidates' answers equal flat scoring."""
+    live = LiveModel(small_export)
+    try:
+        candidates = [{"item": i} for i in range(25)]
+        tree, info = live.predict_tree({"uid": 5, "age": 0}, candidates)
+        flat, _ = live.predict([{"uid": 5, "age": 0, **c} for c in candidates])
+        np.testing.assert_allclose(tree, flat, rtol=1e-5)
+        assert tree.shape == (25, 1) and info["version"] == 0
+    finally:
+        live.close()
