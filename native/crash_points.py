@@ -50,7 +50,7 @@ POINTS = (
     "checkpoint.written", "checkpoint.renamed", "checkpoint.latest", "checkpoint.removing",
     "checkpoint.written.same-step", "checkpoint.renamed.same-step",
     "checkpoint.latest.same-step", "checkpoint.removing.same-step",
-    "offsets.commit", "offsets.committed",
+    "export.published", "offsets.commit", "offsets.committed",
 )
 
 _lock = threading.Lock()

@@ -299,7 +299,8 @@ class LiveModel:
         if lineage is None:
             what = ("export.json missing" if not os.path.exists(
                 os.path.join(self.directory, "export.json")) else "export.json has no lineage")
-            self._refuse(None, 0, f"{self.directory}: {what}; waiting for a full export")
+            # not a refused version: a writer replacing the directory passes through this
+            self.problem = f"{self.directory}: {what}; waiting for a full export"
             return 0
         if current is None or lineage != current.lineage or reload:
             try:

@@ -231,6 +231,7 @@ class OnlineTrainer:
         self.last_delay: dict = {"p50": None, "p99": None}  # of the latest export
         # Kafka arrival time (Unix s) of the newest sample trained into the latest export
         self.newest_arrival: float | None = None
+        self._trained_since_export = False
         self.stats = OnlineStats()
         # progressive validation of the first head: the whole run, and since the last report
         self.pv = ProgressiveValidation()
@@ -422,6 +423,7 @@ class OnlineTrainer:
         return self.summary()
 
     def _train(self, unit: Unit):
+        self._trained_since_export = True
         for batch in unit.batches:
             if self.calibrate:
                 self.calibrate = False
@@ -513,8 +515,13 @@ class OnlineTrainer:
             crash_point("offsets.committed")
 
     def export(self):
-        """Export store deltas (upserts and tombstones) and the dense weights for serving."""
+        """Export store deltas (upserts and tombstones) and the dense weights for serving: a
+        full export first, then a version whenever something was trained since the last."""
         from trainer.serving import export_increment  # serving pieces live there
+
+        if self.stats.exports and not self._trained_since_export:
+            return
+        self._trained_since_export = False
 
         if self._pending_timestamps:
             stamps = np.concatenate(self._pending_timestamps)
