@@ -209,7 +209,7 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
             "train_samples_per_sec": round(trained / wall, 1), "threads": threads}
 
 
-def _create_topic(bootstrap: str, partitions: int) -> str:
+def create_topic(bootstrap: str, partitions: int) -> str:
     import uuid
 
     from confluent_kafka.admin import AdminClient, NewTopic
@@ -258,7 +258,7 @@ def run(argv=None) -> dict:
     try:
         with broker as (bootstrap, broker_process, _):
             messages = _messages(schema, args.samples, args.seed)
-            topic = _create_topic(bootstrap, args.partitions)
+            topic = create_topic(bootstrap, args.partitions)
             _produce(bootstrap, topic, messages)
             if args.budget:
                 budget = _budget(schema, bootstrap, topic, messages, args.threads,
@@ -270,7 +270,7 @@ def run(argv=None) -> dict:
             alone = _train_alone(schema, messages, args.threads, args.unit_samples)
             from_trees = None
             if args.trees:
-                topic = _create_topic(bootstrap, args.partitions)
+                topic = create_topic(bootstrap, args.partitions)
                 _produce(bootstrap, topic, _tree_messages(schema, args.samples, args.seed))
                 from_trees = _online(schema, bootstrap, topic, os.path.join(work, "run3"),
                                      os.path.join(work, "export3"), 1e9, format="trees",
@@ -278,7 +278,7 @@ def run(argv=None) -> dict:
 
             delay_samples = int(args.rate * args.seconds)
             delayed = _messages(schema, delay_samples, args.seed + 1)
-            topic = _create_topic(bootstrap, args.partitions)
+            topic = create_topic(bootstrap, args.partitions)
             stop = threading.Event()
             producer = threading.Thread(target=_produce, args=(bootstrap, topic, delayed,
                                                                args.rate, stop))

@@ -125,7 +125,7 @@ class TreeBatch:
         nodes = flat_layers(trees, schema)
         layers = []
         for layer, layer_nodes in zip(schema.layers, nodes):
-            features = {f.name: _to_numpy(layer_nodes.columns[f.name], f)
+            features = {f.name: feature_array(layer_nodes.columns[f.name], f)
                         for f in layer.features}
             parent = None if layer_nodes.parent is None else layer_nodes.parent
             size = len(layer_nodes) if trees.num_rows else 0
@@ -268,7 +268,8 @@ def _ids_to_int64(array: pa.Array, dtype: str) -> np.ndarray:
     return array.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def _to_numpy(column, feature) -> FeatureArray:
+def feature_array(column, feature) -> FeatureArray:
+    """A validated raw or tree column of ``feature`` (pyarrow) as a LayerBatch holds it."""
     column = _plain(column)
     if feature.kind == "id":
         return _ids_to_int64(column, feature.dtype)

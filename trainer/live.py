@@ -38,11 +38,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import pyarrow as pa
 import tensorflow as tf
 
-import compression
-from compression.batches import take
 import native
 import schemas
 from trainer.checkpoints import dense_name
@@ -51,6 +48,7 @@ from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
 from trainer.serving import (EXPORT_VERSION, ShardedStore, one_node_per_sample,
                              published_versions, read_lineage, read_manifest, request_table,
+                             request_tree_table,
                              version_path)
 
 
@@ -119,6 +117,11 @@ class Base:
         dims = {t: self.config.table(t).dim for t in tables}
         poolings = {f.name: self.config.feature(f.name).pooling
                     for f in self.schema.features if f.kind != "dense"}
+        unresolved = [n for n, c in dict(self.config.dense).items() if not c.resolved]
+        if unresolved:
+            raise ValueError(f"{path}: dense feature {unresolved[0]!r} has no statistics yet "
+                             "(an export of a model that trained nothing); waiting for one "
+                             "that trained")
         self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")
@@ -167,7 +170,7 @@ class Version:
     def info(self) -> dict:
         """What an answer reports about the version that computed it."""
         return {"lineage": self.lineage, "version": self.number, "step": self.step,
-                "newest_sample_time": self.newest_sample_time}
+                "newest_sample_time": self.newest_sample_time, "heads": self.base.heads}
 
 
 class LiveModel:
@@ -191,7 +194,10 @@ class LiveModel:
         self._retired: list[Version] = []   # replaced versions some request may still pin
         self._staging = tempfile.mkdtemp(prefix="prefixrec-serve-")
         self._current: Version | None = None
-        self._current = self._load_full()
+        try:
+            self._current = self._load_full()
+        except ValueError as e:  # an export it cannot serve: not ready until a better one
+            self.problem = str(e)
 
     # -- answering -----------------------------------------------------------------------
 
@@ -248,29 +254,10 @@ class LiveModel:
         :meth:`predict` on the flat samples ``{**root, **candidate}`` up to float rounding."""
         with self.pinned() as version:
             schema = version.base.schema
-            root_names = {f.name for f in schema.layers[0].features}
-            for i, candidate in enumerate(candidates):
-                clash = root_names & set(candidate)
-                if clash:
-                    raise compression.RawDataError(
-                        f"candidate {i}: {sorted(clash)[0]!r} is a feature of the root layer "
-                        f"{schema.layers[0].name!r}; give it once, in the request's root")
-            rows = [{**root, **candidate} for candidate in candidates]
-            table = request_table(rows, schema)
-            batches = []
-            for start in range(0, table.num_rows, self.batch_size):
-                batch = one_node_per_sample(table.slice(start, self.batch_size), schema)
-                root_layer = batch.layers[0]
-                batch.layers[0] = compression.LayerBatch(
-                    root_layer.name, 1, None,
-                    {n: take(a, np.zeros(1, np.int64))
-                     for n, a in root_layer.features.items()})
-                below = batch.layers[1] if len(batch.layers) > 1 else None
-                if below is not None:
-                    batch.layers[1] = compression.LayerBatch(
-                        below.name, below.size, np.zeros(below.size, np.int32), below.features)
-                batches.append(batch)
-            return self._score(version, batches), version.info()
+            table = request_tree_table(root, candidates, schema)
+            return self._score(version, [
+                one_node_per_sample(table.slice(s, self.batch_size), schema, root_once=True)
+                for s in range(0, table.num_rows, self.batch_size)]), version.info()
 
     def _score(self, version: Version, batches) -> np.ndarray:
         base = version.base

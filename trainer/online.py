@@ -516,11 +516,12 @@ class OnlineTrainer:
 
     def export(self):
         """Export store deltas (upserts and tombstones) and the dense weights for serving: a
-        full export first, then a version whenever something was trained since the last."""
+        full export after the first unit, then a version whenever something was trained
+        since the last export."""
         from trainer.serving import export_increment  # serving pieces live there
 
-        if self.stats.exports and not self._trained_since_export:
-            return
+        if not self._trained_since_export:
+            return  # nothing new (and before the first unit, nothing a server could use)
         self._trained_since_export = False
 
         if self._pending_timestamps:

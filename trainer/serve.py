@@ -9,7 +9,8 @@ Endpoints:
   ranking request: the root layer's features once, e.g. the user's, and the candidates' features
   of the layers below; the root's part of the network runs once per request). The answer:
   ``{"predictions": [{"<head>": p, ...}, ...], "model": {"lineage", "version", "step",
-  "freshness_lag_s"}}``, predictions in the request's order, all computed on that one version.
+  "newest_sample_time", "freshness_lag_s"}}``, predictions in the request's order, all
+  computed on that one version.
   Bad input gets 400 (malformed JSON, a missing or mistyped column: the message names the sample
   and column), 413 above ``--max-samples`` samples or ``--max-body-bytes``; 503 before a model is
   loaded. The service keeps serving.
@@ -36,6 +37,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 
 from compression import cli
 
@@ -163,11 +165,16 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
         metrics["requests"].labels(endpoint, str(status)).inc()
         return JSONResponse(payload, status_code=status)
 
-    def score(kind, items):
+    def work(body: bytes):
+        """Parse and score, in a worker thread (a large JSON body is CPU work too)."""
+        kind, items = parse_request(body, max_samples)
+        if live.version is None:
+            raise BadRequest(f"no model loaded yet: {live.problem}", status=503)
         if kind == "samples":
-            return live.predict(items)
-        root, candidates = items
-        return live.predict_tree(root, candidates)
+            probabilities, info = live.predict(items)
+        else:
+            probabilities, info = live.predict_tree(*items)
+        return kind, probabilities, info
 
     async def predict(request):
         started = time.perf_counter()
@@ -182,20 +189,19 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
             if len(body) > max_body_bytes:
                 return answer("predict", 413, {"error": f"request body above {max_body_bytes}"
                                                         " bytes (--max-body-bytes)"})
-        try:
-            kind, items = parse_request(bytes(body), max_samples)
-        except BadRequest as e:
-            return answer("predict", e.status, {"error": str(e)})
-        if live.version is None:
-            return answer("predict", 503, {"error": f"no model loaded yet: {live.problem}"})
         metrics["in_flight"].inc()
         try:
-            probabilities, info = await run_in_threadpool(score, kind, items)
+            kind, probabilities, info = await run_in_threadpool(work, bytes(body))
+        except BadRequest as e:
+            return answer("predict", e.status, {"error": str(e)})
         except RawDataError as e:
             return answer("predict", 400, {"error": str(e)})
+        except Exception as e:  # noqa: BLE001 - a bug: say so, log it, keep serving
+            traceback.print_exc()
+            return answer("predict", 500, {"error": f"internal error: {type(e).__name__}: {e}"})
         finally:
             metrics["in_flight"].dec()
-        heads = live.version.base.heads
+        heads = info["heads"]  # of the version that answered
         predictions = [dict(zip(heads, map(float, row))) for row in probabilities]
         lag = None if info["newest_sample_time"] is None else time.time() - info[
             "newest_sample_time"]
@@ -203,7 +209,7 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
         metrics["latency"].labels(kind).observe(time.perf_counter() - started)
         return answer("predict", 200, {"predictions": predictions, "model": {
             "lineage": info["lineage"], "version": info["version"], "step": info["step"],
-            "freshness_lag_s": lag}})
+            "newest_sample_time": info["newest_sample_time"], "freshness_lag_s": lag}})
 
     async def livez(request):
         return Response("ok\n", media_type="text/plain")

@@ -57,6 +57,7 @@ import native
 from native.crash_points import crash_point
 import schemas
 from compression import LayerBatch, TreeBatch
+from compression.batches import feature_array
 from schemas.hashing import id_shards
 from trainer.checkpoints import dense_name
 from trainer.config import TrainConfig
@@ -382,63 +383,109 @@ def request_table(samples, schema) -> pa.Table:
     return compression.validate_raw(samples, schema)
 
 
-def _table_of_rows(rows: list, schema) -> pa.Table:
-    """Row dicts as a table, column by column, so a value of the wrong kind is named by its
-    sample (0-based, as in the request) and column."""
-    names = list(dict.fromkeys(name for row in rows for name in row))
-    columns = []
-    for name in names:
-        values = [row.get(name) for row in rows]
-        try:
-            columns.append(pa.array(values))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            feature = next((f for f in schema.features if f.name == name), None)
-            want = ("a list" if feature is not None and feature.kind != "id" else
-                    "a string" if feature is not None and feature.dtype == "string" else
-                    "a number" if name in schema.labels else "an integer")
-            for i, value in enumerate(values):
-                try:
-                    pa.array([value] + [v for v in values[:i] if v is not None][:1])
-                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-                    break
-            else:
-                i = 0
+def request_tree_table(root: dict, candidates: list, schema) -> pa.Table:
+    """A ranking request (the root layer's features once, the candidates' features of the
+    layers below) as validated raw samples, one per candidate, the root's columns repeated by
+    Arrow (no per-candidate Python work for them)."""
+    root_names = [f.name for f in schema.layers[0].features]
+    below = [f.name for layer in schema.layers[1:] for f in layer.features]
+    root_set = set(root_names)
+    for i, candidate in enumerate(candidates):
+        clash = next((k for k in candidate if k in root_set), None)
+        if clash is not None:
             raise compression.RawDataError(
-                f"sample {i}: column {name!r} is {values[i]!r} ({type(values[i]).__name__}); "
-                f"expected {want}") from None
-    missing = [n for n in (f.name for f in schema.features) if n not in names]
+                f"candidate {i}: {clash!r} is a feature of the root layer "
+                f"{schema.layers[0].name!r}; give it once, in the request's root")
+    top = _table_of_rows([root], schema, root_names, "root")
+    rest = _table_of_rows(candidates, schema, below, "candidate")
+    repeat = pa.array(np.zeros(len(candidates), np.int64))
+    columns = {name: top.column(name).take(repeat) for name in top.column_names}
+    columns.update({name: rest.column(name) for name in rest.column_names})
+    return request_table(pa.table(columns), schema)
+
+
+def _table_of_rows(rows: list, schema, required=None, what: str = "sample") -> pa.Table:
+    """Row dicts as a table, column by column, so a value of the wrong kind is named by its
+    sample (0-based, as in the request) and column. ``required``: the feature names each row
+    must hold (default: every feature)."""
+    types = schema.raw_arrow_schema()
+    try:  # the fast path: Arrow reads the rows in C++, inferring each column's type
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        table = None  # a value of the wrong kind: found and named column by column below
+    if table is not None:
+        names = table.column_names
+        columns = [_typed(table.column(n), types, n) for n in names]
+    else:
+        names = list(dict.fromkeys(name for row in rows for name in row))
+        columns = [_typed_column([row.get(name) for row in rows], name, schema, types, what)
+                   for name in names]
+    if required is None:
+        required = [f.name for f in schema.features]
+    missing = [n for n in required if n not in names]
     if missing:
         raise compression.RawDataError(
-            f"sample 0: column {missing[0]!r} missing: the schema {schema.name!r} needs every "
-            "feature of every layer in each sample")
+            f"{what} 0: column {missing[0]!r} missing: the schema {schema.name!r} needs "
+            f"every feature of every layer in each sample")
     table = pa.table(dict(zip(names, columns))) if names else pa.table({})
     for name in names:  # a key some samples lack arrives as null
         column = table.column(name)
         if column.null_count and name not in schema.labels:
             i = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-            raise compression.RawDataError(f"sample {i}: column {name!r} missing or null")
+            raise compression.RawDataError(f"{what} {i}: column {name!r} missing or null")
     return table
 
 
-def one_node_per_sample(table: pa.Table, schema) -> TreeBatch:
-    """A batch in which every layer has one node per sample (parent i -> i): the samples keep
-    their order and no grouping work is done at serving time."""
+def _typed(column, types, name: str):
+    """An inferred column with nothing to infer from (all nulls, or lists empty in every
+    sample) in the schema's type; any other as inferred (a float where an id belongs stays a
+    float, for validation to refuse: Arrow would truncate it if asked for int64)."""
+    if name in types.names and (pa.types.is_null(column.type) or (
+            pa.types.is_list(column.type) and pa.types.is_null(column.type.value_type))):
+        return column.cast(types.field(name).type)
+    return column
+
+
+def _typed_column(values: list, name: str, schema, types, what: str):
+    """One column of row values; a value of the wrong kind is named by its row."""
+    try:
+        return _typed(pa.array(values), types, name)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        pass
+    feature = next((f for f in schema.features if f.name == name), None)
+    want = ("a list" if feature is not None and feature.kind != "id" else
+            "a string" if feature is not None and feature.dtype == "string" else
+            "a number" if name in schema.labels else "an integer")
+    first = next((v for v in values if v is not None), None)
+    bad = 0
+    for i, value in enumerate(values):  # the first value that does not go with the first
+        try:
+            pa.array([first, value])
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            bad = i
+            break
+    raise compression.RawDataError(
+        f"{what} {bad}: column {name!r} is {values[bad]!r} ({type(values[bad]).__name__}); "
+        f"expected {want} (64-bit for integers)")
+
+
+def one_node_per_sample(table: pa.Table, schema, root_once: bool = False) -> TreeBatch:
+    """A batch of validated raw samples in which every layer has one node per sample (parent
+    i -> i): the samples keep their order and no grouping work is done at serving time. With
+    ``root_once`` the samples share one root node (its features taken from the first sample:
+    a ranking request's user), so the root's part of the network runs once."""
     n = table.num_rows
     identity = np.arange(n, dtype=np.int32)
-    flat = TreeBatch.from_trees(_as_one_layer(table, schema), _one_layer_schema(schema))
-    features = flat.layers[0].features
     layers = []
     for level, layer in enumerate(schema.layers):
-        layers.append(LayerBatch(layer.name, n, None if level == 0 else identity,
-                                 {f.name: features[f.name] for f in layer.features}))
-    return TreeBatch(layers, flat.labels)
-
-
-def _one_layer_schema(schema):
-    return schemas.from_dict({"name": schema.name, "labels": list(schema.labels),
-                              "layers": [{"name": "sample", "key": [], "features": [
-                                  f.to_dict() for f in schema.features]}]})
-
-
-def _as_one_layer(table: pa.Table, schema) -> pa.Table:
-    return table.select([f.name for f in schema.features] + list(schema.labels))
+        columns = {f.name: table.column(f.name) for f in layer.features}
+        size, parent = n, None if level == 0 else identity
+        if root_once and level == 0:
+            size, columns = min(n, 1), {k: c.slice(0, 1) for k, c in columns.items()}
+        elif root_once and level == 1:
+            parent = np.zeros(n, np.int32)
+        layers.append(LayerBatch(layer.name, size, parent, {
+            f.name: feature_array(columns[f.name], f) for f in layer.features}))
+    labels = {label: table.column(label).to_numpy().astype(np.float32, copy=False)
+              for label in schema.labels}
+    return TreeBatch(layers, labels)

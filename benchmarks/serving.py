@@ -1,0 +1,437 @@
+"""Benchmark of the prediction service (``python -m trainer.serve``), every number against a
+baseline measured in the same run:
+
+    python -m benchmarks.serving [--tiny]
+
+1. freshness: a producer sends ``--rate`` taobao_like samples/s to a local Tansu broker,
+   ``trainer.online`` trains them with ``--export-every`` and the service follows its export;
+   a client asks the service every 20 ms. A sample's freshness is the time from its arrival
+   (its Kafka timestamp) to the first answer computed on a version that includes it
+   (``newest_sample_time`` of the answering version >= its arrival). Target p99 <= 3 s.
+2. latency under load: HTTP clients in separate processes (keep-alive connections) send
+   requests of 1 and of 100 samples for ``--seconds`` s, alternating phases without updates and
+   with a new version (20k samples' deltas + dense weights) published every second; p50/p99 of
+   both, in the same run. Target: p99 with updates within 1.5x of p99 without.
+3. throughput: samples/s of the service at 100 samples a request against the in-process
+   ``Predictor`` on the same samples (the bound).
+4. structured serving: one user x 500 candidates per request as a ranking request (the user's
+   part once) against the same 500 samples flat, alternating requests: p50/p99 of both;
+   target >= 1.5x faster.
+Prints a table and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")
+
+
+# -- the service as a child process ---------------------------------------------------------
+
+class Service:
+    def __init__(self, export_dir: str, *args: str):
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "trainer.serve", "--export-dir", export_dir, "--port", "0",
+             *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        self.lines = []
+        for line in self.child.stderr:
+            self.lines.append(line)
+            match = re.search(r"on http://([0-9.]+):(\d+)", line)
+            if match:
+                self.host, self.port = match.group(1), int(match.group(2))
+                break
+        else:
+            raise RuntimeError("the service did not start:\n" + "".join(self.lines))
+        threading.Thread(target=lambda: self.lines.extend(self.child.stderr),
+                         daemon=True).start()
+
+    def model(self) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        conn.request("GET", "/v1/model")
+        info = json.loads(conn.getresponse().read())
+        conn.close()
+        return info
+
+    def wait_for(self, condition, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.model()
+            if condition(info):
+                return info
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"service: condition not reached: {info}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.child.send_signal(signal.SIGTERM)
+        self.child.wait(60)
+
+
+def post(conn: http.client.HTTPConnection, body: bytes) -> dict:
+    conn.request("POST", "/v1/predict", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {data[:300]!r}")
+    return json.loads(data)
+
+
+def _load_worker(host, port, body, seconds, threads, out):
+    """One load-generator process (spawned: no TensorFlow): ``threads`` keep-alive clients
+    sending ``body`` back to back for ``seconds``; puts the latencies."""
+    latencies, lock = [], threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def client():
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        mine = []
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            post(conn, body)
+            mine.append(time.perf_counter() - started)
+        with lock:
+            latencies.extend(mine)
+
+    workers = [threading.Thread(target=client) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    out.put(latencies)
+
+
+def load(service: Service, body: bytes, seconds: float, processes: int, threads: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [context.Process(target=_load_worker, args=(service.host, service.port, body,
+                                                          seconds, threads, out))
+               for _ in range(processes)]
+    for w in workers:
+        w.start()
+    latencies = np.concatenate([out.get() for _ in workers])
+    for w in workers:
+        w.join()
+    return {"requests": len(latencies), "requests_per_sec": len(latencies) / seconds,
+            "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+            "p99_ms": float(np.percentile(latencies, 99) * 1e3)}
+
+
+# -- data and model ---------------------------------------------------------------------------
+
+def _samples(schema, n: int, seed: int) -> list[dict]:
+    """Raw samples as the service takes them (the schema's JSON format, labels left out)."""
+    import pyarrow as pa
+
+    from pipelines.generate import generate_tables
+    from pipelines.replay import json_lines
+
+    table = pa.concat_tables(generate_tables(schema, n, seed=seed))
+    rows = [json.loads(line) for line in json_lines(table, schema).to_pylist()]
+    for row in rows:
+        for label in schema.labels:
+            row.pop(label, None)
+    return rows
+
+
+def _trained(schema, samples: int, seed: int):
+    import pyarrow as pa
+
+    import compression
+    from pipelines.generate import generate_tables
+    from trainer import models
+    from trainer.config import TrainConfig
+    from trainer.trainer import Trainer
+
+    trainer = Trainer(schema, models.MLP(), TrainConfig.load(CONFIG))
+    trainer.fit(compression.build_trees(pa.concat_tables(
+        generate_tables(schema, samples, seed=seed)), schema), epochs=1, progress=False)
+    return trainer
+
+
+def _publish_versions(trainer, schema, export: str, count: int, per_version: int, seed: int):
+    """``count`` versions, each ``per_version`` new samples trained, published to ``export``."""
+    import pyarrow as pa
+
+    import compression
+    from pipelines.generate import generate_tables
+    from trainer.serving import export_increment
+
+    for k in range(count):
+        trees = compression.build_trees(pa.concat_tables(
+            generate_tables(schema, per_version, seed=seed + k)), schema)
+        for batch in compression.iter_batches(trees, schema, 5000):
+            trainer.train_batch(batch)
+        export_increment(trainer, export)
+
+
+def _copy_version(source: str, target: str, version: int) -> None:
+    from trainer.serving import version_path
+
+    shutil.copytree(version_path(source, version), version_path(target, version))
+    shutil.copy(f"{version_path(source, version)}.json", f"{version_path(target, version)}.json")
+
+
+# -- 1. freshness -----------------------------------------------------------------------------
+
+def freshness(schema, rate: float, seconds: float, export_every: float, work: str) -> dict:
+    import pyarrow as pa
+    from confluent_kafka import Producer
+
+    from benchmarks.online import create_topic
+    from pipelines import local_broker
+    from pipelines.generate import generate_tables
+    from pipelines.replay import json_lines, message_keys
+
+    n = int(rate * seconds)
+    table = pa.concat_tables(generate_tables(schema, n, seed=11))
+    messages = list(zip(message_keys(table, schema).to_pylist(),
+                        json_lines(table, schema).to_pylist()))
+    export = os.path.join(work, "fresh-export")
+    os.makedirs(export)
+    with local_broker.tansu() as (bootstrap, _, _):
+        topic = create_topic(bootstrap, 1)
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "trainer.online", "--schema", SCHEMA, "--config", CONFIG,
+             "--bootstrap-servers", bootstrap, "--topic", topic, "--group", "bench-serving",
+             "--run-dir", os.path.join(work, "fresh-run"), "--export-dir", export,
+             "--export-every", str(export_every), "--checkpoint-every", "600",
+             "--unit-samples", str(max(1000, int(rate * export_every / 4))),
+             "--report-every", "600"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # a first export (the trainer's first unit) for the service to start from
+        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+        warm = int(rate)  # one second's worth before the clock starts
+        for key, value in messages[:warm]:
+            producer.produce(topic, value=value, key=key)
+        producer.flush(30)
+        deadline = time.monotonic() + 180
+        while not os.path.exists(os.path.join(export, "export.json")):
+            if trainer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("trainer.online exported nothing:\n"
+                                   + trainer.stderr.read()[-3000:])
+            time.sleep(0.1)
+        service = Service(export, "--poll-interval", "0.05")
+        answers, stop = [], threading.Event()
+        probe = json.dumps({"samples": _samples(schema, 1, 99)}).encode()
+
+        def ask():
+            conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
+            while not stop.is_set():
+                try:
+                    model = post(conn, probe)["model"]
+                except RuntimeError as e:
+                    raise RuntimeError(f"{e}; the service said:\n" + "".join(service.lines))
+                answers.append((time.time(), model["newest_sample_time"]))
+                stop.wait(0.02)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        arrivals = np.empty(n - warm)
+        started = time.monotonic()
+        for i, (key, value) in enumerate(messages[warm:]):
+            producer.produce(topic, value=value, key=key)
+            arrivals[i] = time.time()
+            if i % 200 == 0:
+                producer.poll(0)
+                ahead = i / rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        producer.flush(30)
+        sent_for = time.monotonic() - started
+        # the last sample answered for, or the trainer gone
+        deadline = time.monotonic() + 60
+        while (not answers or (answers[-1][1] or 0) < arrivals[-1] - 0.05) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        asker.join()
+        info = service.model()
+        trainer.send_signal(signal.SIGTERM)  # stops cleanly: checkpoint, commit, exit 0
+        trainer.wait(120)
+        service.stop()
+    times = np.array([t for t, _ in answers])
+    newest = np.maximum.accumulate(np.array([v or 0.0 for _, v in answers]))
+    # Kafka stamps the message at produce(): its timestamp is within ms of our clock reading;
+    # the newest sample a version holds is compared with a small allowance for that
+    first = np.searchsorted(newest, arrivals - 0.005)
+    covered = first < len(times)
+    delay = times[first[covered]] - arrivals[covered]
+    steady = delay[int(len(delay) * 0.1):]  # after the first tenth (the trainer warming up)
+    return {"rate": rate, "seconds": seconds, "sent_rate": (n - warm) / sent_for,
+            "samples": int(covered.sum()), "export_every": export_every,
+            "p50_s": float(np.percentile(steady, 50)), "p99_s": float(np.percentile(steady, 99)),
+            "max_s": float(steady.max()), "versions": info["versions_applied"]}
+
+
+# -- 2-4 --------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CI size: seconds, not minutes")
+    parser.add_argument("--rate", type=float, default=20_000, help="freshness: samples/s")
+    parser.add_argument("--fresh-seconds", type=float, default=30, help="freshness duration")
+    parser.add_argument("--export-every", type=float, default=1.0,
+                        help="the online trainer's --export-every in the freshness phase")
+    parser.add_argument("--seconds", type=float, default=5, help="each load phase")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the phases")
+    parser.add_argument("--clients", type=int, default=4, help="HTTP clients (2 processes)")
+    parser.add_argument("--candidates", type=int, default=500)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.rate, args.fresh_seconds, args.seconds, args.rounds = 2000, 3, 1, 1
+        args.candidates = 50
+
+    import schemas
+    from benchmarks.compression import machine
+    from trainer import runs
+
+    runs.load_tensorflow()
+    from trainer.serving import Predictor, export_increment
+
+    schema = schemas.load(SCHEMA)
+    work = tempfile.mkdtemp(prefix="bench-serving-")
+    result = {"benchmark": "serving", "machine": machine(), "clients": args.clients}
+    try:
+        fresh = freshness(schema, args.rate, args.fresh_seconds, args.export_every, work)
+        result["freshness"] = fresh
+
+        trainer = _trained(schema, 20_000 if args.tiny else 100_000, seed=1)
+        source, served = os.path.join(work, "source"), os.path.join(work, "served")
+        export_increment(trainer, source)
+        shutil.copytree(source, served)
+        per_phase = int(np.ceil(args.seconds))
+        sizes = (1, 100)
+        count = len(sizes) * args.rounds * per_phase
+        _publish_versions(trainer, schema, source, count,
+                          2_000 if args.tiny else 20_000, seed=100)
+        pool = _samples(schema, 1000, seed=5)
+        service = Service(served, "--poll-interval", "0.1")
+        published = 0
+        try:
+            latency = {}
+            for size in sizes:
+                body = json.dumps({"samples": pool[:size]}).encode()
+                load(service, body, 1.0, 1, 1)  # warm
+                phases = {"none": [], "updates": []}
+                for _ in range(args.rounds):
+                    phases["none"].append(load(service, body, args.seconds, 2,
+                                               args.clients // 2))
+                    stop = threading.Event()
+
+                    def publish():
+                        nonlocal published
+                        while not stop.is_set() and published < count:
+                            published += 1
+                            _copy_version(source, served, published)
+                            stop.wait(1.0)
+
+                    publisher = threading.Thread(target=publish)
+                    publisher.start()
+                    phases["updates"].append(load(service, body, args.seconds, 2,
+                                                  args.clients // 2))
+                    stop.set()
+                    publisher.join()
+                latency[size] = {k: {"requests_per_sec": float(np.mean(
+                    [p["requests_per_sec"] for p in v])), "p50_ms": float(np.median(
+                        [p["p50_ms"] for p in v])), "p99_ms": float(np.max(
+                            [p["p99_ms"] for p in v]))} for k, v in phases.items()}
+                latency[size]["p99_ratio"] = (latency[size]["updates"]["p99_ms"]
+                                              / latency[size]["none"]["p99_ms"])
+            info = service.wait_for(lambda i: i["model"]["version"] == published)
+            result["latency"] = {str(k): v for k, v in latency.items()}
+            result["versions_applied"] = info["versions_applied"]
+            result["failed_applies"] = info["failed_applies"]
+
+            # 3. throughput against the in-process Predictor (one thread, 100 a call)
+            predictor = Predictor(source)
+            predictor.update()
+            import pyarrow as pa
+
+            batches = [pool[i:i + 100] for i in range(0, len(pool), 100)]
+            tables = [pa.Table.from_pylist(b) for b in batches]
+            predictor.predict(tables[0])
+            started, done = time.perf_counter(), 0
+            while time.perf_counter() - started < args.seconds:
+                for table in tables:
+                    predictor.predict(table)
+                    done += table.num_rows
+            in_process = done / (time.perf_counter() - started)
+            served_rate = latency[100]["none"]["requests_per_sec"] * 100
+            result["throughput"] = {"service_samples_per_sec": served_rate,
+                                    "predictor_samples_per_sec": in_process,
+                                    "ratio": served_rate / in_process}
+
+            # 4. one user x N candidates: a ranking request against the same samples flat
+            user_names = [f.name for f in schema.layers[0].features]
+            root = {k: pool[0][k] for k in user_names}
+            candidates = [{k: v for k, v in s.items() if k not in user_names}
+                          for s in _samples(schema, args.candidates, seed=6)]
+            tree = json.dumps({"root": root, "candidates": candidates}).encode()
+            flat = json.dumps({"samples": [{**root, **c} for c in candidates]}).encode()
+            conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
+            a = np.array([p["click"] for p in post(conn, tree)["predictions"]])
+            b = np.array([p["click"] for p in post(conn, flat)["predictions"]])
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+            times = {"tree": [], "flat": []}
+            repeats = 10 if args.tiny else 100
+            for _ in range(repeats):
+                for name, body in (("tree", tree), ("flat", flat)):
+                    started = time.perf_counter()
+                    post(conn, body)
+                    times[name].append(time.perf_counter() - started)
+            structured = {k: {"p50_ms": float(np.percentile(v, 50) * 1e3),
+                              "p99_ms": float(np.percentile(v, 99) * 1e3)}
+                          for k, v in times.items()}
+            structured["speedup_p50"] = structured["flat"]["p50_ms"] / structured["tree"][
+                "p50_ms"]
+            structured["candidates"] = args.candidates
+            result["structured"] = structured
+        finally:
+            service.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    f = result["freshness"]
+    print(f"prediction service, taobao_like, paper's MLP, {os.cpu_count()} cpus")
+    print(f"  freshness (arrival in Kafka -> an answer on a version holding it), "
+          f"{f['sent_rate']:,.0f} samples/s, exports every {f['export_every']} s: "
+          f"p50 {f['p50_s']:.2f} s, p99 {f['p99_s']:.2f} s (target <= 3 s)")
+    for size, phases in result["latency"].items():
+        none, upd = phases["none"], phases["updates"]
+        print(f"  {size:>3} samples/request, {args.clients} clients: no updates "
+              f"{none['requests_per_sec']:,.0f} req/s p50 {none['p50_ms']:.1f} ms p99 "
+              f"{none['p99_ms']:.1f} ms; a version a second {upd['requests_per_sec']:,.0f} "
+              f"req/s p50 {upd['p50_ms']:.1f} ms p99 {upd['p99_ms']:.1f} ms: p99 ratio "
+              f"{phases['p99_ratio']:.2f} (target <= 1.5)")
+    t = result["throughput"]
+    print(f"  throughput at 100 samples/request {t['service_samples_per_sec']:,.0f} samples/s "
+          f"vs in-process Predictor {t['predictor_samples_per_sec']:,.0f}: {t['ratio']:.2f}")
+    s = result["structured"]
+    print(f"  1 user x {s['candidates']} candidates: ranking request p50 "
+          f"{s['tree']['p50_ms']:.1f} ms p99 {s['tree']['p99_ms']:.1f} ms, flat p50 "
+          f"{s['flat']['p50_ms']:.1f} ms p99 {s['flat']['p99_ms']:.1f} ms: "
+          f"{s['speedup_p50']:.2f}x (target >= 1.5x)")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
