@@ -232,6 +232,9 @@ class OnlineTrainer:
         # Kafka arrival time (Unix s) of the newest sample trained into the latest export
         self.newest_arrival: float | None = None
         self._trained_since_export = False
+        self.snapshot: dict | None = None   # the latest summary (status.json, /metrics)
+        self.metrics_url: str | None = None
+        self.timing_observers: list = []    # called with ("checkpoint"|"export", seconds)
         self.stats = OnlineStats()
         # progressive validation of the first head: the whole run, and since the last report
         self.pv = ProgressiveValidation()
@@ -463,8 +466,9 @@ class OnlineTrainer:
         """Replace ``status.json`` in the run dir with the current summary (for operators and
         scripts: how far the run is, without reading logs)."""
         tmp = f"{self.status_path}.tmp"
+        self.snapshot = self.summary()  # what the metrics endpoint reports
         with open(tmp, "w") as f:
-            json.dump(self.summary(), f, sort_keys=True)
+            json.dump(self.snapshot, f, sort_keys=True)
         os.replace(tmp, self.status_path)
         self._last_status = time.monotonic()
 
@@ -497,7 +501,10 @@ class OnlineTrainer:
                  "previous": (self.checkpoints.latest().path if self.checkpoints.latest()
                               else None),
                  "topic": self.source.topic, "time": time.time()}
+        started = time.monotonic()
         self.checkpoints.save(lambda d: self.trainer.save(os.path.join(d, "model")), state)
+        for observe in self.timing_observers:
+            observe("checkpoint", time.monotonic() - started)
         self._checkpointed = (state["step"], positions)
         self._commit(positions, final)
         self.ranges_since_checkpoint = {}
@@ -528,7 +535,10 @@ class OnlineTrainer:
             stamps = np.concatenate(self._pending_timestamps)
             if len(stamps):
                 self.newest_arrival = max(self.newest_arrival or 0.0, float(stamps.max()) / 1000)
+        started = time.monotonic()
         export_increment(self.trainer, self.export_dir, newest_sample_time=self.newest_arrival)
+        for observe in self.timing_observers:
+            observe("export", time.monotonic() - started)
         now_ms = time.time() * 1000
         if self._pending_timestamps:
             self._pending_timestamps = []
@@ -632,7 +642,68 @@ class OnlineTrainer:
                                  **{k: round(self.trainer.timings[k], 3)
                                     for k in ("lookup", "step", "update")}},
                 "trainer_waited_s": round(self.stats.trainer_waited, 3),
-                "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())}}
+                "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())},
+                "metrics_url": self.metrics_url}
+
+
+def serve_metrics(online: OnlineTrainer, host: str, port: int):
+    """Prometheus metrics of ``online`` on ``http://host:port/metrics`` (a daemon thread);
+    values come from the summary the run refreshes every second (its status.json), timings
+    from every checkpoint and export. Returns the HTTP server (``.server_port``)."""
+    from prometheus_client import CollectorRegistry, Histogram, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def family(kind, name, text, value):
+        metric = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+            f"prefixrec_online_{name}", text)
+        metric.add_metric([], float("nan") if value is None else float(value))
+        return metric
+
+    class Collector:
+        def collect(self):
+            s = online.snapshot
+            if s is None:
+                return
+            pv, window = s["pv"], s["pv"].get("window") or {}
+            delay = s["delay_s"]
+            yield from (
+                family("counter", "samples", "samples trained", s["samples"]),
+                family("counter", "steps", "training steps", s["steps"]),
+                family("gauge", "samples_per_second", "training rate (steady once measured)",
+                       s["rate"]["samples_per_sec"]),
+                family("gauge", "consumer_lag_messages", "messages behind the partitions' "
+                       "ends at the latest report (NaN: unknown)", s["lag"]),
+                family("gauge", "pv_auc", "progressive-validation AUC, whole run", pv["auc"]),
+                family("gauge", "pv_logloss", "progressive-validation log loss, whole run",
+                       pv["logloss"]),
+                family("gauge", "pv_window_auc", "progressive-validation AUC since the "
+                       "previous report", window.get("auc")),
+                family("gauge", "pv_window_logloss", "progressive-validation log loss since "
+                       "the previous report", window.get("logloss")),
+                family("gauge", "store_rows", "embedding rows held", s["store_rows"]),
+                family("counter", "store_admitted", "ids given a row", s["admitted"]),
+                family("counter", "store_rejected", "sightings the entry filters turned "
+                       "down", s["rejected"]),
+                family("counter", "store_expired", "rows removed by expiry", s["expired"]),
+                family("counter", "dead_letters", "messages sent to the dead-letter topic",
+                       s["dead_letters"]),
+                family("counter", "checkpoints", "checkpoints written", s["checkpoints"]),
+                family("counter", "exports", "serving exports published", s["exports"]),
+                family("gauge", "arrival_to_export_p50_seconds", "a sample's Kafka arrival "
+                       "to the export holding it, median over the run", delay.get("p50")),
+                family("gauge", "arrival_to_export_p99_seconds", "the same, 99th percentile",
+                       delay.get("p99")),
+                family("gauge", "broker_reachable", "1 while the broker answers",
+                       s["broker_reachable"]))
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    seconds = Histogram("prefixrec_online_write_seconds", "time to write a checkpoint or "
+                        "publish an export", ["what"], registry=registry,
+                        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+    online.timing_observers.append(lambda what, s: seconds.labels(what).observe(s))
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server
 
 
 def _metric(value) -> str:
@@ -687,6 +758,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(samples/s, lag, store rows, delay; default 10)")
     parser.add_argument("--max-samples", type=int,
                         help="stop (checkpoint, commit, exit 0) after this many samples")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free "
+                             "port; the address goes to the log and to status.json)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address of the metrics endpoint (default 127.0.0.1)")
     parser.add_argument("--idle-exit", type=float, metavar="S",
                         help="stop (checkpoint, commit, exit 0) after S idle seconds: seconds "
                              "in which partitions were assigned, the broker answered and there "
@@ -768,10 +844,22 @@ def run(argv=None) -> dict:
                            calibrate=latest is None and not args.init_from)
     signal.signal(signal.SIGTERM, online.stop)
     signal.signal(signal.SIGINT, online.stop)
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            metrics = serve_metrics(online, args.metrics_host, args.metrics_port)
+        except OSError as e:
+            source.close()
+            raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                 f"{args.metrics_host}: {e.strerror}") from None
+        online.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
+        log.info("metrics on %s", online.metrics_url)
     try:
         summary = online.run()
     finally:
         source.close()
+        if metrics is not None:
+            metrics.shutdown()
     delay = {k: "n/a" if v is None else f"{v:.2f}" for k, v in summary["delay_s"].items()}
     rate, pv = summary["rate"], summary["pv"]
     rate_text = ("steady, after start-up" if rate["over"] == "steady"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -324,14 +325,18 @@ def test_sigterm_finishes_checkpoints_commits_and_exits_0(kafka_broker, files, t
     offsets = kafka_broker.produce(topic, [_sample(i) for i in range(3000)])
     run_dir = str(tmp_path / "run")
     process = subprocess.Popen(_online(schema_path, config_path, kafka_broker, topic,
-                                       "g-term", run_dir, "--checkpoint-every", "1000"),
+                                       "g-term", run_dir, "--checkpoint-every", "1000",
+                                       "--metrics-port", "0"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    status = os.path.join(run_dir, "status.json")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:  # past start-up, training
-        if os.path.exists(status) and json.load(open(status))["samples"] > 0:
-            break
-        time.sleep(0.2)
+    status = _wait_until_training(process, run_dir)  # past start-up, training
+    # the Prometheus endpoint reports the run while it trains
+    with urllib.request.urlopen(status["metrics_url"], timeout=30) as response:
+        metrics = {line.split(" ")[0]: float(line.split(" ")[1])
+                   for line in response.read().decode().splitlines()
+                   if line and not line.startswith("#")}
+    assert metrics["prefixrec_online_samples_total"] > 0
+    assert metrics["prefixrec_online_store_rows"] > 0 and "prefixrec_online_pv_auc" in metrics
+    assert metrics["prefixrec_online_broker_reachable"] == 1.0
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err[-3000:]
