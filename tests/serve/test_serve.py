@@ -239,6 +239,11 @@ def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(s
         np.testing.assert_allclose(_predictions(tree), _predictions(flat), rtol=1e-5)
         assert service.request("GET", "/livez")[0] == 200
         assert service.request("GET", "/readyz") == (200, "ready\n")
+        service.child.send_signal(signal.SIGHUP)  # reload the full export
+        service.wait_for(lambda i: i["reloads"] == 1 and i["ready"], what="SIGHUP's reload")
+        np.testing.assert_allclose(_predictions(service.predict({"root": root, "candidates":
+                                                                 candidates})[1]),
+                                   _predictions(tree), rtol=1e-6)
 
         # SIGTERM while requests are being computed: every accepted one is answered
         big = {"samples": [{**PROBE[i % 12], "item": i} for i in range(3000)]}

@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 import compression  # noqa: E402
 from trainer import TrainConfig, models  # noqa: E402
 from trainer.distributed import DistributedTrainer  # noqa: E402
+from trainer.live import LiveModel  # noqa: E402
 from trainer.serving import Predictor  # noqa: E402
 from ray_reference import (assert_rows_equal, single_process_run,  # noqa: E402
                            union_batches)
@@ -130,6 +131,7 @@ def test_sharded_export_predicts_as_single_process_and_follows_deltas(runs, sche
     sharded, reference = Predictor(tmp / "export-dt"), Predictor(tmp / "export-single")
     want = reference.predict(samples)
     np.testing.assert_allclose(sharded.predict(samples), want, rtol=1e-5)
+    live = LiveModel(tmp / "export-dt")  # the service's model follows a sharded export too
 
     # one more pass on both; the sharded export follows through per-shard deltas
     cfg = config()
@@ -143,6 +145,9 @@ def test_sharded_export_predicts_as_single_process_and_follows_deltas(runs, sche
         "shard-0000", "shard-0001"]
     after = sharded.predict(samples)
     assert not np.allclose(after, want)
+    assert live.poll() == 1 and live.problem is None
+    np.testing.assert_allclose(live.predict(samples)[0].reshape(after.shape), after, rtol=1e-5)
+    live.close()
     single.export(tmp / "export-single-2")
     np.testing.assert_allclose(after, Predictor(tmp / "export-single-2").predict(samples),
                                rtol=1e-5)
