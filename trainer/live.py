@@ -134,10 +134,13 @@ class Base:
                            for t in tables}
         saved = os.path.join(directory, "saved_model")
         self.slots = [tf.saved_model.load(saved), tf.saved_model.load(saved)]
+        # the one concrete function of each copy, called directly: skips the dispatch that
+        # matches a call to a trace (~1 ms of Python per request)
+        self.predict_fns = [slot.predict.concrete_functions[0] for slot in self.slots]
         self.heads = list(meta["heads"])
         warm = tf.nest.map_structure(tf.convert_to_tensor, dummy_feed(self.layout, True))
-        for slot in self.slots:  # trace and run once before the first request
-            slot.predict(warm)
+        for predict in self.predict_fns:  # run once before the first request
+            predict(warm)
 
     def shard_stores(self, table: str) -> list:
         store = self.stores[table]
@@ -262,12 +265,11 @@ class LiveModel:
     def _score(self, version: Version, batches) -> np.ndarray:
         base = version.base
         tables = version.tables()
-        slot = base.slots[version.slot]
+        predict = base.predict_fns[version.slot]
         outputs = []
         for batch in batches:
             feed = base.builder.lookup(base.builder.prepare(batch), tables, train=False)
-            probabilities = slot.predict(tf.nest.map_structure(tf.convert_to_tensor,
-                                                               feed.feed))
+            probabilities = predict(tf.nest.map_structure(tf.convert_to_tensor, feed.feed))
             outputs.append(np.stack([probabilities[h].numpy() for h in base.heads], axis=1))
         if not outputs:
             return np.zeros((0, len(base.heads)), np.float32)

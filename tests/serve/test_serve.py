@@ -146,8 +146,8 @@ def test_damaged_missing_and_foreign_versions_are_never_applied(tmp_path):
         np.testing.assert_allclose(_predictions(answer), expected[version], rtol=2e-5)
 
     def not_ready(service, version, reason):
-        info = service.wait_for(lambda i: not i["ready"], what="not ready")
-        assert reason in info["problem"], info
+        info = service.wait_for(lambda i: not i["ready"] and reason in (i["problem"] or ""),
+                                what=f"not ready: {reason}")
         status, text = service.request("GET", "/readyz")
         assert status == 503 and reason in text
         answers_on(service, version)
@@ -248,21 +248,21 @@ def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(s
         # SIGTERM while requests are being computed: every accepted one is answered
         big = {"samples": [{**PROBE[i % 12], "item": i} for i in range(3000)]}
         watcher = service.connection()
-        for _ in range(20):  # waves of 4 requests (one computed at a time) until one is caught
-            results = []
+        for _ in range(20):  # waves of 4 requests (computed one at a time) until all 4 are
+            results = []     # seen accepted (read, queued or being computed) at once
             clients = [threading.Thread(target=lambda: results.append(
                 service.predict(big)[0])) for _ in range(4)]
             for c in clients:
                 c.start()
             caught = False
             while not caught and any(c.is_alive() for c in clients):
-                caught = "prefixrec_serve_requests_in_flight 0.0" not in service.request(
+                caught = "prefixrec_serve_requests_in_flight 4.0" in service.request(
                     "GET", "/metrics", connection=watcher)[1]
             if caught:
                 break
             for c in clients:
                 c.join()
-        assert caught, "no request was ever seen being computed"
+        assert caught, "never saw 4 requests in flight at once"
         service.child.send_signal(signal.SIGTERM)
         for c in clients:
             c.join(120)
