@@ -8,7 +8,7 @@ NATIVE_SOURCES := $(shell find native/src native/include -name '*.cc' -o -name '
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 500000
 
-.PHONY: demo online-demo test install clean native test-asan fuzz test-cpp doctest
+.PHONY: demo online-demo serve-demo test install clean native test-asan fuzz test-cpp doctest
 
 install: $(STAMP)
 
@@ -80,6 +80,12 @@ online-demo: $(STAMP)
 	        --export-dir $(ONLINE_DIR)/export --export-every 5 --checkpoint-every 10 \
 	        --max-samples $(ONLINE_SAMPLES) -X session.timeout.ms=6000 \
 	        -X heartbeat.interval.ms=500 2> $(ONLINE_DIR)/trainer.log
+
+# The deployment path: a batch run with a serving export, online learning from a local broker
+# initialised from it, the prediction service following its versions; prints ranking answers
+# with the model version and freshness lag (python -m trainer.serve_demo --help).
+serve-demo: $(STAMP)
+	$(PY) -m trainer.serve_demo --out demo_out/serve
 
 # Rebuild the native embedding store extension in place (native/_store*.so) after editing C++.
 native:
