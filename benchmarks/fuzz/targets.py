@@ -413,8 +413,11 @@ def store_snapshot(data: bytes) -> None:
 
 
 def store_delta(data: bytes) -> None:
-    """A delta file (see :func:`store_file`) applied with ``store.apply_delta`` to the
-    snapshot it follows."""
+    """A delta file (see :func:`store_file`) read with ``store.read_delta`` and applied with
+    ``store.apply_delta`` to the snapshot it follows: both refuse the same files, and what
+    read_delta reads is what apply_delta applies."""
+    import numpy as np
+
     import native
 
     base, _, _ = store_base()
@@ -422,12 +425,26 @@ def store_delta(data: bytes) -> None:
     path = write(input_path("-delta-000001.bin"), store_file(data))
     before = store.to_numpy()
     try:
+        contents = store.read_delta(path)
+    except ValueError:
+        contents = None
+    try:
         store.apply_delta(path)
     except ValueError:
         after = store.to_numpy()
         if any(before[k].tobytes() != after[k].tobytes() for k in before):
             raise Inconsistent("a refused delta changed the store") from None
+        if contents is not None:
+            raise Inconsistent("read_delta accepted a delta apply_delta refused") from None
         raise
+    if contents is None:
+        raise Inconsistent("read_delta refused a delta apply_delta applied")
+    if len(contents["ids"]) and not np.array_equal(  # bit for bit: NaNs are rows too
+            store.lookup(contents["ids"], train=False).view(np.uint32),
+            contents["rows"].view(np.uint32)):
+        raise Inconsistent("the rows read_delta read are not the rows apply_delta applied")
+    if set(contents["tombstones"].tolist()) & set(store.to_numpy()["ids"].tolist()):
+        raise Inconsistent("an id read_delta reads as removed is still in the store")
     check_store(store)
 
 

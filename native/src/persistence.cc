@@ -696,6 +696,38 @@ void CheckDeltaFits(const std::string& path, const DeltaHeader& header,
   }
 }
 
+// Walks a delta's sections (``r`` just past the header): every tombstone section and every
+// block of rows (each row checked) goes to the callbacks, then the checksum is verified.
+template <typename OnTombstones, typename OnRows>
+void WalkDelta(FileReader& r, const std::string& path, const DeltaHeader& header,
+               OnTombstones on_tombstones, OnRows on_rows) {
+  std::vector<uint8_t> block;
+  for (;;) {
+    uint8_t kind = r.Get<uint8_t>();
+    if (kind == kSectionEnd) break;
+    uint64_t count = r.Get<uint64_t>();
+    if (kind == kSectionTombstones) {
+      r.CheckCount(count, 8, "tombstone");
+      block.resize(count * 8);
+      r.Read(block.data(), block.size());
+      on_tombstones(block.data(), count);
+    } else if (kind == kSectionRows) {
+      r.CheckCount(count, header.row_bytes, "row");
+      for (uint64_t done = 0; done < count;) {
+        size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
+        block.resize(n * header.row_bytes);
+        r.Read(block.data(), block.size());
+        for (size_t i = 0; i < n; ++i) CheckRow(path, header.version, block.data() + i * header.row_bytes);
+        on_rows(block.data(), n);
+        done += n;
+      }
+    } else {
+      Corrupt(path, "unknown section kind " + std::to_string(kind));
+    }
+  }
+  r.VerifyTrailer();
+}
+
 }  // namespace
 
 EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path, uint64_t ahead) const {
@@ -706,32 +738,21 @@ EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path,
   // id -> its final state: -1 removed, else the index of its row in `rows`
   std::unordered_map<int64_t, int64_t> last;
   std::vector<float> rows;
-  std::vector<uint8_t> block;
   const size_t dim = static_cast<size_t>(header.dim);
   const size_t offset = header.version == 1 ? sizeof(RowHeaderV1) : sizeof(RowHeader);
-  for (;;) {
-    uint8_t kind = r.Get<uint8_t>();
-    if (kind == kSectionEnd) break;
-    uint64_t count = r.Get<uint64_t>();
-    if (kind == kSectionTombstones) {
-      r.CheckCount(count, 8, "tombstone");
-      block.resize(count * 8);
-      r.Read(block.data(), block.size());
-      for (uint64_t i = 0; i < count; ++i) {
-        int64_t id;
-        std::memcpy(&id, block.data() + i * 8, 8);
-        last[id] = -1;
-      }
-    } else if (kind == kSectionRows) {
-      r.CheckCount(count, header.row_bytes, "row");
-      if (header.row_bytes < offset + 4 * dim) Corrupt(path, "row size smaller than its embedding");
-      for (uint64_t done = 0; done < count;) {
-        size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
-        block.resize(n * header.row_bytes);
-        r.Read(block.data(), block.size());
+  if (header.row_bytes < offset + 4 * dim) Corrupt(path, "row size smaller than its embedding");
+  WalkDelta(
+      r, path, header,
+      [&](const uint8_t* ids, uint64_t count) {
+        for (uint64_t i = 0; i < count; ++i) {
+          int64_t id;
+          std::memcpy(&id, ids + i * 8, 8);
+          last[id] = -1;
+        }
+      },
+      [&](const uint8_t* block, size_t n) {
         for (size_t i = 0; i < n; ++i) {
-          const uint8_t* row = block.data() + i * header.row_bytes;
-          CheckRow(path, header.version, row);
+          const uint8_t* row = block + i * header.row_bytes;
           int64_t id;
           std::memcpy(&id, row, 8);
           size_t at = rows.size() / (dim ? dim : 1);
@@ -739,13 +760,7 @@ EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path,
           std::memcpy(rows.data() + at * dim, row + offset, 4 * dim);
           last[id] = static_cast<int64_t>(at);
         }
-        done += n;
-      }
-    } else {
-      Corrupt(path, "unknown section kind " + std::to_string(kind));
-    }
-  }
-  r.VerifyTrailer();
+      });
   CheckDeltaFits(path, header, s, s.delta_sequence.load() + 1 + ahead);
   DeltaContents out;
   out.sequence = header.sequence;
@@ -770,29 +785,7 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
   {
     FileReader r(path);
     DeltaHeader header = ReadDeltaHeader(r);
-    std::vector<uint8_t> block;
-    for (;;) {
-      uint8_t kind = r.Get<uint8_t>();
-      if (kind == kSectionEnd) break;
-      uint64_t count = r.Get<uint64_t>();
-      if (kind == kSectionTombstones) {
-        r.CheckCount(count, 8, "tombstone");
-        block.resize(count * 8);
-        r.Read(block.data(), block.size());
-      } else if (kind == kSectionRows) {
-        r.CheckCount(count, header.row_bytes, "row");
-        for (uint64_t done = 0; done < count;) {
-          size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
-          block.resize(n * header.row_bytes);
-          r.Read(block.data(), block.size());
-          for (size_t i = 0; i < n; ++i) CheckRow(path, header.version, block.data() + i * header.row_bytes);
-          done += n;
-        }
-      } else {
-        Corrupt(path, "unknown section kind " + std::to_string(kind));
-      }
-    }
-    r.VerifyTrailer();
+    WalkDelta(r, path, header, [](const uint8_t*, uint64_t) {}, [](const uint8_t*, size_t) {});
     CheckDeltaFits(path, header, s, expected);
   }
   // Pass 2: apply, tombstones and rows in file order, each block spread over the shards.

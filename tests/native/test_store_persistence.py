@@ -195,10 +195,65 @@ def test_corrupt_deltas_are_refused_and_change_nothing(tmp_path, kind):
     before = {k: v.tobytes() for k, v in rows_by_id(follower).items()}
     with pytest.raises(native.CorruptFileError):
         follower.apply_delta(bad)
+    with pytest.raises(native.CorruptFileError):
+        follower.read_delta(bad)  # read as apply_delta checks it
     assert {k: v.tobytes() for k, v in rows_by_id(follower).items()} == before
     assert follower.stats().delta_sequence == 1
     follower.apply_delta(good)  # the intact file still applies
     assert_same_rows(follower, trainer)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_read_delta_is_what_apply_delta_does_without_doing_it(tmp_path, name):
+    """A serving copy answers on "store + delta" before applying it: read_delta gives the
+    delta's net effect (rows, removed ids), checked as apply_delta checks it, and changes
+    nothing; the store patched with it equals the store after apply_delta."""
+    trainer, follower = native.EmbeddingStore(CONFIGS[name]), native.EmbeddingStore(
+        CONFIGS[name])
+    rng = np.random.default_rng(7)
+    for step in range(1, 6):
+        train_round(trainer, rng, step, expire=step % 2 == 0)
+        path = trainer.export_delta(tmp_path)
+        before = {k: v.tobytes() for k, v in rows_by_id(follower).items()}
+        ahead = trainer.export_delta(tmp_path / "ahead") if step == 3 else None
+        sequence = follower.stats().delta_sequence + 1
+        contents = follower.read_delta(path)
+        assert {k: v.tobytes() for k, v in rows_by_id(follower).items()} == before
+        assert contents["sequence"] == sequence and not set(contents["ids"]) & set(
+            contents["tombstones"])
+        ids = np.concatenate([rows_by_id(follower)["ids"], contents["ids"]])
+        follower.apply_delta(path)
+        after = follower.lookup(np.unique(ids), train=False)
+        patched = dict(zip(contents["ids"].tolist(), contents["rows"]))
+        for i, id_ in enumerate(np.unique(ids).tolist()):
+            want = patched.get(id_)
+            if want is not None:
+                np.testing.assert_array_equal(after[i], want)
+        assert not set(contents["tombstones"].tolist()) & set(
+            rows_by_id(follower)["ids"].tolist())
+        if ahead is not None:  # the next one, read one ahead of the store
+            assert follower.read_delta(ahead, ahead=0)["sequence"] == sequence + 1
+            with pytest.raises(native.DeltaOrderError):
+                follower.read_delta(ahead, ahead=1)
+            follower.apply_delta(ahead)
+    assert_same_rows(follower, trainer)
+
+
+def test_read_delta_nets_a_removal_and_a_readmission(tmp_path):
+    config = native.StoreConfig(dim=2, optimizer=native.SGD(1.0))
+    trainer, follower = native.EmbeddingStore(config), native.EmbeddingStore(config)
+    trainer.lookup([1, 2, 3])
+    follower.apply_delta(trainer.export_delta(tmp_path))
+    trainer.expire_where(lambda ids, *rest: ids != 3)   # tombstones for 1 and 2
+    trainer.lookup([2])                                  # 2 comes back in the same delta
+    contents = follower.read_delta(trainer.export_delta(tmp_path))
+    assert contents["tombstones"].tolist() == [1] and contents["ids"].tolist() == [2]
+    np.testing.assert_array_equal(contents["rows"], trainer.lookup([2], train=False))
+    with pytest.raises(native.IncompatibleStoreError):
+        native.EmbeddingStore(native.StoreConfig(dim=3, optimizer=native.SGD(1.0))).read_delta(
+            tmp_path / "delta-000002.bin", ahead=1)
+    with pytest.raises(native.InvalidInputError):
+        follower.read_delta(tmp_path / "delta-000002.bin", ahead=-1)
 
 
 def test_missing_files_raise_os_errors(tmp_path):
