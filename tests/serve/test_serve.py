@@ -146,8 +146,8 @@ def test_damaged_missing_and_foreign_versions_are_never_applied(tmp_path):
         np.testing.assert_allclose(_predictions(answer), expected[version], rtol=2e-5)
 
     def not_ready(service, version, reason):
-        info = service.wait_for(lambda i: not i["ready"] and reason in (i["problem"] or ""),
-                                what=f"not ready: {reason}")
+        service.wait_for(lambda i: not i["ready"] and reason in (i["problem"] or ""),
+                         what=f"not ready: {reason}")
         status, text = service.request("GET", "/readyz")
         assert status == 503 and reason in text
         answers_on(service, version)
