@@ -23,6 +23,7 @@ Prints a table and a final JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import multiprocessing
@@ -190,7 +191,8 @@ def _copy_version(source: str, target: str, version: int) -> None:
 
 # -- 1. freshness -----------------------------------------------------------------------------
 
-def freshness(schema, rate: float, seconds: float, export_every: float, work: str) -> dict:
+def freshness(schema, rate: float, seconds: float, export_every: float, work: str,
+              bootstrap: str | None = None) -> dict:
     import pyarrow as pa
     from confluent_kafka import Producer
 
@@ -205,7 +207,9 @@ def freshness(schema, rate: float, seconds: float, export_every: float, work: st
                         json_lines(table, schema).to_pylist()))
     export = os.path.join(work, "fresh-export")
     os.makedirs(export)
-    with local_broker.tansu() as (bootstrap, _, _):
+    broker = (contextlib.nullcontext((bootstrap, None, None)) if bootstrap
+              else local_broker.tansu())
+    with broker as (bootstrap, _, _):
         topic = create_topic(bootstrap, 1)
         trainer = subprocess.Popen(
             [sys.executable, "-m", "trainer.online", "--schema", SCHEMA, "--config", CONFIG,
@@ -282,7 +286,7 @@ def freshness(schema, rate: float, seconds: float, export_every: float, work: st
 
 # -- 2-4 --------------------------------------------------------------------------------------
 
-def main(argv=None) -> dict:
+def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CI size: seconds, not minutes")
@@ -294,9 +298,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the phases")
     parser.add_argument("--clients", type=int, default=4, help="HTTP clients (2 processes)")
     parser.add_argument("--candidates", type=int, default=500)
+    parser.add_argument("--bootstrap-servers", help="use this broker instead of Tansu")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.rate, args.fresh_seconds, args.seconds, args.rounds = 2000, 3, 1, 1
+        args.rate, args.fresh_seconds, args.seconds, args.rounds = 2000, 2, 0.5, 1
         args.candidates = 50
 
     import schemas
@@ -310,18 +315,19 @@ def main(argv=None) -> dict:
     work = tempfile.mkdtemp(prefix="bench-serving-")
     result = {"benchmark": "serving", "machine": machine(), "clients": args.clients}
     try:
-        fresh = freshness(schema, args.rate, args.fresh_seconds, args.export_every, work)
+        fresh = freshness(schema, args.rate, args.fresh_seconds, args.export_every, work,
+                          args.bootstrap_servers)
         result["freshness"] = fresh
 
-        trainer = _trained(schema, 20_000 if args.tiny else 100_000, seed=1)
+        trainer = _trained(schema, 5_000 if args.tiny else 100_000, seed=1)
         source, served = os.path.join(work, "source"), os.path.join(work, "served")
         export_increment(trainer, source)
         shutil.copytree(source, served)
-        per_phase = int(np.ceil(args.seconds))
+        per_phase = int(np.ceil(args.seconds))  # a version a second
         sizes = (1, 100)
         count = len(sizes) * args.rounds * per_phase
         _publish_versions(trainer, schema, source, count,
-                          2_000 if args.tiny else 20_000, seed=100)
+                          1_000 if args.tiny else 20_000, seed=100)
         pool = _samples(schema, 1000, seed=5)
         service = Service(served, "--poll-interval", "0.1")
         published = 0
@@ -329,7 +335,7 @@ def main(argv=None) -> dict:
             latency = {}
             for size in sizes:
                 body = json.dumps({"samples": pool[:size]}).encode()
-                load(service, body, 1.0, 1, 1)  # warm
+                load(service, body, min(args.seconds, 1.0), 1, 1)  # warm
                 phases = {"none": [], "updates": []}
                 for _ in range(args.rounds):
                     phases["none"].append(load(service, body, args.seconds, 2,
@@ -434,4 +440,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -65,6 +65,22 @@ def test_online_benchmark_tiny(kafka_broker):
     assert "steady_delay_p99_s" in delay  # None when every sample arrived during start-up
 
 
+def test_serving_benchmark_tiny(kafka_broker):
+    import benchmarks.serving
+
+    result = benchmarks.serving.run(["--tiny", "--bootstrap-servers", kafka_broker.bootstrap])
+    fresh = result["freshness"]
+    assert fresh["samples"] > 0 and 0 < fresh["p50_s"] <= fresh["p99_s"] and fresh["versions"] > 0
+    for size in ("1", "100"):
+        phases = result["latency"][size]
+        assert phases["none"]["requests_per_sec"] > 0 and phases["updates"]["p99_ms"] > 0
+        assert phases["p99_ratio"] > 0
+    assert result["versions_applied"] >= 1 and result["failed_applies"] == 0
+    assert result["throughput"]["ratio"] > 0
+    structured = result["structured"]
+    assert structured["candidates"] == 50 and structured["speedup_p50"] > 0
+
+
 def test_json_decode_benchmark_tiny():
     import benchmarks.json_decode
 
