@@ -389,15 +389,15 @@ def request_tree_table(root: dict, candidates: list, schema) -> pa.Table:
     Arrow (no per-candidate Python work for them)."""
     root_names = [f.name for f in schema.layers[0].features]
     below = [f.name for layer in schema.layers[1:] for f in layer.features]
-    root_set = set(root_names)
-    for i, candidate in enumerate(candidates):
-        clash = next((k for k in candidate if k in root_set), None)
-        if clash is not None:
-            raise compression.RawDataError(
-                f"candidate {i}: {clash!r} is a feature of the root layer "
-                f"{schema.layers[0].name!r}; give it once, in the request's root")
     top = _table_of_rows([root], schema, root_names, "root")
     rest = _table_of_rows(candidates, schema, below, "candidate")
+    clash = set(root_names) & set(rest.column_names)
+    if clash:
+        name = sorted(clash)[0]
+        i = next(i for i, candidate in enumerate(candidates) if name in candidate)
+        raise compression.RawDataError(
+            f"candidate {i}: {name!r} is a feature of the root layer "
+            f"{schema.layers[0].name!r}; give it once, in the request's root")
     repeat = pa.array(np.zeros(len(candidates), np.int64))
     columns = {name: top.column(name).take(repeat) for name in top.column_names}
     columns.update({name: rest.column(name) for name in rest.column_names})
