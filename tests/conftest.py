@@ -77,16 +77,26 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=_slow_rank)  # stable: file order within a rank
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist load`` (what ``-n`` means) with the ONE_WORKER modules as single work units:
-    xdist's loadscope scheduler, every other test a unit of its own."""
-    if config.getvalue("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
+class _XdistScheduling:
+    """Registered only when pytest-xdist is loaded (its hook is unknown to pytest otherwise,
+    e.g. with ``-p no:xdist``)."""
 
-    class Scheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid):
-            module = nodeid.split("::", 1)[0]
-            return module if module in ONE_WORKER else nodeid
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """``--dist load`` (what ``-n`` means) with the ONE_WORKER modules as single work
+        units: xdist's loadscope scheduler, every other test a unit of its own."""
+        if config.getvalue("dist") != "load":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
 
-    return Scheduling(config, log)
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid):
+                module = nodeid.split("::", 1)[0]
+                return module if module in ONE_WORKER else nodeid
+
+        return Scheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistScheduling(), "prefixrec-xdist-scheduling")
