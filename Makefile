@@ -20,12 +20,10 @@ $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt require
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-# pytest-xdist: TEST_WORKERS processes share the cores (make test TEST_WORKERS=4: 10-13 min
-# of pytest here instead of ~21). Serial by default until tests/pipelines/test_generate.py::
-# test_cli_interrupted_leaves_no_output passes under xdist: there its SIGINT reaches a
-# generate child that then runs to completion (exit 0), reproduced twice with -n 4 and never
-# seen in a serial run; the cause is not found yet.
-TEST_WORKERS ?= 0
+# pytest-xdist: TEST_WORKERS processes share the cores (TEST_WORKERS=0: serial, ~23 min here).
+# tests/conftest.py hands the slowest tests out first and keeps test_distributed_faults.py on
+# one worker; times in benchmarks/RESULTS.md (Session 14).
+TEST_WORKERS ?= 4
 test: $(STAMP) test-cpp
 	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS)
 

@@ -33,3 +33,70 @@ def kafka_broker():
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
     settings.load_profile("ci")
+
+
+# -- pytest-xdist scheduling (make test runs `-n 4`) -----------------------------------------
+# xdist's default hands tests out in file order, a few at a time, so the slowest (Ray and
+# end-to-end tests, most of them in tests/trainer/ near the end of the order) started last and
+# one worker ran on alone for minutes. On xdist workers the tests below go first, slowest
+# first, so the short ones fill the gaps at the end; serial runs keep the file order.
+# (Measured durations under -n 4: benchmarks/RESULTS.md, Session 14. A test missing here or
+# in the wrong place costs time, never correctness.)
+SLOW_FIRST = (
+    "tests/trainer/test_distributed_faults.py",
+    "tests/benchmarks/test_tiny_benchmarks.py::test_quality_benchmark_tiny",
+    "tests/benchmarks/test_tiny_benchmarks.py::test_distributed_benchmark_tiny",
+    "tests/trainer/test_distributed.py::test_resharding_keeps_the_counter_filters_pending",
+    "tests/trainer/test_resume.py::test_an_interrupted_ray_run_resumes",
+    "tests/trainer/test_distributed.py::test_two_shards_two_workers_equal_single_process",
+    "tests/trainer/test_distributed.py::test_cli_",
+    "tests/online/test_crash_points.py",
+    "tests/test_commands.py::test_trainer_train_output_policy",
+    "tests/online/test_online.py::test_kill_9_at_random_moments",
+    "tests/trainer/test_resume.py",
+    "tests/benchmarks/test_tiny_benchmarks.py::test_online_benchmark_tiny",
+    "tests/online/test_checkpoint_crash_and_pv.py",
+    "tests/online/test_online.py",
+    "tests/test_commands.py::test_a_signal_stops_training",
+    "tests/trainer/test_cli.py",
+    "tests/online/test_bad_messages.py",
+)
+# Tests that share an expensive module-scoped fixture go to one worker together: the `runs`
+# fixture of test_distributed_faults.py is a 2 x 2 Ray run killed twice and a single-process
+# run (~35 CPU-s, built again by every worker that got one of its tests).
+ONE_WORKER = ("tests/trainer/test_distributed_faults.py",)
+
+
+def _slow_rank(item) -> int:
+    return next((i for i, prefix in enumerate(SLOW_FIRST) if item.nodeid.startswith(prefix)),
+                len(SLOW_FIRST))
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike
+        items.sort(key=_slow_rank)  # stable: file order within a rank
+
+
+class _XdistScheduling:
+    """Registered only when pytest-xdist is loaded (its hook is unknown to pytest otherwise,
+    e.g. with ``-p no:xdist``)."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """``--dist load`` (what ``-n`` means) with the ONE_WORKER modules as single work
+        units: xdist's loadscope scheduler, every other test a unit of its own."""
+        if config.getvalue("dist") != "load":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid):
+                module = nodeid.split("::", 1)[0]
+                return module if module in ONE_WORKER else nodeid
+
+        return Scheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistScheduling(), "prefixrec-xdist-scheduling")

@@ -188,3 +188,21 @@ def test_the_fit_loop_loads_neither_tensorflow_nor_an_engine():
     their arguments to; it knows engines only by what they do."""
     assert loaded_by("trainer.fitting", ("tensorflow", "keras", "ray", "trainer.trainer",
                                          "trainer.model", "trainer.distributed.driver")) == []
+
+
+def test_tensorflow_loads_without_scikit_learn_which_stays_importable():
+    """keras imports scikit-learn for wrappers prefixrec does not use (~1 CPU-s of every
+    process that loads TensorFlow): trainer/_no_sklearn.py hides it while keras and
+    TensorFlow load, however TensorFlow is reached first; a later ``import sklearn`` works,
+    and a process that imported it before keras keeps it."""
+    code = ("import sys, trainer.serving, trainer.model, keras, tensorflow\n"
+            "before = [m for m in ('tensorflow', 'keras', 'sklearn') if m in sys.modules]\n"
+            "import sklearn.linear_model\n"
+            "print([before, sys.modules['sklearn'] is not None, "
+            "type(keras.__loader__).__name__])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert ast.literal_eval(out.stdout.strip().splitlines()[-1]) == [
+        ["tensorflow", "keras"], True, "SourceFileLoader"]
+    assert loaded_by("sklearn, trainer.model", ("sklearn", "keras.src.wrappers")) == [
+        "sklearn", "keras.src.wrappers"]

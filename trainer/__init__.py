@@ -12,6 +12,11 @@ sparse parameters in ``native`` stores.
 
 import importlib
 
+from trainer import _no_sklearn
+
+# keras imports scikit-learn for wrappers prefixrec does not use (~1-2 CPU-s per process)
+_no_sklearn.install()
+
 # Imported on first use (PEP 562), so ``python -m trainer.train --help`` and argument errors do
 # not pay for importing TensorFlow.
 _LAZY = {"models": "trainer.models", "Trainer": "trainer.trainer", "ModelCore": "trainer.model",

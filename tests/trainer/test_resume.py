@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from processes import signal_when
+from processes import python_child, signal_when
 from trainer_data import ROOT, SCHEMA_PATH, generated
 
 TIMINGS = ("samples_per_sec", "train_seconds")
@@ -193,9 +193,8 @@ def test_a_signal_before_training_leaves_no_run_or_a_resumable_one(files, tmp_pa
     set up, training about to start): exit 130, and either nothing or a run that resumes."""
     run = tmp_path / "run"
     args = train_args(files, run)
-    child = subprocess.Popen([sys.executable, "-m", "trainer.train", *map(str, args),
-                              "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    child = python_child(["-m", "trainer.train", *args, "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         while not any(p.name.startswith(".run.tmp-") for p in tmp_path.iterdir()):
             assert child.poll() is None, child.communicate()[1].decode()
