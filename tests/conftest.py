@@ -60,6 +60,9 @@ SLOW_FIRST = (
     "tests/test_commands.py::test_a_signal_stops_training",
     "tests/trainer/test_cli.py",
     "tests/online/test_bad_messages.py",
+    "tests/serve/test_serve_online.py",
+    "tests/benchmarks/test_tiny_benchmarks.py::test_serving_benchmark_tiny",
+    "tests/serve/test_serve.py",
 )
 # Tests that share an expensive module-scoped fixture go to one worker together: the `runs`
 # fixture of test_distributed_faults.py is a 2 x 2 Ray run killed twice and a single-process

@@ -6,21 +6,20 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-from processes import ROOT
+from processes import python_child
 
 
 class Service:
     """Starts the service on a free loopback port and waits for its "on http://..." line."""
 
     def __init__(self, export_dir, *args, timeout: float = 120):
-        self.child = subprocess.Popen(
-            [sys.executable, "-m", "trainer.serve", "--export-dir", str(export_dir),
-             "--port", "0", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+        # signals at their default action even when the suite runs as a background job
+        self.child = python_child(["-m", "trainer.serve", "--export-dir", export_dir,
+                                   "--port", "0", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         found = threading.Event()
 
