@@ -60,7 +60,10 @@ def test_online_benchmark_tiny(kafka_broker):
     assert stages["train"] > 0 and stages["decode"] > 0
     assert budget["total_cpu_s_per_100k"] == pytest.approx(sum(stages.values()), abs=0.01)
     delay = result["delay_phase"]
-    assert delay["samples"] == 4000 and delay["exports"] >= 2
+    # a version is published only when something was trained since the last one (an export
+    # of an untrained model cannot be served): the phase's 4000 samples arrive during the
+    # trainer's start-up and train as one unit of --unit-samples 4000
+    assert delay["samples"] == 4000 and delay["exports"] >= 1
     assert 0 < delay["delay_p50_s"] <= delay["delay_p99_s"]
     assert "steady_delay_p99_s" in delay  # None when every sample arrived during start-up
 
