@@ -403,13 +403,17 @@ PYBIND11_MODULE(_store, m) {
                py::gil_scoped_release release;
                c = s.ReadDelta(path, ahead);
              }
-             const auto n = static_cast<py::ssize_t>(c.ids.size());
-             py::array_t<int64_t> ids(n);
-             std::memcpy(ids.mutable_data(), c.ids.data(), c.ids.size() * sizeof(int64_t));
+             // (an empty vector's data() may be null, which memcpy must not get even for 0 bytes)
+             py::array_t<int64_t> ids(static_cast<py::ssize_t>(c.ids.size()));
+             if (!c.ids.empty()) std::memcpy(ids.mutable_data(), c.ids.data(), c.ids.size() * sizeof(int64_t));
              py::array_t<float> rows = NewRows(c.ids.size(), s.dim());
-             std::memcpy(rows.mutable_data(), c.embeddings.data(), c.embeddings.size() * sizeof(float));
+             if (!c.embeddings.empty()) {
+               std::memcpy(rows.mutable_data(), c.embeddings.data(), c.embeddings.size() * sizeof(float));
+             }
              py::array_t<int64_t> tombstones(static_cast<py::ssize_t>(c.tombstones.size()));
-             std::memcpy(tombstones.mutable_data(), c.tombstones.data(), c.tombstones.size() * sizeof(int64_t));
+             if (!c.tombstones.empty()) {
+               std::memcpy(tombstones.mutable_data(), c.tombstones.data(), c.tombstones.size() * sizeof(int64_t));
+             }
              py::dict d;
              d["sequence"] = c.sequence;
              d["global_step"] = c.global_step;

@@ -756,8 +756,10 @@ EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path,
           int64_t id;
           std::memcpy(&id, row, 8);
           size_t at = rows.size() / (dim ? dim : 1);
-          if (dim) rows.resize(rows.size() + dim);
-          std::memcpy(rows.data() + at * dim, row + offset, 4 * dim);
+          if (dim) {  // (a damaged header may say 0; refused once the file is read)
+            rows.resize(rows.size() + dim);
+            std::memcpy(rows.data() + at * dim, row + offset, 4 * dim);
+          }
           last[id] = static_cast<int64_t>(at);
         }
       });
