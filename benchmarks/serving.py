@@ -17,6 +17,11 @@ baseline measured in the same run:
 4. structured serving: one user x 500 candidates per request as a ranking request (the user's
    part once) against the same 500 samples flat, alternating requests: p50/p99 of both;
    target >= 1.5x faster.
+5. reload memory: the served model's largest table grown to ``--reload-rows`` rows, then a
+   new full export of the same model (a new lineage) with 1% and with every row changed, and
+   one of another model: the service process's peak RSS while it takes the new export in
+   (``VmHWM`` after ``/proc/self/clear_refs``) above its RSS before, against the memory the
+   served model itself holds. A rebase should cost the changed rows, a whole load the model.
 Prints a table and a final JSON line.
 """
 
@@ -286,6 +291,100 @@ def freshness(schema, rate: float, seconds: float, export_every: float, work: st
 
 # -- 2-4 --------------------------------------------------------------------------------------
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reload_child(served: str, replacement: str, mode: str) -> None:
+    """In a fresh process: serve ``served``, then replace it by ``replacement`` and take it
+    in (``mode`` "full": as if it were another model, loaded whole); prints RSS figures."""
+    from trainer import runs
+
+    runs.load_tensorflow()
+    from trainer.live import LiveModel
+
+    if mode == "full":
+        LiveModel._rebase = lambda self, current: None  # measure the whole-load path
+    before = _status_kb("VmRSS")
+    live = LiveModel(served)
+    assert live.ready, live.problem
+    loaded = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # peak RSS (VmHWM) from here
+    old = served + ".old"
+    os.rename(served, old)
+    os.rename(replacement, served)
+    started = time.perf_counter()
+    live.poll()
+    seconds = time.perf_counter() - started
+    assert live.ready and live.reloads == 1, live.problem
+    print(json.dumps({"model_kb": loaded - before, "rss_kb": loaded,
+                      "peak_kb": _status_kb("VmHWM"), "seconds": seconds,
+                      "reload": live.last_reload}))
+
+
+def reload_memory(trainer, work: str, rows: int) -> dict:
+    """Section 5 of the module docstring."""
+    import native
+    from trainer.serving import export
+
+    base = os.path.join(work, "reload-base")
+    export(trainer, base, step=trainer.step, stores=trainer.stores)
+    with open(os.path.join(base, "export.json")) as f:
+        meta = json.load(f)
+    table = max(meta["tables"], key=lambda t: len(trainer.stores[t]))
+    path = os.path.join(base, "stores", table)
+    store = native.EmbeddingStore.load(path)
+    rng = np.random.default_rng(9)
+    ids = np.unique(rng.integers(1 << 40, 1 << 41, rows))
+    for start in range(0, len(ids), 200_000):
+        chunk = ids[start:start + 200_000]
+        store.lookup(chunk, train=True)
+        store.lookup(chunk, train=True)  # past any entry filter
+        store.apply_gradients(chunk, rng.normal(size=(len(chunk), store.dim)).astype(
+            np.float32), 1)
+    store.save(path)
+
+    def variant(name: str, fraction: float, other_model: bool = False) -> str:
+        target = os.path.join(work, name)
+        shutil.copytree(base, target)
+        changed = native.EmbeddingStore.load(os.path.join(target, "stores", table))
+        pick = ids[rng.random(len(ids)) < fraction]
+        for start in range(0, len(pick), 200_000):
+            chunk = pick[start:start + 200_000]
+            changed.apply_gradients(chunk, rng.normal(size=(len(chunk), changed.dim)).astype(
+                np.float32), 2)
+        changed.save(os.path.join(target, "stores", table))
+        with open(os.path.join(target, "export.json"), "w") as f:
+            json.dump({**meta, "lineage": f"bench-{name}", **(
+                {"model": {**meta["model"], "note": "another model"}} if other_model else {})},
+                f)
+        return target
+
+    out = {"table": table, "rows": len(store)}
+    for name, fraction, mode in (("rebase-1pct", 0.01, "rebase"), ("rebase-all", 1.0, "rebase"),
+                                 ("whole", 0.01, "full")):
+        served = os.path.join(work, f"served-{name}")
+        shutil.copytree(base, served)
+        replacement = variant(name, fraction)
+        child = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--reload-child",
+                                served, replacement, mode], capture_output=True, text=True,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        if child.returncode != 0:
+            raise RuntimeError(f"reload child failed: {child.stderr[-2000:]}")
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+        got["extra_kb"] = got["peak_kb"] - got["rss_kb"]
+        got["extra_over_model"] = got["extra_kb"] / got["model_kb"]
+        out[name] = got
+        shutil.rmtree(served + ".old", ignore_errors=True)
+        shutil.rmtree(served, ignore_errors=True)
+    return out
+
+
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving",
                                      description=__doc__.split("\n")[0])
@@ -299,10 +398,17 @@ def run(argv=None) -> dict:
     parser.add_argument("--clients", type=int, default=4, help="HTTP clients (2 processes)")
     parser.add_argument("--candidates", type=int, default=500)
     parser.add_argument("--bootstrap-servers", help="use this broker instead of Tansu")
+    parser.add_argument("--reload-rows", type=int, default=2_000_000,
+                        help="reload memory: rows of the largest table")
+    parser.add_argument("--only", choices=["reload"], help="run only this part")
+    parser.add_argument("--reload-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.reload_child:
+        _reload_child(*args.reload_child)
+        return {}
     if args.tiny:
         args.rate, args.fresh_seconds, args.seconds, args.rounds = 2000, 2, 0.5, 1
-        args.candidates = 50
+        args.candidates, args.reload_rows = 50, 20_000
 
     import schemas
     from benchmarks.compression import machine
@@ -315,6 +421,12 @@ def run(argv=None) -> dict:
     work = tempfile.mkdtemp(prefix="bench-serving-")
     result = {"benchmark": "serving", "machine": machine(), "clients": args.clients}
     try:
+        if args.only == "reload":
+            result["reload"] = reload_memory(_trained(schema, 5_000, seed=1), work,
+                                             args.reload_rows)
+            _print_reload(result["reload"])
+            print(json.dumps(result))
+            return result
         fresh = freshness(schema, args.rate, args.fresh_seconds, args.export_every, work,
                           args.bootstrap_servers)
         result["freshness"] = fresh
@@ -412,6 +524,7 @@ def run(argv=None) -> dict:
             result["structured"] = structured
         finally:
             service.stop()
+        result["reload"] = reload_memory(trainer, work, args.reload_rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -435,8 +548,20 @@ def run(argv=None) -> dict:
           f"{s['tree']['p50_ms']:.1f} ms p99 {s['tree']['p99_ms']:.1f} ms, flat p50 "
           f"{s['flat']['p50_ms']:.1f} ms p99 {s['flat']['p99_ms']:.1f} ms: "
           f"{s['speedup_p50']:.2f}x (target >= 1.5x)")
+    _print_reload(result["reload"])
     print(json.dumps(result))
     return result
+
+
+def _print_reload(r: dict) -> None:
+    print(f"  reload memory, table {r['table']} of {r['rows']:,} rows (served model "
+          f"{r['rebase-1pct']['model_kb'] / 1024:,.0f} MiB):")
+    for name, what in (("rebase-1pct", "same model, 1% of rows changed (rebase)"),
+                       ("rebase-all", "same model, every row changed (rebase)"),
+                       ("whole", "another model (loaded whole)")):
+        x = r[name]
+        print(f"    {what}: peak +{x['extra_kb'] / 1024:,.0f} MiB = "
+              f"{x['extra_over_model']:.2f}x the model, {x['seconds']:.2f} s")
 
 
 if __name__ == "__main__":

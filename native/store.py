@@ -293,6 +293,20 @@ class EmbeddingStore:
             raise InvalidInputError(f"read_delta: ahead must be >= 0, got {ahead}")
         return dict(self._native.read_delta(os.fspath(path), int(ahead)))
 
+    def write_rebase_delta(self, snapshot_dir: str | os.PathLike, path: str | os.PathLike) -> dict:
+        """Writes at ``path`` a delta (the next in this store's sequence) that turns this
+        store's rows into those of the snapshot in ``snapshot_dir`` (a store of the same dim and
+        optimizer, e.g. a new full export of the same model): the snapshot rows that differ or
+        that this store lacks, and tombstones for the ids the snapshot lacks. Applied or read
+        like any delta; applying it also sets the delta sequence and global step to the
+        snapshot's, so the snapshot's own deltas apply next (:meth:`read_delta` gives its
+        ``rebase``: that sequence; None for other deltas). Filter state and counters stay this
+        store's. Streams the snapshot (checked as :meth:`load` checks it; a damaged one writes
+        nothing): it costs a block of rows and a byte per row, not a second store. Returns
+        ``rows``, ``tombstones``, ``unchanged`` (snapshot rows equal to this store's) and
+        ``bytes``. Safe beside lookups, not beside writers of this store."""
+        return dict(self._native.write_rebase_delta(os.fspath(snapshot_dir), os.fspath(path)))
+
     # -- entry-filter state ----------------------------------------------------------------
 
     def filter_state(self) -> dict[str, np.ndarray]:

@@ -22,8 +22,17 @@ So applying a version never blocks requests (no lock is held while rows are copi
 the memory of one delta, not of a second model. A gap in the version numbers, a damaged or
 foreign manifest, or a delta the stores refuse is never applied: the model keeps answering on
 the last good version and says why it is not ready (:attr:`problem`) until the export directory
-holds a version it can apply or a new full export (a new lineage), which is loaded beside the
-served one and swapped in.
+holds a version it can apply or a new full export (a new lineage).
+
+**A new full export is a rebase, not a second model.** When the export directory holds a new
+lineage of the same model (same schema, config, tables, heads and sharding: a trainer restarted
+from an older checkpoint, another writer, a SIGHUP reload), the stores stream its snapshots and
+write, table by table, a *rebase delta*: the snapshot rows that differ from the served rows and
+the ids the snapshot lacks (``EmbeddingStore.write_rebase_delta``). It is served as version 0
+of the new lineage exactly as a published version is (an overlay over the stores, dense weights
+into the free SavedModel copy) and reaches the stores once no request reads them without it.
+The reload costs the rows that differ, not a second copy of the model. Only an export of
+another model (another schema, config or architecture) is loaded beside the served one.
 """
 
 from __future__ import annotations
@@ -53,29 +62,27 @@ from trainer.serving import (EXPORT_VERSION, ShardedStore, one_node_per_sample,
 
 
 class Overlay:
-    """One table's pending version over its store: the rows its deltas change and the ids
-    they remove (the deltas' net effect; the shards' id sets are disjoint)."""
+    """One table's pending version over its stores: per store, the rows its delta changes and
+    the ids it removes (the delta's net effect, ids ascending as ``read_delta`` gives them; the
+    shards' id sets are disjoint). Kept as read: no copy of a table-sized rebase."""
 
     def __init__(self, parts: list[dict]):
-        ids = np.concatenate([p["ids"] for p in parts])
-        order = np.argsort(ids, kind="stable")
-        self.ids = ids[order]
-        self.rows = np.concatenate([p["rows"] for p in parts])[order]
-        self.tombstones = np.sort(np.concatenate([p["tombstones"] for p in parts]))
+        self.parts = [(p["ids"], p["rows"], p["tombstones"]) for p in parts]
 
     def __len__(self) -> int:
-        return len(self.ids) + len(self.tombstones)
+        return sum(len(ids) + len(tombstones) for ids, _, tombstones in self.parts)
 
     def patch(self, unique: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """``rows`` (of the sorted ``unique`` ids, as the store read them) as this version
         has them."""
-        if len(self.ids):
-            at = np.minimum(np.searchsorted(self.ids, unique), len(self.ids) - 1)
-            hit = self.ids[at] == unique
-            rows[hit] = self.rows[at[hit]]
-        if len(self.tombstones):
-            at = np.minimum(np.searchsorted(self.tombstones, unique), len(self.tombstones) - 1)
-            rows[self.tombstones[at] == unique] = 0.0  # a removed row reads as unseen
+        for ids, changed, tombstones in self.parts:
+            if len(ids):
+                at = np.minimum(np.searchsorted(ids, unique), len(ids) - 1)
+                hit = ids[at] == unique
+                rows[hit] = changed[at[hit]]
+            if len(tombstones):
+                at = np.minimum(np.searchsorted(tombstones, unique), len(tombstones) - 1)
+                rows[tombstones[at] == unique] = 0.0  # a removed row reads as unseen
         return rows
 
 
@@ -125,6 +132,7 @@ class Base:
         self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")
+        self.tables = tables
         if self.shards:
             self.stores = {t: ShardedStore([native.EmbeddingStore.load(os.path.join(
                 directory, "stores", t, f"shard-{i:04d}")) for i in range(self.shards)])
@@ -146,6 +154,19 @@ class Base:
         store = self.stores[table]
         return store.shards if isinstance(store, ShardedStore) else [store]
 
+    def snapshot_dirs(self, directory: str, table: str) -> list[str]:
+        """Where an export of this model keeps ``table``'s snapshots, one per store."""
+        if self.shards:
+            return [os.path.join(directory, "stores", table, f"shard-{i:04d}")
+                    for i in range(self.shards)]
+        return [os.path.join(directory, "stores", table)]
+
+    def same_model(self, meta: dict) -> bool:
+        """Whether the export described by ``meta`` is of this model (what a rebase needs:
+        the same schema, config, dense statistics, tables, heads, network and sharding)."""
+        keys = ("version", "schema", "config", "model", "tables", "heads", "shards")
+        return all(meta.get(k) == self.meta.get(k) for k in keys)
+
 
 @dataclass
 class Version:
@@ -162,10 +183,12 @@ class Version:
     published_at: float | None = None
     applied_at: float = field(default_factory=time.time)
     readers: int = 0
+    lineage: str | None = None  # the base's, unless a rebase moved it to another
+    rebased: bool = False       # staged holds a rebase delta (the sequence changes with it)
 
-    @property
-    def lineage(self) -> str | None:
-        return self.base.lineage
+    def __post_init__(self):
+        if self.lineage is None:
+            self.lineage = self.base.lineage
 
     def tables(self) -> dict:
         return {t: VersionedTable(s, self.overlays.get(t)) for t, s in self.base.stores.items()}
@@ -192,6 +215,7 @@ class LiveModel:
         self.failed = 0                     # versions (or full exports) refused
         self.reloads = 0                    # full exports loaded after the first
         self.last_apply_seconds: float | None = None
+        self.last_reload: dict | None = None  # how the last full export was taken in
         self._failures: set = set()         # (lineage, version, reason) counted once
         self._cond = threading.Condition()
         self._retired: list[Version] = []   # replaced versions some request may still pin
@@ -292,13 +316,20 @@ class LiveModel:
             self.problem = f"{self.directory}: {what}; waiting for a full export"
             return 0
         if current is None or lineage != current.lineage or reload:
+            started = time.monotonic()
             try:
-                loaded = self._load_full()
+                loaded = self._rebase(current) if current is not None else None
+                if loaded is None:  # nothing served yet, or an export of another model
+                    loaded = self._load_full()
+                    if current is not None:
+                        self.last_reload = {"mode": "full", "lineage": loaded.lineage}
             except Exception as e:  # a half-written or damaged export: keep the old one
                 self._refuse(lineage, 0, f"full export of lineage {lineage}: {e}")
                 return 0
             self._swap(loaded)
-            self.reloads += 1
+            if current is not None:
+                self.reloads += 1
+                self.last_reload["seconds"] = round(time.monotonic() - started, 4)
             current = loaded
         applied = 0
         while True:
@@ -364,6 +395,72 @@ class LiveModel:
             self._current = following
         self.problem = None
 
+    def _settle(self, current: Version) -> None:
+        """``current``'s staged deltas into the stores (once no request reads the stores
+        without ``current``'s overlay): the stores then hold exactly ``current``."""
+        self._drain(keep=current)
+        for store, copy in current.staged:
+            store.apply_delta(copy)
+            os.remove(copy)
+        current.staged = []
+        current.rebased = False
+
+    def _rebase(self, current: Version) -> Version | None:
+        """The full export in the directory as version 0 of its lineage, served as the stores
+        plus a rebase overlay (see the module's docstring); None when it is an export of
+        another model, which must be loaded whole."""
+        base = current.base
+        path = os.path.join(self.directory, "export.json")
+        with open(path) as f:
+            meta = json.load(f)
+        if not base.same_model(meta):
+            return None
+        lineage = meta.get("lineage")
+        saved = os.path.join(self.directory, "saved_model", "variables", "variables")
+        reader = tf.train.load_checkpoint(saved)
+        slot_index = 1 - current.slot
+        slot = base.slots[slot_index]
+        arrays = []
+        for i, variable in enumerate(slot.variables_):
+            key = f"variables_/{i}/.ATTRIBUTES/VARIABLE_VALUE"
+            if not reader.has_tensor(key):
+                raise ValueError(f"{saved}: dense variable {i} missing")
+            value = reader.get_tensor(key)
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(f"{saved}: dense variable {i} has shape {value.shape}, the "
+                                 f"served model {tuple(variable.shape)}")
+            arrays.append(value)
+        # the stores must hold exactly the served version before they are compared
+        self._settle(current)
+        folder = os.path.join(self._staging, f"{lineage}-rebase")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        staged, overlays = [], {}
+        totals = {"rows": 0, "tombstones": 0, "unchanged": 0, "bytes": 0}
+        try:
+            for table in base.tables:
+                parts = []
+                for i, (store, snapshot) in enumerate(zip(
+                        base.shard_stores(table), base.snapshot_dirs(self.directory, table))):
+                    copy = os.path.join(folder, f"{table}-{i:04d}.bin")
+                    for k, v in store.write_rebase_delta(snapshot, copy).items():
+                        totals[k] += v
+                    parts.append(store.read_delta(copy))
+                    staged.append((store, copy))
+                overlays[table] = Overlay(parts)
+            if read_lineage(self.directory) != lineage:
+                raise ValueError("the export directory was replaced while it was read")
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._drain(keep=current)  # nothing pinned reads the free copy any more
+        for variable, value in zip(slot.variables_, arrays):
+            variable.assign(value)
+        self.last_reload = {"mode": "rebase", "lineage": lineage, **totals}
+        return Version(base, 0, int(meta["step"]), slot_index, overlays, staged,
+                       meta.get("newest_sample_time"), meta.get("published_at"),
+                       lineage=lineage, rebased=True)
+
     def _prepare(self, current: Version, manifest: dict) -> Version:
         """Version ``current.number + 1`` ready to serve; ``current``'s deltas applied to
         the stores on the way (once no request reads the stores without them)."""
@@ -372,6 +469,8 @@ class LiveModel:
                              f"export is lineage {current.lineage}")
         base = current.base
         number = manifest["version"]
+        if current.rebased:  # the next deltas follow the rebase's sequence, not the stores'
+            self._settle(current)
         # read and check everything first: a refused version changes nothing
         staged, overlays = [], {}
         folder = os.path.join(self._staging, f"{current.lineage}-{number:08d}")
@@ -400,12 +499,9 @@ class LiveModel:
             if name not in arrays or tuple(arrays[name].shape) != tuple(variable.shape):
                 raise ValueError(f"{manifest['dense']}: {name} missing or of another shape")
         # current's deltas into the stores, once no request reads them without the overlay
-        self._drain(keep=current)
-        for store, copy in current.staged:
-            store.apply_delta(copy)
-            os.remove(copy)
-        current.staged = []
+        self._settle(current)
         for name, variable in zip(names, slot.variables_):  # the copy no pinned version uses
             variable.assign(arrays[name])
         return Version(base, number, int(manifest["step"]), slot_index, overlays, staged,
-                       manifest.get("newest_sample_time"), manifest.get("published_at"))
+                       manifest.get("newest_sample_time"), manifest.get("published_at"),
+                       lineage=current.lineage)

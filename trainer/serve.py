@@ -124,7 +124,7 @@ def _metrics(live, registry):
                     ("prefixrec_serve_failed_applies", live.failed,
                      "versions or full exports refused (gap, damage, foreign lineage)"),
                     ("prefixrec_serve_reloads", live.reloads,
-                     "full exports loaded after the first")):
+                     "full exports taken in after the first (rebased or loaded whole)")):
                 c = CounterMetricFamily(name, text)
                 c.add_metric([], value)
                 yield c
@@ -230,7 +230,8 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
                                                    "heads": version.base.heads,
                                                    "schema": version.base.schema.name},
             "freshness_lag_s": live.freshness_lag(), "versions_applied": live.applied,
-            "failed_applies": live.failed, "reloads": live.reloads})
+            "failed_applies": live.failed, "reloads": live.reloads,
+            "last_reload": live.last_reload})
 
     async def prometheus(request):
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

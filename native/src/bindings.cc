@@ -398,31 +398,47 @@ PYBIND11_MODULE(_store, m) {
            py::arg("path"))
       .def("read_delta",
            [](const EmbeddingStore& s, const std::string& path, uint64_t ahead) {
-             EmbeddingStore::DeltaContents c;
+             auto c = std::make_unique<EmbeddingStore::DeltaContents>();
              {
                py::gil_scoped_release release;
-               c = s.ReadDelta(path, ahead);
+               *c = s.ReadDelta(path, ahead);
              }
-             // (an empty vector's data() may be null, which memcpy must not get even for 0 bytes)
-             py::array_t<int64_t> ids(static_cast<py::ssize_t>(c.ids.size()));
-             if (!c.ids.empty()) std::memcpy(ids.mutable_data(), c.ids.data(), c.ids.size() * sizeof(int64_t));
-             py::array_t<float> rows = NewRows(c.ids.size(), s.dim());
-             if (!c.embeddings.empty()) {
-               std::memcpy(rows.mutable_data(), c.embeddings.data(), c.embeddings.size() * sizeof(float));
-             }
-             py::array_t<int64_t> tombstones(static_cast<py::ssize_t>(c.tombstones.size()));
-             if (!c.tombstones.empty()) {
-               std::memcpy(tombstones.mutable_data(), c.tombstones.data(), c.tombstones.size() * sizeof(int64_t));
-             }
+             // The arrays share the vectors' memory (a rebase delta holds a table's rows):
+             // the capsule owns the contents until the last array goes.
+             EmbeddingStore::DeltaContents* owned = c.get();
+             py::capsule owner(c.release(), [](void* p) {
+               delete static_cast<EmbeddingStore::DeltaContents*>(p);
+             });
+             const auto n = static_cast<py::ssize_t>(owned->ids.size());
+             const auto dim = static_cast<py::ssize_t>(s.dim());
              py::dict d;
-             d["sequence"] = c.sequence;
-             d["global_step"] = c.global_step;
-             d["ids"] = ids;
-             d["rows"] = rows;
-             d["tombstones"] = tombstones;
+             d["sequence"] = owned->sequence;
+             d["global_step"] = owned->global_step;
+             d["ids"] = py::array_t<int64_t>({n}, owned->ids.data(), owner);
+             d["rows"] = py::array_t<float>({n, dim}, owned->embeddings.data(), owner);
+             d["tombstones"] = py::array_t<int64_t>(
+                 {static_cast<py::ssize_t>(owned->tombstones.size())}, owned->tombstones.data(),
+                 owner);
+             d["rebase"] = owned->rebase ? py::object(py::int_(owned->rebase_sequence))
+                                         : py::object(py::none());
              return d;
            },
-           py::arg("path"), py::arg("ahead") = 0);
+           py::arg("path"), py::arg("ahead") = 0)
+      .def("write_rebase_delta",
+           [](const EmbeddingStore& s, const std::string& snapshot_dir, const std::string& path) {
+             EmbeddingStore::RebaseStats stats;
+             {
+               py::gil_scoped_release release;
+               stats = s.WriteRebaseDelta(snapshot_dir, path);
+             }
+             py::dict d;
+             d["rows"] = stats.rows;
+             d["tombstones"] = stats.tombstones;
+             d["unchanged"] = stats.unchanged;
+             d["bytes"] = stats.bytes;
+             return d;
+           },
+           py::arg("snapshot_dir"), py::arg("path"));
 
   m.def("scatter_add_rows", &ScatterAddRows, py::arg("values"), py::arg("index"), py::arg("num_rows"));
 

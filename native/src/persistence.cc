@@ -23,8 +23,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "internal/hash.h"
@@ -48,7 +50,9 @@ constexpr char kEndMagic[8] = {'P', 'R', 'X', 'E', 'N', 'D', '0', '1'};
 constexpr uint32_t kSnapshotVersion = 2;
 constexpr uint32_t kDeltaVersion = 2;
 constexpr uint32_t kOldestVersion = 1;  // oldest snapshot/delta version this build converts
-constexpr uint8_t kSectionEnd = 0, kSectionTombstones = 1, kSectionRows = 2;
+// A rebase section (WriteRebaseDelta) has no payload: its count is the delta sequence the
+// store takes once the delta is applied (readers of older builds refuse it as unknown).
+constexpr uint8_t kSectionEnd = 0, kSectionTombstones = 1, kSectionRows = 2, kSectionRebase = 3;
 constexpr size_t kTrailerBytes = 16;
 constexpr size_t kBlockRows = 65536;
 
@@ -442,6 +446,57 @@ std::string VersionError(const char* kind, uint32_t version, uint32_t newest) {
          std::to_string(kOldestVersion) + " to " + std::to_string(newest);
 }
 
+// A snapshot's fields before its shards.
+struct SnapshotHeader {
+  uint32_t version = 0;
+  uint32_t row_bytes = 0;
+  StoreOptions options;
+  int64_t global_step = 0;
+  uint64_t delta_sequence = 0;
+  uint64_t counters[6] = {};  // admitted, rejected, expired, evicted, lookups, updates
+};
+
+SnapshotHeader ReadSnapshotHeader(FileReader& r) {
+  CheckMagic(r, kSnapshotMagic, "store snapshot");
+  SnapshotHeader head;
+  head.version = r.Get<uint32_t>();
+  if (head.version < kOldestVersion || head.version > kSnapshotVersion) {
+    Corrupt(r.path(), VersionError("snapshot", head.version, kSnapshotVersion));
+  }
+  head.row_bytes = r.Get<uint32_t>();
+  head.options = GetOptions(r);
+  try {
+    ValidateOptions(head.options);
+  } catch (const StoreError& e) {
+    Corrupt(r.path(), std::string("invalid options: ") + e.what());
+  }
+  head.global_step = r.Get<int64_t>();
+  head.delta_sequence = r.Get<uint64_t>();
+  for (uint64_t& counter : head.counters) counter = r.Get<uint64_t>();
+  return head;
+}
+
+// Reads and discards `n` bytes (they still count for the checksum).
+void Skip(FileReader& r, uint64_t n) {
+  std::vector<uint8_t> scratch(static_cast<size_t>(std::min<uint64_t>(n, 1 << 20)));
+  while (n > 0) {
+    size_t take = static_cast<size_t>(std::min<uint64_t>(n, scratch.size()));
+    r.Read(scratch.data(), take);
+    n -= take;
+  }
+}
+
+// Rows equal but for the dirty mark (which says only whether a delta still has to carry it).
+bool SameRow(const uint8_t* a, const uint8_t* b, size_t row_bytes) {
+  RowHeader ha, hb;
+  std::memcpy(&ha, a, sizeof ha);
+  std::memcpy(&hb, b, sizeof hb);
+  ha.clear_dirty();
+  hb.clear_dirty();
+  return std::memcmp(&ha, &hb, sizeof ha) == 0 &&
+         std::memcmp(a + sizeof(RowHeader), b + sizeof(RowHeader), row_bytes - sizeof(RowHeader)) == 0;
+}
+
 }  // namespace
 
 uint64_t EmbeddingStore::Save(const std::string& dir) const {
@@ -487,18 +542,9 @@ uint64_t EmbeddingStore::Save(const std::string& dir) const {
 std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
   FileReader r(SnapshotPath(dir));
-  CheckMagic(r, kSnapshotMagic, "store snapshot");
-  uint32_t version = r.Get<uint32_t>();
-  if (version < kOldestVersion || version > kSnapshotVersion) {
-    Corrupt(r.path(), VersionError("snapshot", version, kSnapshotVersion));
-  }
-  uint32_t row_bytes = r.Get<uint32_t>();
-  StoreOptions options = GetOptions(r);
-  try {
-    ValidateOptions(options);
-  } catch (const StoreError& e) {
-    Corrupt(r.path(), std::string("invalid options: ") + e.what());
-  }
+  SnapshotHeader head = ReadSnapshotHeader(r);
+  const uint32_t version = head.version, row_bytes = head.row_bytes;
+  const StoreOptions& options = head.options;
   // The Bloom counters are stored in the file: a size that cannot fit is corruption, and
   // checking first avoids allocating what a flipped capacity bit asks for.
   uint64_t bloom = Impl::BloomCountersPerShard(options);
@@ -511,11 +557,14 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
     Corrupt(r.path(), "row size " + std::to_string(row_bytes) + " does not match the options' " +
                           std::to_string(RowBytesOf(version, floats)));
   }
-  impl->global_step = r.Get<int64_t>();
-  impl->delta_sequence = r.Get<uint64_t>();
-  for (std::atomic<uint64_t>* counter : {&impl->admitted, &impl->rejected, &impl->expired,
-                                         &impl->evicted, &impl->lookups, &impl->updates}) {
-    *counter = r.Get<uint64_t>();
+  impl->global_step = head.global_step;
+  impl->delta_sequence = head.delta_sequence;
+  {
+    size_t i = 0;
+    for (std::atomic<uint64_t>* counter : {&impl->admitted, &impl->rejected, &impl->expired,
+                                           &impl->evicted, &impl->lookups, &impl->updates}) {
+      *counter = head.counters[i++];
+    }
   }
   std::vector<uint8_t> block;
   std::vector<uint8_t> converted(impl->row_bytes);
@@ -698,15 +747,20 @@ void CheckDeltaFits(const std::string& path, const DeltaHeader& header,
 
 // Walks a delta's sections (``r`` just past the header): every tombstone section and every
 // block of rows (each row checked) goes to the callbacks, then the checksum is verified.
+// Returns the rebase section's sequence, if the delta has one.
 template <typename OnTombstones, typename OnRows>
-void WalkDelta(FileReader& r, const std::string& path, const DeltaHeader& header,
-               OnTombstones on_tombstones, OnRows on_rows) {
+std::optional<uint64_t> WalkDelta(FileReader& r, const std::string& path, const DeltaHeader& header,
+                   OnTombstones on_tombstones, OnRows on_rows) {
   std::vector<uint8_t> block;
+  std::optional<uint64_t> rebase;
   for (;;) {
     uint8_t kind = r.Get<uint8_t>();
     if (kind == kSectionEnd) break;
     uint64_t count = r.Get<uint64_t>();
-    if (kind == kSectionTombstones) {
+    if (kind == kSectionRebase) {
+      if (rebase) Corrupt(path, "two rebase sections");
+      rebase = count;
+    } else if (kind == kSectionTombstones) {
       r.CheckCount(count, 8, "tombstone");
       block.resize(count * 8);
       r.Read(block.data(), block.size());
@@ -726,6 +780,7 @@ void WalkDelta(FileReader& r, const std::string& path, const DeltaHeader& header
     }
   }
   r.VerifyTrailer();
+  return rebase;
 }
 
 }  // namespace
@@ -733,47 +788,79 @@ void WalkDelta(FileReader& r, const std::string& path, const DeltaHeader& header
 EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path, uint64_t ahead) const {
   const Impl& s = *impl_;
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
-  FileReader r(path);
-  DeltaHeader header = ReadDeltaHeader(r);
-  // id -> its final state: -1 removed, else the index of its row in `rows`
-  std::unordered_map<int64_t, int64_t> last;
-  std::vector<float> rows;
-  const size_t dim = static_cast<size_t>(header.dim);
+  // Pass 1 checks the file and lists its entries (id, number in file order; tombstones marked);
+  // pass 2 copies the embedding of each id's last entry straight to its place in the output.
+  // Memory: the output and 16 bytes an entry (a full rebase delta is a table's worth of rows).
+  constexpr uint64_t kTombstone = uint64_t{1} << 63;
+  struct Entry {
+    int64_t id;
+    uint64_t at;  // number in file order, | kTombstone for a removal
+  };
+  std::vector<Entry> entries;
+  DeltaHeader header;
+  std::optional<uint64_t> rebase;
+  {
+    FileReader r(path);
+    header = ReadDeltaHeader(r);
+    uint64_t n = 0;
+    rebase = WalkDelta(
+        r, path, header,
+        [&](const uint8_t* ids, uint64_t count) {
+          for (uint64_t i = 0; i < count; ++i) {
+            int64_t id;
+            std::memcpy(&id, ids + i * 8, 8);
+            entries.push_back({id, (n++) | kTombstone});
+          }
+        },
+        [&](const uint8_t* block, size_t count) {
+          for (size_t i = 0; i < count; ++i) {
+            int64_t id;
+            std::memcpy(&id, block + i * header.row_bytes, 8);
+            entries.push_back({id, n++});
+          }
+        });
+  }
+  CheckDeltaFits(path, header, s, s.delta_sequence.load() + 1 + ahead);
+  const size_t dim = static_cast<size_t>(s.dim);  // == header.dim once it fits
   const size_t offset = header.version == 1 ? sizeof(RowHeaderV1) : sizeof(RowHeader);
   if (header.row_bytes < offset + 4 * dim) Corrupt(path, "row size smaller than its embedding");
-  WalkDelta(
-      r, path, header,
-      [&](const uint8_t* ids, uint64_t count) {
-        for (uint64_t i = 0; i < count; ++i) {
-          int64_t id;
-          std::memcpy(&id, ids + i * 8, 8);
-          last[id] = -1;
-        }
-      },
-      [&](const uint8_t* block, size_t n) {
-        for (size_t i = 0; i < n; ++i) {
-          const uint8_t* row = block + i * header.row_bytes;
-          int64_t id;
-          std::memcpy(&id, row, 8);
-          size_t at = rows.size() / (dim ? dim : 1);
-          if (dim) {  // (a damaged header may say 0; refused once the file is read)
-            rows.resize(rows.size() + dim);
-            std::memcpy(rows.data() + at * dim, row + offset, 4 * dim);
-          }
-          last[id] = static_cast<int64_t>(at);
-        }
-      });
-  CheckDeltaFits(path, header, s, s.delta_sequence.load() + 1 + ahead);
+  // An id's last entry decides (stable: equal ids keep file order).
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const Entry& a, const Entry& b) { return a.id < b.id; });
   DeltaContents out;
   out.sequence = header.sequence;
   out.global_step = header.global_step;
-  for (const auto& [id, at] : last) {
-    if (at < 0) {
-      out.tombstones.push_back(id);
+  out.rebase = rebase.has_value();
+  out.rebase_sequence = rebase.value_or(0);
+  std::vector<std::pair<uint64_t, uint64_t>> wanted;  // (row's number in the file, output row)
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (i + 1 < entries.size() && entries[i + 1].id == entries[i].id) continue;
+    if (entries[i].at & kTombstone) {
+      out.tombstones.push_back(entries[i].id);
     } else {
-      out.ids.push_back(id);
-      out.embeddings.insert(out.embeddings.end(), rows.begin() + at * dim, rows.begin() + (at + 1) * dim);
+      wanted.emplace_back(entries[i].at, out.ids.size());
+      out.ids.push_back(entries[i].id);
     }
+  }
+  std::vector<Entry>().swap(entries);
+  std::sort(wanted.begin(), wanted.end());
+  out.embeddings.resize(out.ids.size() * dim);
+  if (!wanted.empty() && dim > 0) {
+    FileReader r(path);
+    ReadDeltaHeader(r);
+    uint64_t n = 0;
+    size_t next = 0;
+    WalkDelta(
+        r, path, header, [&](const uint8_t*, uint64_t count) { n += count; },
+        [&](const uint8_t* block, size_t count) {
+          for (size_t i = 0; i < count; ++i, ++n) {
+            if (next < wanted.size() && wanted[next].first == n) {
+              std::memcpy(out.embeddings.data() + wanted[next].second * dim,
+                          block + i * header.row_bytes + offset, 4 * dim);
+              ++next;
+            }
+          }
+        });
   }
   return out;
 }
@@ -784,10 +871,12 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
   std::lock_guard<std::mutex> delta_lock(s.delta_mu);
   uint64_t expected = s.delta_sequence.load() + 1;
   // Pass 1: check everything (structure, checksum, shape, order) before touching the store.
+  std::optional<uint64_t> rebase;
   {
     FileReader r(path);
     DeltaHeader header = ReadDeltaHeader(r);
-    WalkDelta(r, path, header, [](const uint8_t*, uint64_t) {}, [](const uint8_t*, size_t) {});
+    rebase =
+        WalkDelta(r, path, header, [](const uint8_t*, uint64_t) {}, [](const uint8_t*, size_t) {});
     CheckDeltaFits(path, header, s, expected);
   }
   // Pass 2: apply, tombstones and rows in file order, each block spread over the shards.
@@ -800,6 +889,7 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
     uint8_t kind = r.Get<uint8_t>();
     if (kind == kSectionEnd) break;
     uint64_t count = r.Get<uint64_t>();
+    if (kind == kSectionRebase) continue;  // no payload; read in pass 1
     for (uint64_t done = 0; done < count;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, count - done));
       size_t item_bytes = kind == kSectionRows ? header.row_bytes : sizeof(int64_t);
@@ -846,11 +936,141 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
       done += n;
     }
   }
+  if (rebase) {  // the store now holds the snapshot's rows, at its step and sequence
+    s.global_step = header.global_step;
+    s.delta_sequence = *rebase;
+    return *rebase;
+  }
   int64_t seen = s.global_step.load();
   while (header.global_step > seen && !s.global_step.compare_exchange_weak(seen, header.global_step)) {
   }
   s.delta_sequence = header.sequence;
   return header.sequence;
+}
+
+EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& snapshot_dir,
+                                                             const std::string& path) const {
+  const Impl& s = *impl_;
+  if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
+  FileReader r(SnapshotPath(snapshot_dir));
+  SnapshotHeader snap = ReadSnapshotHeader(r);
+  if (snap.options.dim != s.dim || snap.options.optimizer.kind != s.options.optimizer.kind) {
+    Skip(r, r.remaining());  // a damaged header is damage, not another store
+    r.VerifyTrailer();
+    throw StoreError(ErrorCode::kIncompatible,
+                     "snapshot " + r.path() + " holds a store with dim " + std::to_string(snap.options.dim) +
+                         " and optimizer " + OptimizerName(static_cast<uint32_t>(snap.options.optimizer.kind)) +
+                         "; this store has dim " + std::to_string(s.dim) + " and optimizer " +
+                         OptimizerName(static_cast<uint32_t>(s.options.optimizer.kind)));
+  }
+  const size_t floats = static_cast<size_t>(s.dim + s.state_floats);
+  if (RowBytesOf(snap.version, floats) != snap.row_bytes) {
+    Corrupt(r.path(), "row size " + std::to_string(snap.row_bytes) + " does not match the options' " +
+                          std::to_string(RowBytesOf(snap.version, floats)));
+  }
+  const uint64_t bloom = Impl::BloomCountersPerShard(snap.options);
+  const size_t snap_shards = static_cast<size_t>(snap.options.num_shards);
+  RebaseStats stats;
+  FileWriter w(path, "store.delta");
+  w.Write(kDeltaMagic, 8);
+  w.Put<uint32_t>(kDeltaVersion);
+  w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
+  w.Put<uint32_t>(static_cast<uint32_t>(s.dim));
+  w.Put<uint32_t>(static_cast<uint32_t>(s.options.optimizer.kind));
+  w.Put<uint64_t>(s.delta_sequence.load() + 1);
+  w.Put<int64_t>(snap.global_step);
+  // The sequence to take: the snapshot's (its first delta is delta_sequence + 1).
+  w.Put<uint8_t>(kSectionRebase);
+  w.Put<uint64_t>(snap.delta_sequence);
+  {
+    // Shared locks for the walk: lookups go on, a writer would wait (there is none in a server).
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    locks.reserve(s.shards.size());
+    for (const auto& shard : s.shards) locks.emplace_back(shard->mu);
+    std::vector<std::vector<uint8_t>> seen(s.shards.size());  // this store's rows the snapshot has
+    for (size_t k = 0; k < s.shards.size(); ++k) seen[k].assign(s.shards[k]->size(), 0);
+    std::unordered_set<int64_t> added;  // ids this store lacks (a second one is corruption)
+    std::vector<uint8_t> block, out, converted(s.row_bytes);
+    for (size_t shard_index = 0; shard_index < snap_shards; ++shard_index) {
+      uint64_t rows = r.Get<uint64_t>();
+      r.Get<uint64_t>();  // draw counter
+      uint64_t bloom_bytes = r.Get<uint64_t>();
+      uint64_t counter_entries = r.Get<uint64_t>();
+      uint64_t tombstones = r.Get<uint64_t>();
+      r.CheckCount(rows, snap.row_bytes, "row");
+      if (bloom_bytes != bloom) {
+        Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
+                              " Bloom counters, expected " + std::to_string(bloom));
+      }
+      for (uint64_t done = 0; done < rows;) {
+        size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, rows - done));
+        block.resize(n * snap.row_bytes);
+        r.Read(block.data(), block.size());
+        out.clear();
+        uint64_t changed = 0;
+        for (size_t i = 0; i < n; ++i) {
+          const uint8_t* row = block.data() + i * snap.row_bytes;
+          CheckRow(r.path(), snap.version, row);
+          if (snap.version != kSnapshotVersion) {
+            ConvertRow(snap.version, row, floats, snap.global_step, converted.data());
+            row = converted.data();
+          }
+          int64_t id;
+          std::memcpy(&id, row, sizeof id);
+          uint64_t hash = HashId(id);
+          if (static_cast<size_t>(((hash >> 32) * snap_shards) >> 32) != shard_index) {
+            Corrupt(r.path(), "id " + std::to_string(id) + " stored in the wrong shard");
+          }
+          size_t k = s.ShardOf(hash);
+          const Shard& mine = *s.shards[k];
+          uint32_t at = mine.Find(id, static_cast<uint32_t>(hash));
+          bool same = false;
+          if (at != Shard::kEmpty) {
+            if (seen[k][at]) Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
+            seen[k][at] = 1;
+            same = SameRow(mine.Row(at), row, s.row_bytes);
+          } else if (!added.insert(id).second) {
+            Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
+          }
+          if (same) {
+            ++stats.unchanged;
+          } else {
+            out.insert(out.end(), row, row + s.row_bytes);
+            ++changed;
+          }
+        }
+        if (changed) {
+          w.Put<uint8_t>(kSectionRows);
+          w.Put<uint64_t>(changed);
+          w.Write(out.data(), out.size());
+          stats.rows += changed;
+        }
+        done += n;
+      }
+      Skip(r, bloom_bytes);
+      r.CheckCount(counter_entries, 16, "filter counter");
+      Skip(r, counter_entries * 16);
+      r.CheckCount(tombstones, 8, "tombstone");
+      Skip(r, tombstones * 8);
+    }
+    r.VerifyTrailer();
+    std::vector<int64_t> removed;
+    for (size_t k = 0; k < s.shards.size(); ++k) {
+      const Shard& mine = *s.shards[k];
+      for (uint32_t row = 0; row < mine.size(); ++row) {
+        if (!seen[k][row]) removed.push_back(mine.Header(row)->id());
+      }
+    }
+    if (!removed.empty()) {
+      w.Put<uint8_t>(kSectionTombstones);
+      w.Put<uint64_t>(removed.size());
+      w.Write(removed.data(), removed.size() * sizeof(int64_t));
+      stats.tombstones = removed.size();
+    }
+  }
+  w.Put<uint8_t>(kSectionEnd);
+  stats.bytes = w.Commit();
+  return stats;
 }
 
 }  // namespace prefixrec

@@ -268,3 +268,66 @@ def test_failed_export_keeps_changes_pending(tmp_path):
     assert trainer.stats().delta_sequence == 0
     follower.apply_delta(trainer.export_delta(tmp_path / "deltas"))
     assert_same_rows(follower, trainer)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_rebase_delta_turns_a_follower_into_another_lineages_snapshot(tmp_path, name):
+    """A serving copy following lineage A meets a new full export B (the trainer restored to an
+    older checkpoint and trained on differently): write_rebase_delta gives the rows that differ
+    and the ids B lacks, so the copy becomes B's store without loading a second one, then
+    follows B's own deltas."""
+    config = CONFIGS[name]
+    trainer = native.EmbeddingStore(config)
+    rng = np.random.default_rng(11)
+    for step in range(1, 4):
+        train_round(trainer, rng, step)
+    trainer.export_delta(tmp_path / "a")
+    trainer.save(tmp_path / "old")
+    follower = native.EmbeddingStore.load(tmp_path / "old")
+    for step in range(4, 6):  # lineage A goes on; the follower follows it
+        train_round(trainer, rng, step)
+        follower.apply_delta(trainer.export_delta(tmp_path / "a"))
+    restored = native.EmbeddingStore.load(tmp_path / "old")  # lineage B from the older state
+    other = np.random.default_rng(12)
+    for step in range(4, 7):
+        train_round(restored, other, step)
+    restored.expire_where(lambda ids, *_: ids % 7 == 0)  # B removes rows the follower holds
+    restored.export_delta(tmp_path / "b")
+    restored.save(tmp_path / "new")
+    before = {k: v.tobytes() for k, v in rows_by_id(follower).items()}
+
+    stats = follower.write_rebase_delta(tmp_path / "new", tmp_path / "rebase.bin")
+    contents = follower.read_delta(tmp_path / "rebase.bin")
+    assert {k: v.tobytes() for k, v in rows_by_id(follower).items()} == before  # read only
+    assert contents["rebase"] == restored.stats().delta_sequence
+    assert stats["rows"] == len(contents["ids"]) and stats["tombstones"] == len(
+        contents["tombstones"])
+    assert stats["rows"] + stats["unchanged"] == len(restored)
+    assert stats["unchanged"] > 0  # rows neither lineage touched since "old" are not carried
+    assert set(contents["tombstones"].tolist()) == set(rows_by_id(follower)["ids"].tolist()) - set(
+        rows_by_id(restored)["ids"].tolist())
+    follower.apply_delta(tmp_path / "rebase.bin")
+    assert_same_rows(follower, restored)
+    assert follower.stats().delta_sequence == restored.stats().delta_sequence
+    train_round(restored, other, 7)  # B's next delta follows
+    follower.apply_delta(restored.export_delta(tmp_path / "b"))
+    assert_same_rows(follower, restored)
+    assert follower.write_rebase_delta(tmp_path / "new", tmp_path / "again.bin")["unchanged"] > 0
+
+
+def test_a_rebase_from_a_damaged_or_foreign_snapshot_writes_nothing(tmp_path):
+    store = native.EmbeddingStore(CONFIGS["adagrad-counter"])
+    train_round(store, np.random.default_rng(4), 1)
+    store.save(tmp_path / "good")
+    data = (tmp_path / "good/store.snapshot").read_bytes()
+    follower = native.EmbeddingStore.load(tmp_path / "good")
+    for kind, damaged in corruptions(data).items():
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "store.snapshot").write_bytes(damaged)
+        with pytest.raises(native.CorruptFileError):
+            follower.write_rebase_delta(tmp_path / kind, tmp_path / "out.bin")
+        assert not os.path.exists(tmp_path / "out.bin"), kind
+    other = native.EmbeddingStore(CONFIGS["sgd"])
+    with pytest.raises(native.IncompatibleStoreError, match="dim"):
+        other.write_rebase_delta(tmp_path / "good", tmp_path / "out.bin")
+    assert sorted(os.listdir(tmp_path)) == sorted(["good", *corruptions(data)])

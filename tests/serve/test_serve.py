@@ -193,8 +193,31 @@ def test_damaged_missing_and_foreign_versions_are_never_applied(tmp_path):
         info = service.wait_for(lambda i: i["ready"] and i["model"]["lineage"] != reference
                                 .lineage, what="the new export loaded")
         assert info["reloads"] == 1
+        # the same model, trained apart: rebased (every row differs), not loaded beside
+        assert info["last_reload"]["mode"] == "rebase" and info["last_reload"]["rows"] > 0
         status, answer = service.predict({"samples": PROBE})
         assert status == 200 and answer["model"]["version"] == 0
+        np.testing.assert_allclose(_predictions(answer), Predictor(served).predict(PROBE),
+                                   rtol=2e-5)
+        # the new lineage's own versions follow the rebase
+        _train(other, 11)
+        export_increment(other, served)
+        service.wait_for(lambda i: i["model"]["version"] == 1 and i["ready"])
+        status, answer = service.predict({"samples": PROBE})
+        assert answer["model"]["version"] == 1
+        latest = Predictor(served)
+        assert latest.update() > 0
+        np.testing.assert_allclose(_predictions(answer), latest.predict(PROBE), rtol=2e-5)
+        # an export of another model (a wider network) cannot be rebased: loaded whole
+        wider = Trainer(SCHEMA, models.MLP(hidden=(6,)), CONFIG)
+        _train(wider, 12)
+        export_increment(wider, tmp_path / "wider")
+        shutil.rmtree(served)
+        os.rename(tmp_path / "wider", served)
+        info = service.wait_for(lambda i: i["ready"] and i["reloads"] == 2,
+                                what="the wider model loaded")
+        assert info["last_reload"]["mode"] == "full"
+        status, answer = service.predict({"samples": PROBE})
         np.testing.assert_allclose(_predictions(answer), Predictor(served).predict(PROBE),
                                    rtol=2e-5)
 
@@ -240,7 +263,9 @@ def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(s
         assert service.request("GET", "/livez")[0] == 200
         assert service.request("GET", "/readyz") == (200, "ready\n")
         service.child.send_signal(signal.SIGHUP)  # reload the full export
-        service.wait_for(lambda i: i["reloads"] == 1 and i["ready"], what="SIGHUP's reload")
+        info = service.wait_for(lambda i: i["reloads"] == 1 and i["ready"],
+                                what="SIGHUP's reload")
+        assert info["last_reload"]["mode"] == "rebase" and info["last_reload"]["rows"] == 0
         np.testing.assert_allclose(_predictions(service.predict({"root": root, "candidates":
                                                                  candidates})[1]),
                                    _predictions(tree), rtol=1e-6)

@@ -147,6 +147,11 @@ def test_sharded_export_predicts_as_single_process_and_follows_deltas(runs, sche
     assert not np.allclose(after, want)
     assert live.poll() == 1 and live.problem is None
     np.testing.assert_allclose(live.predict(samples)[0].reshape(after.shape), after, rtol=1e-5)
+    # a reload of the full export (SIGHUP) rebases every shard back to version 0, then the
+    # per-shard deltas of version 1 apply again
+    assert live.poll(reload=True) == 1 and live.problem is None
+    assert live.last_reload["mode"] == "rebase" and live.last_reload["rows"] > 0
+    np.testing.assert_allclose(live.predict(samples)[0].reshape(after.shape), after, rtol=1e-5)
     live.close()
     single.export(tmp / "export-single-2")
     np.testing.assert_allclose(after, Predictor(tmp / "export-single-2").predict(samples),

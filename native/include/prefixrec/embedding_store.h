@@ -236,11 +236,30 @@ class EmbeddingStore {
   struct DeltaContents {
     uint64_t sequence = 0;
     int64_t global_step = 0;
-    std::vector<int64_t> ids;         // upserted rows
+    std::vector<int64_t> ids;         // upserted rows, ascending
     std::vector<float> embeddings;    // ids.size() x dim
-    std::vector<int64_t> tombstones;  // removed ids
-  };
+    std::vector<int64_t> tombstones;  // removed ids, ascending
+    bool rebase = false;              // a rebase delta (WriteRebaseDelta): applying it sets
+    uint64_t rebase_sequence = 0;     // the delta sequence to this and the global step to
+  };                                  // global_step
   DeltaContents ReadDelta(const std::string& path, uint64_t ahead = 0) const;
+
+  // A delta (of sequence delta_sequence + 1) that turns this store's rows into those of the
+  // snapshot in `snapshot_dir`, a store of the same dim and optimizer (say another lineage's
+  // export of the same model): every snapshot row whose bytes differ from this store's row
+  // (the dirty mark aside) or that this store lacks, and a tombstone for every id of this
+  // store that the snapshot lacks. Applying it also sets the delta sequence and the global step
+  // to the snapshot's, so the snapshot's own deltas apply next; filter state and counters stay
+  // this store's. The snapshot is streamed and checked as Load checks it (a damaged one writes
+  // nothing): memory is a block of rows and a byte per row of this store, not a second store.
+  // Written atomically to `path`. Safe beside lookups (shared locks), not beside writers.
+  struct RebaseStats {
+    uint64_t rows = 0;        // rows written (differing or new)
+    uint64_t tombstones = 0;  // ids removed
+    uint64_t unchanged = 0;   // snapshot rows equal to this store's
+    uint64_t bytes = 0;       // size of the delta file
+  };
+  RebaseStats WriteRebaseDelta(const std::string& snapshot_dir, const std::string& path) const;
 
   struct Impl;
 
