@@ -35,7 +35,8 @@ from compression.trees import (
     flatten,
     split_roots,
 )
-from compression.validate import RawDataError, conform_columns, split_bad_rows, validate_raw
+from compression.validate import (RawDataError, conform_columns, split_bad_rows, validate_features,
+                                  validate_raw)
 
 __all__ = [
     "ROOT_NODE",
@@ -66,5 +67,6 @@ __all__ = [
     "flatten",
     "split_bad_rows",
     "split_roots",
+    "validate_features",
     "validate_raw",
 ]

@@ -51,6 +51,29 @@ def validate_raw(table: pa.Table, schema: Schema, source: str | None = None,
     return table
 
 
+def validate_features(table: pa.Table, schema: Schema, names, what: str = "sample") -> pa.Table:
+    """Check the feature columns ``names`` of ``table`` (no others: a ranking request's
+    candidates, whose root features come once) as :func:`validate_raw` checks them, naming a
+    bad row as ``{what} {i}`` (0-based); returns those columns in canonical types."""
+    expected = schema.raw_arrow_schema()
+    missing = [n for n in names if n not in table.column_names]
+    if missing:
+        raise RawDataError(f"column {missing[0]!r} missing: the schema {schema.name!r} needs it")
+    fields = [expected.field(n) for n in names]
+    table = pa.Table.from_arrays(
+        [_cast_feature(table.column(n), schema.feature(n), what) for n in names],
+        schema=pa.schema(fields))
+    found = []
+    for problem in _row_problems(table, schema, names):
+        bad = np.flatnonzero(problem.mask)
+        if len(bad):
+            more = f" ({len(bad) - 1} more like it)" if len(bad) > 1 else ""
+            found.append(problem.reason.format(row=f"{what} {int(bad[0])}") + more)
+    if found:
+        raise RawDataError("; also ".join(found))
+    return table
+
+
 def split_bad_rows(table: pa.Table, schema: Schema, source: str | None = None,
                    first_row: int = 1) -> tuple[pa.Table, pa.Table]:
     """Split rows into (good rows in canonical types, rejected rows).
@@ -212,17 +235,20 @@ def _cast_label(column: pa.ChunkedArray, name: str, source) -> pa.ChunkedArray:
     return column if found == pa.float32() else column.cast(pa.float32(), safe=False)
 
 
-def _row_problems(table: pa.Table, schema: Schema):
+def _row_problems(table: pa.Table, schema: Schema, names=None):
     """Yield one _RowProblem per check, in the order rows should be reported: missing keys
     first (a row without its keys has no place in a tree), then the other columns in schema
-    order."""
+    order. ``names``: check only these columns."""
     key_columns = list(dict.fromkeys(k for layer in schema.layers for k in layer.key))
-    for name in key_columns:
+    wanted = (lambda name: True) if names is None else set(names).__contains__
+    for name in filter(wanted, key_columns):
         column = table.column(name)
         if column.null_count:
             yield _RowProblem(_null_mask(column),
                               f"key column {name!r} {{row}}: null value; every row needs a key")
     for feature in schema.features:
+        if not wanted(feature.name):
+            continue
         column = table.column(feature.name)
         if column.null_count and feature.name not in key_columns:
             yield _RowProblem(_null_mask(column),
@@ -248,7 +274,7 @@ def _row_problems(table: pa.Table, schema: Schema):
                     _list_rows_with(column, ~np.isfinite(floats)),
                     f"column {feature.name!r} {{row}}: NaN or infinite value in a dense "
                     "feature")
-    for label in schema.labels:
+    for label in filter(wanted, schema.labels):
         column = table.column(label)
         if column.null_count:
             yield _RowProblem(_null_mask(column),

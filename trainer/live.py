@@ -57,8 +57,7 @@ from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
 from trainer.serving import (EXPORT_VERSION, ShardedStore, one_node_per_sample,
                              published_versions, read_lineage, read_manifest, request_table,
-                             request_tree_table,
-                             version_path)
+                             request_tree, version_path)
 
 
 class Overlay:
@@ -281,10 +280,10 @@ class LiveModel:
         :meth:`predict` on the flat samples ``{**root, **candidate}`` up to float rounding."""
         with self.pinned() as version:
             schema = version.base.schema
-            table = request_tree_table(root, candidates, schema)
+            request = request_tree(root, candidates, schema)
             return self._score(version, [
-                one_node_per_sample(table.slice(s, self.batch_size), schema, root_once=True)
-                for s in range(0, table.num_rows, self.batch_size)]), version.info()
+                request.batch(schema, s, s + self.batch_size)
+                for s in range(0, len(request), self.batch_size)]), version.info()
 
     def _score(self, version: Version, batches) -> np.ndarray:
         base = version.base

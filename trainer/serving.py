@@ -46,6 +46,7 @@ import shutil
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -383,10 +384,37 @@ def request_table(samples, schema) -> pa.Table:
     return compression.validate_raw(samples, schema)
 
 
-def request_tree_table(root: dict, candidates: list, schema) -> pa.Table:
+@dataclass
+class TreeRequest:
+    """A ranking request, validated: the root layer's features once, the layers below one row
+    per candidate."""
+
+    root: pa.Table        # one row: the root layer's columns
+    candidates: pa.Table  # the lower layers' columns
+
+    def __len__(self) -> int:
+        return self.candidates.num_rows
+
+    def batch(self, schema, start: int, stop: int) -> TreeBatch:
+        """Candidates ``start:stop`` as one tree: the root once, every candidate a node under
+        it (and one node per candidate in each layer further down)."""
+        n = max(0, min(stop, len(self)) - start)
+        rows = self.candidates.slice(start, n)
+        identity = np.arange(n, dtype=np.int32)
+        layers = []
+        for level, layer in enumerate(schema.layers):
+            source = self.root if level == 0 else rows
+            size = 1 if level == 0 else n
+            parent = None if level == 0 else np.zeros(n, np.int32) if level == 1 else identity
+            layers.append(LayerBatch(layer.name, size, parent, {
+                f.name: feature_array(source.column(f.name), f) for f in layer.features}))
+        return TreeBatch(layers, {label: np.zeros(n, np.float32) for label in schema.labels})
+
+
+def request_tree(root: dict, candidates: list, schema) -> TreeRequest:
     """A ranking request (the root layer's features once, the candidates' features of the
-    layers below) as validated raw samples, one per candidate, the root's columns repeated by
-    Arrow (no per-candidate Python work for them)."""
+    layers below), checked as :func:`request_table` checks samples: the root's columns once,
+    the candidates' row by row. Nothing is repeated per candidate."""
     root_names = [f.name for f in schema.layers[0].features]
     below = [f.name for layer in schema.layers[1:] for f in layer.features]
     top = _table_of_rows([root], schema, root_names, "root")
@@ -398,10 +426,20 @@ def request_tree_table(root: dict, candidates: list, schema) -> pa.Table:
         raise compression.RawDataError(
             f"candidate {i}: {name!r} is a feature of the root layer "
             f"{schema.layers[0].name!r}; give it once, in the request's root")
-    repeat = pa.array(np.zeros(len(candidates), np.int64))
-    columns = {name: top.column(name).take(repeat) for name in top.column_names}
-    columns.update({name: rest.column(name) for name in rest.column_names})
-    return request_table(pa.table(columns), schema)
+    for name in top.column_names:
+        if name not in root_names:
+            raise compression.RawDataError(
+                f"root: {name!r} is not a feature of the root layer {schema.layers[0].name!r}"
+                f" ({', '.join(root_names)}); give the other layers' features in each "
+                "candidate")
+    for name in rest.column_names:
+        if name not in below and name not in schema.labels:
+            i = next(i for i, candidate in enumerate(candidates) if name in candidate)
+            raise compression.RawDataError(
+                f"candidate {i}: unexpected column {name!r}: not a feature of the schema "
+                f"{schema.name!r} below its root layer")
+    return TreeRequest(compression.validate_features(top, schema, root_names, "root"),
+                       compression.validate_features(rest, schema, below, "candidate"))
 
 
 def _table_of_rows(rows: list, schema, required=None, what: str = "sample") -> pa.Table:
@@ -415,6 +453,12 @@ def _table_of_rows(rows: list, schema, required=None, what: str = "sample") -> p
         table = None  # a value of the wrong kind: found and named column by column below
     if table is not None:
         names = table.column_names
+        keys = set()
+        for row in rows:  # Arrow takes the columns from the first row and drops other keys
+            keys.update(row)
+        if len(keys) > len(names):
+            table = None
+    if table is not None:
         columns = [_typed(table.column(n), types, n) for n in names]
     else:
         names = list(dict.fromkeys(name for row in rows for name in row))
@@ -428,9 +472,9 @@ def _table_of_rows(rows: list, schema, required=None, what: str = "sample") -> p
             f"{what} 0: column {missing[0]!r} missing: the schema {schema.name!r} needs "
             f"every feature of every layer in each sample")
     table = pa.table(dict(zip(names, columns))) if names else pa.table({})
-    for name in names:  # a key some samples lack arrives as null
+    for name in names:  # a key some samples lack arrives as null (unknown ones: refused later)
         column = table.column(name)
-        if column.null_count and name not in schema.labels:
+        if column.null_count and name not in schema.labels and name in types.names:
             i = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise compression.RawDataError(f"{what} {i}: column {name!r} missing or null")
     return table
@@ -469,23 +513,15 @@ def _typed_column(values: list, name: str, schema, types, what: str):
         f"expected {want} (64-bit for integers)")
 
 
-def one_node_per_sample(table: pa.Table, schema, root_once: bool = False) -> TreeBatch:
+def one_node_per_sample(table: pa.Table, schema) -> TreeBatch:
     """A batch of validated raw samples in which every layer has one node per sample (parent
-    i -> i): the samples keep their order and no grouping work is done at serving time. With
-    ``root_once`` the samples share one root node (its features taken from the first sample:
-    a ranking request's user), so the root's part of the network runs once."""
+    i -> i): the samples keep their order and no grouping work is done at serving time."""
     n = table.num_rows
     identity = np.arange(n, dtype=np.int32)
     layers = []
     for level, layer in enumerate(schema.layers):
-        columns = {f.name: table.column(f.name) for f in layer.features}
-        size, parent = n, None if level == 0 else identity
-        if root_once and level == 0:
-            size, columns = min(n, 1), {k: c.slice(0, 1) for k, c in columns.items()}
-        elif root_once and level == 1:
-            parent = np.zeros(n, np.int32)
-        layers.append(LayerBatch(layer.name, size, parent, {
-            f.name: feature_array(columns[f.name], f) for f in layer.features}))
+        layers.append(LayerBatch(layer.name, n, None if level == 0 else identity, {
+            f.name: feature_array(table.column(f.name), f) for f in layer.features}))
     labels = {label: table.column(label).to_numpy().astype(np.float32, copy=False)
               for label in schema.labels}
     return TreeBatch(layers, labels)
