@@ -8,7 +8,6 @@ timestamp cell holds ISO-8601 text. JSON lines hold one object per sample, lists
 
 from __future__ import annotations
 
-import glob as globlib
 import os
 import re
 import uuid
@@ -21,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from compression import fs
 from compression.validate import RawDataError, split_bad_rows, validate_raw
 from schemas import Schema
 
@@ -31,21 +31,13 @@ DEFAULT_CHUNK_ROWS = 1 << 17
 
 
 def expand_paths(path_or_glob: str | list[str]) -> list[str]:
-    """Files named by a path, a directory (its ``*.parquet`` files), a glob, or a list of these."""
+    """Files named by a path, a directory (its raw and tree files: ``*.parquet``, ``*.csv``,
+    ``*.jsonl``...), a glob, or a list of these; local or on an object store
+    (``s3://bucket/logs/*.parquet``, see :mod:`compression.fs`). Raises
+    :class:`compression.fs.NoSuchPath` (a ``FileNotFoundError``) when one names no file."""
     if isinstance(path_or_glob, (list, tuple)):
         return [p for item in path_or_glob for p in expand_paths(item)]
-    path = os.fspath(path_or_glob)
-    if os.path.isdir(path):
-        files = sorted(p for p in globlib.glob(os.path.join(path, "*"))
-                       if os.path.splitext(p)[1] in RAW_FORMATS and
-                       not os.path.basename(p).startswith(("_", ".")))
-    elif any(ch in path for ch in "*?["):
-        files = sorted(globlib.glob(path))
-    else:
-        files = [path] if os.path.exists(path) else []
-    if not files:
-        raise FileNotFoundError(f"no input files match {path!r}")
-    return files
+    return fs.expand(os.fspath(path_or_glob), tuple(RAW_FORMATS))
 
 
 def raw_format(path: str, format: str | None = None) -> str:
@@ -103,7 +95,7 @@ def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
     if fmt == "parquet":
         first = 1
         try:
-            file = pq.ParquetFile(path)  # e.g. "Parquet file size is 0 bytes"
+            file = pq.ParquetFile(fs.source(path))  # e.g. "Parquet file size is 0 bytes"
             batches = file.iter_batches(batch_size=chunk_rows)
             while True:
                 try:  # a damaged page: "Corrupt snappy compressed data."
@@ -160,7 +152,7 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
         types[c.name] = pa.string() if c.dtype == "timestamp" else c.raw_arrow_type()
     timestamps = {c.name for c in schema.carried if c.dtype == "timestamp"}
     try:
-        table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+        table = pacsv.read_csv(_csv_source(path), convert_options=pacsv.ConvertOptions(
             column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False))
     except pa.ArrowInvalid as e:
         raise RawDataError(f"{path}: {_not_utf8(path) or _csv_conversion_error(path, e, types)}"
@@ -191,13 +183,26 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
     return pa.Table.from_arrays(columns, names=names)
 
 
+def _input_stream(path: str) -> pa.NativeFile:
+    """A sequential stream of a local or object-store file, decompressed by its suffix."""
+    if fs.is_local(path):
+        return pa.input_stream(fs.local_path(path), compression="detect")
+    return fs.open_input_stream(path)
+
+
+def _csv_source(path: str):
+    """What ``pyarrow.csv.read_csv`` takes: a local path (it decompresses ``.gz`` itself) or
+    a decompressed stream of an object-store file."""
+    return fs.local_path(path) if fs.is_local(path) else fs.open_input_stream(path)
+
+
 def _not_utf8(path: str) -> str | None:
     """Where a CSV file stops being UTF-8 (column, line and byte offset), or None. Only on the
     error path: Arrow's "CSV conversion error to string: invalid UTF8 data" names neither."""
     import csv
 
     try:
-        with pa.input_stream(path, compression="detect") as f:
+        with _input_stream(path) as f:
             data = f.read()
     except (pa.ArrowException, OSError):
         return None
@@ -231,11 +236,11 @@ def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str
     if not match:
         return text
     try:
-        with pa.input_stream(path, compression="detect") as f:  # .csv.gz too
+        with _input_stream(path) as f:  # .csv.gz too
             first = f.read(1 << 20).decode("utf-8", "replace").splitlines()[0]
         header = next(csv.reader([first]))
         name = header[int(match.group(1))]
-        cells = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+        cells = pacsv.read_csv(_csv_source(path), convert_options=pacsv.ConvertOptions(
             include_columns=[name], column_types={name: pa.string()})).column(name)
     except (pa.ArrowException, IndexError, OSError, StopIteration, ValueError):
         return text
@@ -310,7 +315,7 @@ def _read_json(path: str, schema: Schema, chunk_rows: int) -> Iterator[RawChunk]
     and no recursion however deeply a line nests. Blank lines (empty or whitespace only) are
     skipped; a line's number is its 1-based line in the file."""
     try:
-        stream = pa.input_stream(path, compression="detect")  # .jsonl.gz too
+        stream = _input_stream(path)  # .jsonl.gz too
     except (pa.ArrowException, OSError) as e:
         raise RawDataError(f"{path}: cannot read the file as json: {e}") from None
     values: list[bytes] = []
@@ -387,7 +392,13 @@ def _line_reason(reason: str, line: int) -> str:
 
 def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
                 compression: str = "zstd") -> str:
-    """Write a tree table as one nested Parquet file, atomically (temp file + rename)."""
+    """Write a tree table as one nested Parquet file, atomically: a temp file renamed into
+    place locally; on an object store the object appears complete when its upload ends."""
+    if not fs.is_local(path):
+        with fs.open_output(path) as sink:
+            pq.write_table(trees, sink, row_group_size=row_group_rows, compression=compression)
+        return path
+    path = fs.local_path(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
@@ -404,7 +415,7 @@ def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
 
 def read_trees(path_or_glob: str | list[str]) -> pa.Table:
     """All tree tables of the files named by a path, directory or glob, as one table."""
-    return pa.concat_tables([pq.read_table(p) for p in expand_paths(path_or_glob)])
+    return pa.concat_tables([pq.read_table(fs.source(p)) for p in expand_paths(path_or_glob)])
 
 
 def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
@@ -417,7 +428,7 @@ def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
 
     for path in expand_paths(path_or_glob):
         try:
-            file = pq.ParquetFile(path)
+            file = pq.ParquetFile(fs.source(path))
             if schema is not None:
                 check_tree_schema(file.schema_arrow, schema, source=path)
             for batch in file.iter_batches(batch_size=rows):
