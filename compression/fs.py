@@ -175,8 +175,10 @@ _HINTS = {
 }
 
 
-def _storage_error(path: str, error: BaseException, doing: str = "") -> StorageError:
-    """A store's failure as a :class:`StorageError` naming ``path`` and what to do."""
+def _storage_error(path: str, error: BaseException, doing: str = "",
+                   known_only: bool = False) -> StorageError | None:
+    """A store's failure as a :class:`StorageError` naming ``path`` and what to do (None
+    with ``known_only`` when it is none of the failures this module knows)."""
     kind = scheme(path) or "file"
     kind = "gs" if kind == "gcs" else kind
     text = str(error)
@@ -192,10 +194,15 @@ def _storage_error(path: str, error: BaseException, doing: str = "") -> StorageE
                  r"SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|UNRECOGNIZED_CLIENT|"
                  r"[Cc]redentials|UNAUTHENTICATED|MISSING_AUTHENTICATION", text):
         return StorageError(f"{path}: the store refused the credentials; {hint}")
-    if re.search(r"ACCESS_DENIED|AccessDenied|PERMISSION_DENIED|HTTP status 403|"
-                 r"Permission denied|Forbidden", text):
+    ambiguous = "No response body" in text  # a HEAD request's 403 cannot tell which
+    if not ambiguous and re.search(r"ACCESS_DENIED|AccessDenied|PERMISSION_DENIED|"
+                                   r"Permission denied", text):
         return StorageError(f"{path}: permission refused{f' to {doing}' if doing else ''}; "
                             "give these credentials access to it, or use others")
+    if ambiguous or re.search(r"HTTP status 403|response code 403|Forbidden|, 403\)", text):
+        return StorageError(f"{path}: access refused{f' to {doing}' if doing else ''}: the "
+                            "credentials are not allowed, or not valid for this store; "
+                            f"{hint}")
     if kind == "hdfs" and re.search(r"libhdfs|libjvm|JAVA_HOME|HADOOP_HOME|CLASSPATH", text):
         return StorageError(f"{path}: cannot load the HDFS client; {hint}")
     if re.search(r"[Cc]ouldn't connect|Connection refused|curlCode|Unable to connect|"
@@ -204,6 +211,8 @@ def _storage_error(path: str, error: BaseException, doing: str = "") -> StorageE
         return StorageError(f"{path}: cannot reach the store"
                             f"{f' at {endpoint}' if endpoint else ''}; check the network and "
                             "the endpoint")
+    if known_only:
+        return None
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return StorageError(f"{path}: {doing + ' failed: ' if doing else ''}{first}")
 
@@ -211,19 +220,32 @@ def _storage_error(path: str, error: BaseException, doing: str = "") -> StorageE
 class _errors:
     """``with _errors(path, "read it"):`` turns a remote store's errors into StorageError."""
 
-    def __init__(self, path: str, doing: str = ""):
+    def __init__(self, path: str, doing: str = "", extra: tuple = ()):
         self.path = path
         self.doing = doing
+        self.extra = extra
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc is not None and not is_local(self.path) and \
-                isinstance(exc, (OSError, pa.ArrowException)) and \
-                not isinstance(exc, StorageError):
+        if exc is None or is_local(self.path) or isinstance(exc, StorageError):
+            return False
+        if isinstance(exc, (OSError, pa.ArrowException)):
             raise _storage_error(self.path, exc, self.doing) from None
+        if isinstance(exc, self.extra):
+            error = _storage_error(self.path, exc, self.doing, known_only=True)
+            if error is not None:
+                raise error from None
         return False
+
+
+def translate_errors(path: str, doing: str = "", extra: tuple = ()):
+    """A context manager that turns the failures of a remote store while working on ``path``
+    into :class:`StorageError`: every ``OSError`` / Arrow error, and exceptions of the
+    ``extra`` classes (another client's, e.g. Beam's file systems) whose message is a failure
+    this module knows (a missing bucket, refused credentials or permission, no connection)."""
+    return _errors(path, doing, extra)
 
 
 # -- reading and writing ---------------------------------------------------------------------
@@ -422,7 +444,7 @@ def _expand_remote(pattern: str, suffixes) -> list[str]:
         if first == 0:
             raise StorageError(f"{pattern}: a glob in the bucket name is not supported; name "
                                "the bucket")
-        candidates = ["/".join(parts[:first])]
+        candidates = [_published_directory(pattern, filesystem, "/".join(parts[:first]))]
         for depth in range(first, len(parts)):
             component, last = parts[depth], depth == len(parts) - 1
             matched = []
@@ -467,9 +489,33 @@ def _entries(pattern: str, filesystem, directory: str) -> dict[str, tuple]:
     if MANIFEST in names and names[MANIFEST][0] == pafs.FileType.File:
         manifest = _read_manifest(_uri(pattern, names[MANIFEST][1]), filesystem,
                                   names[MANIFEST][1])
-        return {name: (pafs.FileType.File, f"{directory}/{manifest['generation']}/{name}")
-                for name in manifest["files"] if "/" not in name}
+        generation = f"{directory}/{manifest['generation']}"
+        entries = {}
+        for name in manifest["files"]:  # a/b.jsonl: the directory a, in the generation
+            top, slash, _ = name.partition("/")
+            entries[top] = (pafs.FileType.Directory if slash else pafs.FileType.File,
+                            f"{generation}/{top}")
+        return entries
     return names
+
+
+def _published_directory(pattern: str, filesystem, inner: str) -> str:
+    """``inner`` if it is a directory, else where a manifest in its parent or grandparent
+    puts it (``DIR/_dead_letter`` of a published ``DIR``); ``inner`` when none does."""
+    parts = inner.split("/")
+    if len(parts) == 1 or filesystem.get_file_info(inner).type == pafs.FileType.Directory:
+        return inner  # a bucket, or a directory of its own
+    for up in (1, 2):
+        if len(parts) - up < 1:
+            break
+        ancestor, rest = "/".join(parts[:-up]), "/".join(parts[-up:])
+        manifest_path = f"{ancestor}/{MANIFEST}"
+        if filesystem.get_file_info(manifest_path).type == pafs.FileType.File:
+            manifest = _read_manifest(_uri(pattern, manifest_path), filesystem, manifest_path)
+            if any(name.startswith(rest + "/") for name in manifest["files"]):
+                return f"{ancestor}/{manifest['generation']}/{rest}"
+            break
+    return inner
 
 
 def _directory_files(pattern: str, filesystem, inner: str) -> list[str]:
@@ -559,6 +605,7 @@ class StagedObjectOutput:
 
                 raise UsageError(f"{flag} {path}: holds the input {inner}, which writing the "
                                  "output there would replace; choose another directory")
+        _check_bucket(self.path)  # before any work: a listing under a missing bucket is empty
         self.check()
         self.generation = f"{GENERATION_PREFIX}{uuid.uuid4().hex[:8]}"
         self.tmp = join(self.path, self.generation)

@@ -114,6 +114,10 @@ def test_refused_credentials_and_permissions_on_a_server_that_checks_them():
             fs.expand(f"{bucket}/*.parquet")
         assert str(err.value).startswith(f"{bucket}/*.parquet: the store refused the "
                                          "credentials; set AWS_ACCESS_KEY_ID")
+        with pytest.raises(fs.StorageError) as err:  # a HEAD's 403 has no body to tell why
+            fs.exists(f"{bucket}/x.parquet")
+        assert str(err.value).startswith(f"{bucket}/x.parquet: access refused to look it up: "
+                                         "the credentials are not allowed, or not valid")
         os.environ.update(AWS_ACCESS_KEY_ID=key["AccessKeyId"],
                           AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
         with pytest.raises(fs.StorageError) as err:
