@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import compression
-from compression import TreeBatch
+from compression import TreeBatch, fs
 from schemas import Schema
 from schemas.schema import SCHEMA_YAML_KEY
 
@@ -109,7 +109,7 @@ def count_samples(data, schema: Schema) -> int | None:
         for path in files:
             if not path.endswith((".parquet", ".pq")):
                 return None
-            meta = pq.ParquetFile(path).metadata
+            meta = pq.ParquetFile(fs.source(path)).metadata
             if is_tree_table(meta.schema.to_arrow_schema(), schema):
                 samples = tree_file_samples(meta, schema)
                 if samples is None:
@@ -164,7 +164,7 @@ def _tree_table_samples(table: pa.Table, schema: Schema) -> int | None:
 def file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
     for path in files:
         if path.endswith((".parquet", ".pq")) and is_tree_table(
-                pq.ParquetFile(path).schema_arrow, schema):
+                pq.ParquetFile(fs.source(path)).schema_arrow, schema):
             yield from compression.iter_trees(path, schema=schema)
             continue
         for chunk in compression.iter_raw_chunks(path, schema, chunk_rows=RAW_CHUNK_ROWS):
