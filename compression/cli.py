@@ -173,7 +173,8 @@ def input_rows(path: str, format: str | None = None) -> int:
         else "parquet"
     if fmt == "parquet":
         try:
-            return pq.ParquetFile(fs.source(path)).metadata.num_rows
+            with fs.source(path) as source:
+                return pq.ParquetFile(source).metadata.num_rows
         except (pa.ArrowException, OSError) as e:  # e.g. "Parquet file size is 0 bytes"
             raise RawDataError(f"{path}: cannot read the file as parquet: {_text(e)}") from None
     if not fs.is_local(path):

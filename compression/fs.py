@@ -28,14 +28,13 @@ Local paths keep the operating system's own errors.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
-import posixpath
 import re
 import threading
 import uuid
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -279,10 +278,19 @@ def size(path: str) -> int:
     return found.size
 
 
-def source(path: str):
-    """What pyarrow readers take for ``path``: the local path itself (their fastest and
-    best-tested way), or an open random-access file of the store."""
-    return local_path(path) if is_local(path) else open_input(path)
+@contextlib.contextmanager
+def source(path: str, opener=None):
+    """``with fs.source(path) as src: pq.ParquetFile(src)``: what pyarrow readers take for
+    ``path``: the local path itself (their fastest and best-tested way), or an open
+    random-access file of the store (or of ``opener()``), closed at the end of the block."""
+    if opener is None and is_local(path):
+        yield local_path(path)
+        return
+    file = opener() if opener is not None else open_input(path)
+    try:
+        yield file
+    finally:
+        file.close()
 
 
 def open_input(path: str) -> pa.NativeFile:
@@ -350,12 +358,6 @@ def write_bytes(path: str, data: bytes) -> str:
 
 def write_text(path: str, text: str) -> str:
     return write_bytes(path, text.encode("utf-8"))
-
-
-def makedirs(path: str) -> None:
-    """Create a directory and its parents (object stores have none: nothing to do)."""
-    if is_local(path):
-        os.makedirs(local_path(path), exist_ok=True)
 
 
 def list_files(directory: str, recursive: bool = True) -> list[str]:
@@ -675,13 +677,3 @@ class StagedObjectOutput:
         if exc_type is not None or not self.committed:
             self.discard()
         return False
-
-
-def iter_published(directory: str) -> Iterator[tuple[str, str]]:
-    """(name, URI) of every file a published directory's manifest names."""
-    manifest = published_manifest(directory)
-    if manifest is None:
-        raise NoSuchPath(f"{directory}: no {MANIFEST}: not a published output (or its writer "
-                         "has not finished)")
-    for name in manifest["files"]:
-        yield name, join(directory, manifest["generation"], name)

@@ -25,7 +25,8 @@ def inspect_paths(path_or_glob, schema: schemas.Schema | None = None) -> dict:
     stats = None
     for path in files:
         try:
-            table = pq.read_table(fs.source(path))
+            with fs.source(path) as source:
+                table = pq.read_table(source)
         except (pa.ArrowException, OSError) as e:  # e.g. "Parquet file size is 0 bytes"
             raise cli.UsageError(f"{path}: cannot read the file as parquet: {e}") from None
         file_schema = schema or schemas.from_arrow_metadata(table.schema)

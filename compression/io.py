@@ -100,16 +100,17 @@ def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
     fmt = raw_format(path, format)
     if fmt == "parquet":
         first = 1
-        try:  # e.g. "Parquet file size is 0 bytes"
-            file = pq.ParquetFile(opener() if opener is not None else fs.source(path))
-            batches = file.iter_batches(batch_size=chunk_rows)
-            while True:
-                try:  # a damaged page: "Corrupt snappy compressed data."
-                    batch = next(batches)
-                except StopIteration:
-                    return
-                yield RawChunk(_checked_batch(batch, path, first), first)
-                first += batch.num_rows
+        try:
+            with fs.source(path, opener) as source:
+                file = pq.ParquetFile(source)  # e.g. "Parquet file size is 0 bytes"
+                batches = file.iter_batches(batch_size=chunk_rows)
+                while True:
+                    try:  # a damaged page: "Corrupt snappy compressed data."
+                        batch = next(batches)
+                    except StopIteration:
+                        return
+                    yield RawChunk(_checked_batch(batch, path, first), first)
+                    first += batch.num_rows
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a column name too
             raise RawDataError(f"{path}: cannot read the file as parquet"
                                f"{f' (from row {first})' if first > 1 else ''}: {e}") from None
@@ -434,7 +435,11 @@ def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
 
 def read_trees(path_or_glob: str | list[str]) -> pa.Table:
     """All tree tables of the files named by a path, directory or glob, as one table."""
-    return pa.concat_tables([pq.read_table(fs.source(p)) for p in expand_paths(path_or_glob)])
+    tables = []
+    for path in expand_paths(path_or_glob):
+        with fs.source(path) as source:
+            tables.append(pq.read_table(source))
+    return pa.concat_tables(tables)
 
 
 def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
@@ -447,14 +452,15 @@ def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
 
     for path in expand_paths(path_or_glob):
         try:
-            file = pq.ParquetFile(fs.source(path))
-            if schema is not None:
-                check_tree_schema(file.schema_arrow, schema, source=path)
-            for batch in file.iter_batches(batch_size=rows):
-                table = pa.Table.from_batches([batch])
+            with fs.source(path) as source:
+                file = pq.ParquetFile(source)
                 if schema is not None:
-                    check_tree_values(table, schema, source=path)
-                yield table
+                    check_tree_schema(file.schema_arrow, schema, source=path)
+                for batch in file.iter_batches(batch_size=rows):
+                    table = pa.Table.from_batches([batch])
+                    if schema is not None:
+                        check_tree_values(table, schema, source=path)
+                    yield table
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
             # a damaged file: thrift, page or IO errors, column names that are not UTF-8
             if isinstance(e, FileNotFoundError):

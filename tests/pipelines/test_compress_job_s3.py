@@ -15,7 +15,7 @@ import compression
 import schemas
 from compression import cli, fs
 from pipelines import compress as job
-from sample_data import row_multiset, taobao_table
+from sample_data import taobao_table
 
 ROOT = Path(__file__).resolve().parents[2]
 TAOBAO_PATH = str(ROOT / "schemas" / "examples" / "taobao_like.yaml")
