@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -498,10 +499,39 @@ def run(argv=None) -> dict:
     if args.threads < 1:
         raise cli.UsageError(f"--threads: expected a positive number, got {args.threads}")
     schema = schemas.load(args.schema)
+    options = PipelineOptions(with_default_runner(beam_args))
+    with s3_options_as_environment(options):
+        return _run(args, options, schema)
+
+
+def s3_options_as_environment(options: PipelineOptions):
+    """Beam's ``--s3_endpoint_url`` and ``--s3_region_name``, when given, as this process's
+    ``AWS_ENDPOINT_URL`` / ``AWS_DEFAULT_REGION`` meanwhile (where those are not set), so the
+    launcher's checks and publishing (:mod:`compression.fs`, which reads the standard
+    environment) talk to the store the workers write to. Credentials are not copied: they
+    come from the environment (or the workers' own)."""
+    from apache_beam.options.pipeline_options import S3Options
+
+    s3 = options.view_as(S3Options)
+    wanted = {"AWS_ENDPOINT_URL": s3.s3_endpoint_url, "AWS_DEFAULT_REGION": s3.s3_region_name}
+    added = {name: value for name, value in wanted.items()
+             if value and not os.environ.get(name)}
+
+    @contextlib.contextmanager
+    def environment():
+        os.environ.update(added)
+        try:
+            yield added
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
+    return environment()
+
+
+def _run(args, options: PipelineOptions, schema: schemas.Schema) -> dict:
     files = cli.check_inputs(args.input, "--input", args.format)
     for path in files:
         compression.raw_format(path, args.format)  # fail now, not in a worker
-    options = PipelineOptions(with_default_runner(beam_args))
     FileSystems.set_options(options)  # for the job's own files before the pipeline exists
     staged = cli.StagedOutput(args.output, args.overwrite, inputs=files)
     rejected = f"{staged.path}.dead_letter"

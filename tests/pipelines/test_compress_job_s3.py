@@ -110,3 +110,21 @@ def test_store_errors_of_the_job_are_one_line(s3_bucket, tmp_path):
     assert str(err.value) == ("s3://no-such-bucket-here/trees: the bucket 'no-such-bucket-here' "
                               "does not exist; create it or fix the path")
     assert os.listdir(tmp_path) == ["x.parquet"]
+
+
+def test_beams_s3_endpoint_option_is_enough(s3_bucket, tmp_path):
+    """Without AWS_ENDPOINT_URL in the environment, Beam's --s3_endpoint_url and
+    --s3_region_name name the server for the workers' Beam S3 client and, while the job runs,
+    for the launcher's checks and manifest too."""
+    pq.write_table(taobao_table(200, seed=9), tmp_path / "x.parquet")
+    fs.write_bytes(f"{s3_bucket}/raw/x.parquet", (tmp_path / "x.parquet").read_bytes())
+    endpoint = os.environ.pop("AWS_ENDPOINT_URL")
+    region = os.environ.pop("AWS_DEFAULT_REGION")
+    try:
+        summary = _run(f"{s3_bucket}/raw/*.parquet", f"{s3_bucket}/trees", "--shards", 2,
+                       f"--s3_endpoint_url={endpoint}", f"--s3_region_name={region}")
+        assert "AWS_ENDPOINT_URL" not in os.environ and "AWS_DEFAULT_REGION" not in os.environ
+    finally:
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION=region)
+    assert summary["samples"] == 200
+    assert compression.read_trees(f"{s3_bucket}/trees").num_rows == summary["trees"]
