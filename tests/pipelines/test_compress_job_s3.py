@@ -3,6 +3,7 @@ and _stats.json on s3://, the same trees as on local disk, all-or-nothing publis
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ import compression
 import schemas
 from compression import cli, fs
 from pipelines import compress as job
-from sample_data import taobao_table
+from sample_data import row_multiset, taobao_table
 
 ROOT = Path(__file__).resolve().parents[2]
 TAOBAO_PATH = str(ROOT / "schemas" / "examples" / "taobao_like.yaml")
@@ -110,6 +111,34 @@ def test_store_errors_of_the_job_are_one_line(s3_bucket, tmp_path):
     assert str(err.value) == ("s3://no-such-bucket-here/trees: the bucket 'no-such-bucket-here' "
                               "does not exist; create it or fix the path")
     assert os.listdir(tmp_path) == ["x.parquet"]
+
+
+def test_csv_and_gzipped_json_lines_on_s3_read_through_beam(s3_bucket, tmp_path):
+    """The workers open CSV and JSON-lines files through Beam's FileSystems (a .gz file is
+    decompressed by its suffix); a bad CSV cell's error names the URI, column and line."""
+    table = taobao_table(300, seed=6)
+    rows = table.to_pylist()
+    lists = {f.name for f in TAOBAO.features if f.kind != "id"}
+    header = table.column_names
+    lines = [",".join(header)] + [
+        ",".join("|".join(map(str, r[c])) if c in lists else str(r[c]) for c in header)
+        for r in rows[:150]]
+    fs.write_text(f"{s3_bucket}/raw/a.csv", "\n".join(lines) + "\n")
+    fs.write_bytes(f"{s3_bucket}/raw/b.jsonl.gz", gzip.compress(
+        "".join(json.dumps(r) + "\n" for r in rows[150:]).encode()))
+    summary = _run([f"{s3_bucket}/raw/a.csv", f"{s3_bucket}/raw/b.jsonl.gz"],
+                   f"{s3_bucket}/trees", "--shards", 2)
+    assert summary["samples"] == 300 and summary["bad_rows"] == 0
+    trees = compression.read_trees(f"{s3_bucket}/trees")
+    assert row_multiset(compression.flatten(trees, TAOBAO)) == row_multiset(table)
+    cells = lines[3].split(",")
+    cells[header.index("campaign_id")] = "ten"
+    lines[3] = ",".join(cells)
+    fs.write_text(f"{s3_bucket}/bad/a.csv", "\n".join(lines) + "\n")
+    with pytest.raises(compression.RawDataError) as err:
+        _run(f"{s3_bucket}/bad/a.csv", f"{s3_bucket}/trees2")
+    assert str(err.value).startswith(f"{s3_bucket}/bad/a.csv: column 'campaign_id' line 4: "
+                                     "invalid value 'ten', expected an integer")
 
 
 def test_beams_s3_endpoint_option_is_enough(s3_bucket, tmp_path):
