@@ -165,6 +165,7 @@ def input_rows(path: str, format: str | None = None) -> int:
     """Rows of one input file: exact for Parquet (from the footer), 0 or 1 ("some") for CSV and
     JSON lines. Raises :class:`compression.RawDataError` naming the file when it cannot be
     read."""
+    from compression import fs
     from compression.io import raw_format
     from compression.validate import RawDataError
 
@@ -172,9 +173,12 @@ def input_rows(path: str, format: str | None = None) -> int:
         else "parquet"
     if fmt == "parquet":
         try:
-            return pq.ParquetFile(path).metadata.num_rows
+            with fs.source(path) as source:
+                return pq.ParquetFile(source).metadata.num_rows
         except (pa.ArrowException, OSError) as e:  # e.g. "Parquet file size is 0 bytes"
             raise RawDataError(f"{path}: cannot read the file as parquet: {_text(e)}") from None
+    if not fs.is_local(path):
+        return _remote_text_rows(path, fmt)
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt", errors="replace") as f:
@@ -185,6 +189,20 @@ def input_rows(path: str, format: str | None = None) -> int:
     except OSError as e:
         raise RawDataError(f"{path}: cannot read the file as {fmt}: "
                            f"{e.strerror or _text(e)}") from None
+
+
+def _remote_text_rows(path: str, fmt: str) -> int:
+    """:func:`input_rows` of a CSV or JSON-lines file on an object store (its first 1 MiB)."""
+    from compression import fs
+    from compression.validate import RawDataError
+
+    try:
+        with fs.open_input_stream(path) as f:
+            head = f.read(1 << 20).decode("utf-8", "replace")
+    except (pa.ArrowException, OSError) as e:
+        raise RawDataError(f"{path}: cannot read the file as {fmt}: {_text(e)}") from None
+    lines = [line for line in head.splitlines() if line.strip()]
+    return 1 if len(lines) > (1 if fmt == "csv" else 0) else 0
 
 
 def check_inputs(path_or_glob, flag: str, format: str | None = None) -> list[str]:
@@ -237,12 +255,23 @@ def check_output(path: str, overwrite: bool, flag: str = "--output", inputs=()) 
 class StagedOutput:
     """An output directory written through a temporary directory next to it.
 
+    On an object store (``s3://``, ``gs://``...), which cannot rename a directory,
+    ``StagedOutput(uri)`` is a :class:`compression.fs.StagedObjectOutput`: the files go under
+    a hidden unique prefix and a manifest written last publishes them.
+
     ``StagedOutput(path, overwrite)`` checks the policy (:func:`check_output`) and creates
     ``.<name>.tmp-XXXXXXXX`` in the same parent (same file system, so the final rename is
     atomic); write into ``.tmp``; :meth:`commit` renames it into place (replacing the old
     directory whole with ``overwrite``); :meth:`discard` (or leaving the ``with`` block with an
     exception) removes it, so a failed job leaves nothing that looks like output.
     """
+
+    def __new__(cls, path: str, overwrite: bool = False, flag: str = "--output", inputs=()):
+        from compression import fs
+
+        if cls is StagedOutput and not fs.is_local(path):
+            return fs.StagedObjectOutput(path, overwrite, flag, inputs)
+        return super().__new__(cls)
 
     def __init__(self, path: str, overwrite: bool = False, flag: str = "--output", inputs=()):
         check_output(path, overwrite, flag, inputs)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import schemas
-from compression import cli
+from compression import cli, fs
 from compression.io import expand_paths, read_raw, write_trees
 from compression.stats import TreeStats, format_summary
 from compression.trees import build_trees
@@ -27,8 +26,9 @@ def compress_files(schema: schemas.Schema, inputs, output_dir: str, format: str 
     """Read and validate raw files, build trees, write ``part-NNNNN.parquet`` + ``_stats.json``.
 
     ``output_dir`` must be missing or empty unless ``overwrite`` (then it is replaced whole);
-    it is written through a temporary directory next to it, renamed into place at the end, so
-    a failure leaves nothing behind (:class:`compression.cli.StagedOutput`)."""
+    it is written through a temporary directory next to it, renamed into place at the end (on
+    an object store: published by a manifest written last), so a failure leaves nothing
+    behind (:class:`compression.cli.StagedOutput`)."""
     files = expand_paths(inputs)
     with cli.StagedOutput(output_dir, overwrite, inputs=files) as staged:
         summary = _compress_into(schema, files, staged.tmp, format, roots_per_file)
@@ -43,13 +43,13 @@ def _compress_into(schema, inputs, output_dir, format, roots_per_file) -> dict:
     stats = TreeStats(schema)
     for shard, start in enumerate(range(0, max(trees.num_rows, 1), roots_per_file)):
         part = trees.slice(start, roots_per_file)
-        path = write_trees(part, os.path.join(output_dir, f"part-{shard:05d}.parquet"))
+        path = write_trees(part, fs.join(output_dir, f"part-{shard:05d}.parquet"))
         stats.add(part)
-        stats.bytes_on_disk += os.path.getsize(path)
+        stats.bytes_on_disk += fs.size(path)
     summary = stats.summary()
     summary["input_files"] = len(files)
-    with open(os.path.join(output_dir, "_stats.json"), "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
+    fs.write_text(fs.join(output_dir, "_stats.json"), json.dumps(summary, indent=2,
+                                                                 sort_keys=True))
     return summary
 
 

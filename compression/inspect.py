@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 import schemas
-from compression import cli
+from compression import cli, fs
 from compression.io import expand_paths
 from compression.stats import TreeStats, format_summary
 
@@ -26,7 +25,8 @@ def inspect_paths(path_or_glob, schema: schemas.Schema | None = None) -> dict:
     stats = None
     for path in files:
         try:
-            table = pq.read_table(path)
+            with fs.source(path) as source:
+                table = pq.read_table(source)
         except (pa.ArrowException, OSError) as e:  # e.g. "Parquet file size is 0 bytes"
             raise cli.UsageError(f"{path}: cannot read the file as parquet: {e}") from None
         file_schema = schema or schemas.from_arrow_metadata(table.schema)
@@ -42,7 +42,7 @@ def inspect_paths(path_or_glob, schema: schemas.Schema | None = None) -> dict:
                 "compression.compress (or pipelines.compress) and inspect the output")
         stats = stats or TreeStats(file_schema)
         stats.add(table)
-        stats.bytes_on_disk += os.path.getsize(path)
+        stats.bytes_on_disk += fs.size(path)
     summary = stats.summary()
     summary["files"] = len(files)
     return summary

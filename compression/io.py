@@ -8,12 +8,12 @@ timestamp cell holds ISO-8601 text. JSON lines hold one object per sample, lists
 
 from __future__ import annotations
 
-import glob as globlib
+import contextlib
 import os
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from compression import fs
 from compression.validate import RawDataError, split_bad_rows, validate_raw
 from schemas import Schema
 
@@ -31,21 +32,13 @@ DEFAULT_CHUNK_ROWS = 1 << 17
 
 
 def expand_paths(path_or_glob: str | list[str]) -> list[str]:
-    """Files named by a path, a directory (its ``*.parquet`` files), a glob, or a list of these."""
+    """Files named by a path, a directory (its raw and tree files: ``*.parquet``, ``*.csv``,
+    ``*.jsonl``...), a glob, or a list of these; local or on an object store
+    (``s3://bucket/logs/*.parquet``, see :mod:`compression.fs`). Raises
+    :class:`compression.fs.NoSuchPath` (a ``FileNotFoundError``) when one names no file."""
     if isinstance(path_or_glob, (list, tuple)):
         return [p for item in path_or_glob for p in expand_paths(item)]
-    path = os.fspath(path_or_glob)
-    if os.path.isdir(path):
-        files = sorted(p for p in globlib.glob(os.path.join(path, "*"))
-                       if os.path.splitext(p)[1] in RAW_FORMATS and
-                       not os.path.basename(p).startswith(("_", ".")))
-    elif any(ch in path for ch in "*?["):
-        files = sorted(globlib.glob(path))
-    else:
-        files = [path] if os.path.exists(path) else []
-    if not files:
-        raise FileNotFoundError(f"no input files match {path!r}")
-    return files
+    return fs.expand(os.fspath(path_or_glob), tuple(RAW_FORMATS))
 
 
 def raw_format(path: str, format: str | None = None) -> str:
@@ -97,28 +90,34 @@ class RawChunk:
 
 
 def iter_raw_chunks(path: str, schema: Schema, format: str | None = None,
-                    chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[RawChunk]:
-    """:class:`RawChunk` s of one raw file, in file order (at least one, maybe empty)."""
+                    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                    opener: Callable[[], BinaryIO] | None = None) -> Iterator[RawChunk]:
+    """:class:`RawChunk` s of one raw file, in file order (at least one, maybe empty).
+
+    ``opener``: returns a fresh seekable binary file of ``path`` each time it is called (e.g.
+    Beam's ``FileSystems.open`` in a pipeline's worker); without it the file is opened through
+    :mod:`compression.fs`. ``path`` names the file in errors either way."""
     fmt = raw_format(path, format)
     if fmt == "parquet":
         first = 1
         try:
-            file = pq.ParquetFile(path)  # e.g. "Parquet file size is 0 bytes"
-            batches = file.iter_batches(batch_size=chunk_rows)
-            while True:
-                try:  # a damaged page: "Corrupt snappy compressed data."
-                    batch = next(batches)
-                except StopIteration:
-                    return
-                yield RawChunk(_checked_batch(batch, path, first), first)
-                first += batch.num_rows
+            with fs.source(path, opener) as source:
+                file = pq.ParquetFile(source)  # e.g. "Parquet file size is 0 bytes"
+                batches = file.iter_batches(batch_size=chunk_rows)
+                while True:
+                    try:  # a damaged page: "Corrupt snappy compressed data."
+                        batch = next(batches)
+                    except StopIteration:
+                        return
+                    yield RawChunk(_checked_batch(batch, path, first), first)
+                    first += batch.num_rows
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a column name too
             raise RawDataError(f"{path}: cannot read the file as parquet"
                                f"{f' (from row {first})' if first > 1 else ''}: {e}") from None
     if fmt == "json":
-        yield from _read_json(path, schema, chunk_rows)
+        yield from _read_json(path, schema, chunk_rows, opener)
         return
-    table = _read_csv(path, schema)
+    table = _read_csv(path, schema, opener)
     for start in range(0, max(table.num_rows, 1), chunk_rows):
         chunk = table.slice(start, chunk_rows)
         if chunk.num_rows or start == 0:
@@ -148,7 +147,7 @@ def read_raw(path_or_glob: str | list[str], schema: Schema, format: str | None =
     return pa.concat_tables(tables) if tables else schema.raw_arrow_schema().empty_table()
 
 
-def _read_csv(path: str, schema: Schema) -> pa.Table:
+def _read_csv(path: str, schema: Schema, opener=None) -> pa.Table:
     types = {}
     for f in schema.features:
         if f.kind == "id":
@@ -160,17 +159,18 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
         types[c.name] = pa.string() if c.dtype == "timestamp" else c.raw_arrow_type()
     timestamps = {c.name for c in schema.carried if c.dtype == "timestamp"}
     try:
-        table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+        table = pacsv.read_csv(_csv_source(path, opener), convert_options=pacsv.ConvertOptions(
             column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False))
     except pa.ArrowInvalid as e:
-        raise RawDataError(f"{path}: {_not_utf8(path) or _csv_conversion_error(path, e, types)}"
-                           ) from None
+        why = _not_utf8(path, opener) or _csv_conversion_error(path, e, types, opener)
+        raise RawDataError(f"{path}: {why}") from None
     except (pa.ArrowException, OSError) as e:
         raise RawDataError(f"{path}: cannot read the file as csv: {e}") from None
     try:
         names = table.column_names
     except UnicodeDecodeError:  # Arrow checks the cells it converts, not the header
-        raise RawDataError(f"{path}: {_not_utf8(path) or 'the header is not UTF-8'}") from None
+        raise RawDataError(f"{path}: {_not_utf8(path, opener) or 'the header is not UTF-8'}"
+                           ) from None
     list_features = {f.name: f for f in schema.features if f.kind != "id"}
     columns = []
     for index, name in enumerate(names):  # by index: a name may be repeated
@@ -191,13 +191,36 @@ def _read_csv(path: str, schema: Schema) -> pa.Table:
     return pa.Table.from_arrays(columns, names=names)
 
 
-def _not_utf8(path: str) -> str | None:
+def _input_stream(path: str, opener=None) -> pa.NativeFile:
+    """A sequential stream of a local or object-store file (or of what ``opener`` opens),
+    decompressed by its suffix."""
+    if opener is not None:
+        stream = pa.PythonFile(opener(), mode="r")
+        try:
+            codec = pa.Codec.detect(path).name  # from the suffix: .gz, .bz2, .zst...
+        except (TypeError, ValueError, pa.ArrowException):  # no compression suffix
+            return stream
+        return pa.CompressedInputStream(stream, codec)
+    if fs.is_local(path):
+        return pa.input_stream(fs.local_path(path), compression="detect")
+    return fs.open_input_stream(path)
+
+
+def _csv_source(path: str, opener=None):
+    """What ``pyarrow.csv.read_csv`` takes: a local path (it decompresses ``.gz`` itself) or
+    a decompressed stream of another file."""
+    if opener is None and fs.is_local(path):
+        return fs.local_path(path)
+    return _input_stream(path, opener)
+
+
+def _not_utf8(path: str, opener=None) -> str | None:
     """Where a CSV file stops being UTF-8 (column, line and byte offset), or None. Only on the
     error path: Arrow's "CSV conversion error to string: invalid UTF8 data" names neither."""
     import csv
 
     try:
-        with pa.input_stream(path, compression="detect") as f:
+        with _input_stream(path, opener) as f:
             data = f.read()
     except (pa.ArrowException, OSError):
         return None
@@ -220,7 +243,7 @@ def _not_utf8(path: str) -> str | None:
             "must be UTF-8 encoded (convert it, e.g. with iconv -f latin1 -t utf-8)")
 
 
-def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str:
+def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict, opener=None) -> str:
     """Arrow's "In CSV column #20: CSV conversion error to int64: invalid value 'ten'" with the
     column's name and the 1-based line of the first bad cell (as editors count, header = 1)."""
     import csv
@@ -231,11 +254,11 @@ def _csv_conversion_error(path: str, error: pa.ArrowInvalid, types: dict) -> str
     if not match:
         return text
     try:
-        with pa.input_stream(path, compression="detect") as f:  # .csv.gz too
+        with _input_stream(path, opener) as f:  # .csv.gz too
             first = f.read(1 << 20).decode("utf-8", "replace").splitlines()[0]
         header = next(csv.reader([first]))
         name = header[int(match.group(1))]
-        cells = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+        cells = pacsv.read_csv(_csv_source(path, opener), convert_options=pacsv.ConvertOptions(
             include_columns=[name], column_types={name: pa.string()})).column(name)
     except (pa.ArrowException, IndexError, OSError, StopIteration, ValueError):
         return text
@@ -304,13 +327,13 @@ def _split_list_cells(column: pa.ChunkedArray, name: str, path: str) -> pa.Array
 JSON_BLOCK_BYTES = 16 << 20
 
 
-def _read_json(path: str, schema: Schema, chunk_rows: int) -> Iterator[RawChunk]:
+def _read_json(path: str, schema: Schema, chunk_rows: int, opener=None) -> Iterator[RawChunk]:
     """JSON lines, one sample per line, through the native decoder that Kafka messages take
     (``compression.decode_json_samples``): the same rows, verdicts and reasons, without the GIL,
     and no recursion however deeply a line nests. Blank lines (empty or whitespace only) are
     skipped; a line's number is its 1-based line in the file."""
     try:
-        stream = pa.input_stream(path, compression="detect")  # .jsonl.gz too
+        stream = _input_stream(path, opener)  # .jsonl.gz too
     except (pa.ArrowException, OSError) as e:
         raise RawDataError(f"{path}: cannot read the file as json: {e}") from None
     values: list[bytes] = []
@@ -386,8 +409,16 @@ def _line_reason(reason: str, line: int) -> str:
 # -- tree tables --------------------------------------------------------------------------
 
 def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
-                compression: str = "zstd") -> str:
-    """Write a tree table as one nested Parquet file, atomically (temp file + rename)."""
+                compression: str = "zstd", sink: BinaryIO | None = None) -> str:
+    """Write a tree table as one nested Parquet file, atomically: a temp file renamed into
+    place locally; on an object store the object appears complete when its upload ends.
+    ``sink``: a file already open for writing ``path`` (e.g. from Beam's
+    ``FileSystems.create``), which the caller closes."""
+    if sink is not None or not fs.is_local(path):
+        with (contextlib.nullcontext(sink) if sink is not None else fs.open_output(path)) as f:
+            pq.write_table(trees, f, row_group_size=row_group_rows, compression=compression)
+        return path
+    path = fs.local_path(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
@@ -404,7 +435,11 @@ def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
 
 def read_trees(path_or_glob: str | list[str]) -> pa.Table:
     """All tree tables of the files named by a path, directory or glob, as one table."""
-    return pa.concat_tables([pq.read_table(p) for p in expand_paths(path_or_glob)])
+    tables = []
+    for path in expand_paths(path_or_glob):
+        with fs.source(path) as source:
+            tables.append(pq.read_table(source))
+    return pa.concat_tables(tables)
 
 
 def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
@@ -417,14 +452,15 @@ def iter_trees(path_or_glob: str | list[str], rows: int = 4096,
 
     for path in expand_paths(path_or_glob):
         try:
-            file = pq.ParquetFile(path)
-            if schema is not None:
-                check_tree_schema(file.schema_arrow, schema, source=path)
-            for batch in file.iter_batches(batch_size=rows):
-                table = pa.Table.from_batches([batch])
+            with fs.source(path) as source:
+                file = pq.ParquetFile(source)
                 if schema is not None:
-                    check_tree_values(table, schema, source=path)
-                yield table
+                    check_tree_schema(file.schema_arrow, schema, source=path)
+                for batch in file.iter_batches(batch_size=rows):
+                    table = pa.Table.from_batches([batch])
+                    if schema is not None:
+                        check_tree_values(table, schema, source=path)
+                    yield table
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
             # a damaged file: thrift, page or IO errors, column names that are not UTF-8
             if isinstance(e, FileNotFoundError):

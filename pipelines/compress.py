@@ -26,8 +26,17 @@ Without ``--runner`` the job runs on the in-process ``FnApiRunner``: the default
 ``DirectRunner`` of Beam 2.77 first tries to download the Prism runner on every run and falls
 back to the FnApiRunner when it cannot (offline it only wastes time; on a network that drops
 packets it can hang). Pass ``--runner=DirectRunner``, ``DataflowRunner``, ``FlinkRunner`` or
-``SparkRunner`` with their usual options to run elsewhere; input and output paths must then be
-on a file system every worker sees (a shared mount; ``gs://`` paths are not supported yet).
+``SparkRunner`` with their usual options to run elsewhere.
+
+Paths may be local or on an object store (``s3://bucket/logs/*.parquet``, ``gs://``): workers
+open and create files through Beam's ``FileSystems`` (``apache-beam[aws]`` for S3, ``[gcp]``
+for GCS; configured by the pipeline options, e.g. ``--s3_endpoint_url``, or the store's
+standard environment); the launching process matches the inputs, applies the output policy
+and publishes the output through :mod:`compression.fs`, which reads the standard environment
+(``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``). An object store has no atomic rename: the
+output is written under a hidden ``OUTPUT/.gen-XXXXXXXX/`` and published by
+``OUTPUT/_MANIFEST.json``, written last (:class:`compression.fs.StagedObjectOutput`); readers
+of the project see the old output or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -49,12 +59,14 @@ from typing import Iterable, Tuple
 import apache_beam as beam
 import pyarrow as pa
 import yaml
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.utils.windowed_value import WindowedValue
 
 import compression
 import schemas
-from compression import RawDataError, TreeStats, cli
+from compression import RawDataError, TreeStats, cli, fs
 from compression.stats import format_summary
 from pipelines._runner import with_default_runner
 from pipelines._coders import ShardPart  # registers the Arrow table and part coders
@@ -81,6 +93,53 @@ def _load_schema(schema_yaml: str) -> schemas.Schema:
 
 def part_name(shard: int, shards: int) -> str:
     return f"part-{shard:05d}-of-{shards:05d}.parquet"
+
+
+# -- files through Beam's FileSystems (local paths keep their atomic temp file + rename) -----
+
+def _opener(path: str):
+    """None for a local path (compression reads it directly), else a function opening it
+    through Beam's FileSystems."""
+    if fs.is_local(path):
+        return None
+    return lambda: FileSystems.open(path, mime_type="application/octet-stream",
+                                    compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def _create(path: str):
+    """A file for writing ``path`` whole through Beam's FileSystems (the object appears,
+    complete, when it is closed)."""
+    return FileSystems.create(path, mime_type="application/octet-stream",
+                              compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def _storage_errors(path: str, doing: str):
+    """Turns a store's failure into :class:`compression.fs.StorageError` naming ``path``."""
+    return fs.translate_errors(path, doing, extra=(Exception,))
+
+
+def _write_trees(trees: pa.Table, path: str) -> int:
+    """Write a tree file; returns its size in bytes."""
+    if fs.is_local(path):
+        return os.path.getsize(compression.write_trees(trees, path))
+    with _storage_errors(path, "write it"):
+        with _create(path) as f:
+            compression.write_trees(trees, path, sink=f)
+        return FileSystems.match([path])[0].metadata_list[0].size_in_bytes
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write a small text file whole: temp file + rename locally, one object on a store."""
+    if fs.is_local(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return
+    with _storage_errors(path, "write it"):
+        with _create(path) as f:
+            f.write(text.encode("utf-8"))
 
 
 class _PooledFn(beam.DoFn):
@@ -135,7 +194,7 @@ class _ReadShardsFn(_PooledFn):
         pending = collections.deque()
         try:
             for chunk in compression.iter_raw_chunks(path, self._schema, self._format,
-                                                     self._chunk_rows):
+                                                     self._chunk_rows, _opener(path)):
                 read = chunk.table.num_rows + (chunk.rejected.num_rows
                                                if chunk.rejected is not None else 0)
                 rows += read
@@ -247,10 +306,9 @@ class _BuildShardFn(_PooledFn):
             roots, flat = compression.concat_roots(parts)
             trees = compression.build_trees(flat, self._schema, validate=False, roots=roots)
         del parts
-        path = compression.write_trees(
-            trees, os.path.join(self._output, part_name(shard, self._shards)))
+        path = fs.join(self._output, part_name(shard, self._shards))
         stats = TreeStats(self._schema).add(trees)
-        stats.bytes_on_disk = os.path.getsize(path)
+        stats.bytes_on_disk = _write_trees(trees, path)
         log.info("shard %d/%d written: %s samples in %s trees -> %s", shard + 1, self._shards,
                  f"{flat.num_rows:,}", f"{trees.num_rows:,}", path)
         return shard, stats, flat.num_rows, trees.num_rows
@@ -272,20 +330,16 @@ class _WriteDeadLetterFn(beam.DoFn):
     """
 
     def __init__(self, output: str):
-        self._directory = os.path.join(output, DEAD_LETTER_DIR)
+        self._directory = fs.join(output, DEAD_LETTER_DIR)
 
     def process(self, rejected: pa.Table):
         source = rejected.column("source")[0].as_py()
         first = rejected.column("row")[0].as_py()
         tag = hashlib.sha1(source.encode()).hexdigest()[:8]
         base = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(source)) or "input"
-        path = os.path.join(self._directory, f"{base}-{tag}-{first:012d}.jsonl")
-        os.makedirs(self._directory, exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "w") as f:
-            for row in rejected.to_pylist():  # rejected rows only: few, and small
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
+        path = fs.join(self._directory, f"{base}-{tag}-{first:012d}.jsonl")
+        # rejected rows only: few, and small
+        _write_text(path, "".join(json.dumps(row) + "\n" for row in rejected.to_pylist()))
         # (count, and the chunk's first rejected row for the job's error: source, row, reason)
         yield rejected.num_rows, source, first, rejected.column("reason")[0].as_py()
 
@@ -301,7 +355,7 @@ class _FinishFn(beam.DoFn):
                  max_bad_rows: int, rejected_dir: str | None = None):
         self._schema_yaml = schema_yaml
         self._output = output
-        self._rejected_dir = rejected_dir or os.path.join(output, DEAD_LETTER_DIR)
+        self._rejected_dir = rejected_dir or fs.join(output, DEAD_LETTER_DIR)
         self._shards = shards
         self._input_files = input_files
         self._max_bad_rows = max_bad_rows
@@ -324,17 +378,12 @@ class _FinishFn(beam.DoFn):
         # A shard no sample hashed to still gets its (empty) file: readers can count on N.
         empty = schema.tree_arrow_schema().empty_table()
         for shard in sorted(set(range(self._shards)) - built):
-            path = compression.write_trees(
-                empty, os.path.join(self._output, part_name(shard, self._shards)))
-            total.bytes_on_disk += os.path.getsize(path)
+            total.bytes_on_disk += _write_trees(
+                empty, fs.join(self._output, part_name(shard, self._shards)))
         summary = total.summary()
         summary.update(bad_rows=bad_rows, shards=self._shards, input_files=self._input_files,
                        bytes_on_disk=total.bytes_on_disk)
-        path = os.path.join(self._output, STATS_FILE)
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(tmp, path)
+        _write_text(fs.join(self._output, STATS_FILE), json.dumps(summary, indent=2))
         yield summary
 
 
@@ -397,12 +446,14 @@ def _parser() -> argparse.ArgumentParser:
                     "job runs locally on the FnApiRunner.")
     p.add_argument("--schema", required=True, help="schema YAML file")
     p.add_argument("--input", required=True, action="append",
-                   help="raw files: a path, directory or glob (repeat for more)")
+                   help="raw files: a path, directory or glob, local or on an object store "
+                        "(s3://bucket/logs/*.parquet; repeat for more)")
     p.add_argument("--output", required=True,
                    help="output directory: part-SSSSS-of-NNNNN.parquet, _stats.json, "
                         "_dead_letter/; written through a temporary directory next to it and "
-                        "renamed into place on success (a failed job leaves no output; its "
-                        "rejected rows go to OUTPUT.dead_letter/)")
+                        "renamed into place on success (on an object store: under a hidden "
+                        "prefix, published by OUTPUT/_MANIFEST.json written last); a failed "
+                        "job leaves no output, its rejected rows go to OUTPUT.dead_letter/")
     cli.add_overwrite_flag(p)
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                    help=f"number of output files; each is built in one worker's memory "
@@ -427,7 +478,7 @@ def _job_error(e: BaseException) -> BaseException | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (RawDataError, KeyboardInterrupt)):
+        if isinstance(e, (RawDataError, fs.StorageError, KeyboardInterrupt)):
             return e
         e = e.__cause__ or e.__context__
     return None
@@ -448,40 +499,78 @@ def run(argv=None) -> dict:
     if args.threads < 1:
         raise cli.UsageError(f"--threads: expected a positive number, got {args.threads}")
     schema = schemas.load(args.schema)
+    options = PipelineOptions(with_default_runner(beam_args))
+    with s3_options_as_environment(options):
+        return _run(args, options, schema)
+
+
+def s3_options_as_environment(options: PipelineOptions):
+    """Beam's ``--s3_endpoint_url`` and ``--s3_region_name``, when given, as this process's
+    ``AWS_ENDPOINT_URL`` / ``AWS_DEFAULT_REGION`` meanwhile (where those are not set), so the
+    launcher's checks and publishing (:mod:`compression.fs`, which reads the standard
+    environment) talk to the store the workers write to. Credentials are not copied: they
+    come from the environment (or the workers' own)."""
+    from apache_beam.options.pipeline_options import S3Options
+
+    s3 = options.view_as(S3Options)
+    wanted = {"AWS_ENDPOINT_URL": s3.s3_endpoint_url, "AWS_DEFAULT_REGION": s3.s3_region_name}
+    added = {name: value for name, value in wanted.items()
+             if value and not os.environ.get(name)}
+
+    @contextlib.contextmanager
+    def environment():
+        os.environ.update(added)
+        try:
+            yield added
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
+    return environment()
+
+
+def _run(args, options: PipelineOptions, schema: schemas.Schema) -> dict:
     files = cli.check_inputs(args.input, "--input", args.format)
     for path in files:
         compression.raw_format(path, args.format)  # fail now, not in a worker
-    options = PipelineOptions(with_default_runner(beam_args))
+    FileSystems.set_options(options)  # for the job's own files before the pipeline exists
     staged = cli.StagedOutput(args.output, args.overwrite, inputs=files)
     rejected = f"{staged.path}.dead_letter"
     try:
         log.info("compressing %d file(s) into %d shard(s) -> %s", len(files), args.shards,
                  staged.path)
         _run_pipeline(options, files, schema, staged.tmp, args, rejected)
-        with open(os.path.join(staged.tmp, STATS_FILE)) as f:
-            summary = json.load(f)
+        summary = json.loads(fs.read_text(fs.join(staged.tmp, STATS_FILE)))
         staged.commit()
     except BaseException:
         _keep_dead_letter(staged.tmp, rejected)
         staged.discard()
         raise
-    shutil.rmtree(rejected, ignore_errors=True)  # an earlier failed run's rejected rows
+    fs.delete_tree(rejected)  # an earlier failed run's rejected rows
     return summary
 
 
 def _keep_dead_letter(tmp: str, rejected: str) -> None:
-    """Move a failed run's rejected rows out of its temporary output, to ``rejected``."""
-    dead = os.path.join(tmp, DEAD_LETTER_DIR)
-    if os.path.isdir(dead) and os.listdir(dead):
-        shutil.rmtree(rejected, ignore_errors=True)
-        os.rename(dead, rejected)
+    """Move a failed run's rejected rows out of its temporary output, to ``rejected`` (on
+    an object store: copied, then removed with the temporary output)."""
+    dead = fs.join(tmp, DEAD_LETTER_DIR)
+    if fs.is_local(tmp):
+        if os.path.isdir(dead) and os.listdir(dead):
+            shutil.rmtree(rejected, ignore_errors=True)
+            os.rename(dead, rejected)
+        return
+    files = fs.list_files(dead)
+    if files:
+        fs.delete_tree(rejected)
+        for path in files:
+            fs.write_bytes(fs.join(rejected, path[len(dead) + 1:]), fs.read_bytes(path))
 
 
 def _run_pipeline(options, files, schema, output: str, args, rejected: str) -> None:
     try:
         with beam.Pipeline(options=options) as p:
             _ = (p
-                 | "Files" >> beam.Create([os.path.abspath(f) for f in files])
+                 | "Files" >> beam.Create([os.path.abspath(f) if fs.is_local(f) else f
+                                          for f in files])
                  | "Compress" >> CompressFiles(schema.to_yaml(), output, args.shards,
                                                args.format, args.chunk_rows,
                                                args.max_bad_rows, len(files),
@@ -495,7 +584,7 @@ def _run_pipeline(options, files, schema, output: str, args, rejected: str) -> N
             for cls in (cli.Terminated, KeyboardInterrupt):
                 if re.match(rf"(?:[\w.]+\.)?{cls.__name__} \[while running", text):
                     raise cls() from None
-            for cls in (TooManyBadRows, RawDataError):
+            for cls in (TooManyBadRows, RawDataError, fs.StorageError):
                 match = re.search(rf"{cls.__name__}: (.+?)(?: \[while running|\n|$)", text)
                 if match:
                     raise cls(match.group(1)) from e

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from kafka_broker import tansu_broker  # noqa: E402
+from s3_server import moto_s3_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +25,21 @@ def kafka_broker():
     a fresh topic per test with ``kafka_broker.create_topic()``."""
     with tansu_broker() as broker:
         yield broker
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto's server mode) for the whole test session."""
+    with moto_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """``s3://<a fresh bucket>`` on the session's S3 server, with the test's environment
+    (AWS_ENDPOINT_URL, keys, region) pointing at it."""
+    with s3_server.environment():
+        yield s3_server.create_bucket()
 
 
 # Hypothesis draws new examples on every run unless told otherwise: in CI (CI=true) every run

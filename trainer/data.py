@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import compression
-from compression import TreeBatch
+from compression import TreeBatch, fs
 from schemas import Schema
 from schemas.schema import SCHEMA_YAML_KEY
 
@@ -109,7 +109,8 @@ def count_samples(data, schema: Schema) -> int | None:
         for path in files:
             if not path.endswith((".parquet", ".pq")):
                 return None
-            meta = pq.ParquetFile(path).metadata
+            with fs.source(path) as source:
+                meta = pq.ParquetFile(source).metadata
             if is_tree_table(meta.schema.to_arrow_schema(), schema):
                 samples = tree_file_samples(meta, schema)
                 if samples is None:
@@ -161,10 +162,14 @@ def _tree_table_samples(table: pa.Table, schema: Schema) -> int | None:
     return len(pc.list_flatten(lists))
 
 
+def _arrow_schema(path: str) -> pa.Schema:
+    with fs.source(path) as source:
+        return pq.ParquetFile(source).schema_arrow
+
+
 def file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:
     for path in files:
-        if path.endswith((".parquet", ".pq")) and is_tree_table(
-                pq.ParquetFile(path).schema_arrow, schema):
+        if path.endswith((".parquet", ".pq")) and is_tree_table(_arrow_schema(path), schema):
             yield from compression.iter_trees(path, schema=schema)
             continue
         for chunk in compression.iter_raw_chunks(path, schema, chunk_rows=RAW_CHUNK_ROWS):

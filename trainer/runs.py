@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from compression import cli
+from compression import cli, fs
 
 # the built-in models (trainer.models.MODELS, checked by a test): listed here so that --help
 # and argument errors do not import TensorFlow
@@ -121,7 +121,7 @@ def run_settings(args, schema, config, model_args: dict, train_files: list, eval
               epochs: int) -> dict:
     """What decides a run's result, as JSON: a resumed run must have the same."""
     def files(paths):
-        return [[os.path.abspath(p), os.path.getsize(p)] for p in paths]
+        return [[os.path.abspath(p) if fs.is_local(p) else p, fs.size(p)] for p in paths]
 
     settings = {"schema": schema.to_dict(), "config": config.to_dict(), "model": args.model,
                 "model_args": model_args, "train_data": files(train_files),
