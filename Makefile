@@ -24,7 +24,10 @@ $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt require
 # tests/conftest.py hands the slowest tests out first and keeps test_distributed_faults.py on
 # one worker; times in benchmarks/RESULTS.md (Session 14).
 TEST_WORKERS ?= 4
-test: $(STAMP) test-cpp
+test:
+	@# the install (mostly one core: pip) and the C++ unit tests' build side by side
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(CPP_TEST_BIN)
+	$(CPP_TEST_BIN)
 	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS)
 
 # C++ unit tests of native/src (native/tests/*.cc), built at -O1 from the sources without the

@@ -763,7 +763,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default trainer/examples/mlp.yaml)")
     p.add_argument("--tiny", action="store_true",
                    help="CI size: 3000 generated samples, 6000 MovieLens ratings, 1 seed, at "
-                        "most 3 passes")
+                        "most 2 passes")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
     p.add_argument("--data-seed", type=int, default=2, help="pipelines.generate seed")
     p.add_argument("--movielens-dir", default=None,
@@ -800,7 +800,7 @@ def run(argv=None) -> dict:
     if args.tiny:
         args.samples, args.seeds = [3000], 1
         args.movielens_rows = args.movielens_rows or 6000
-        args.epochs, args.keras_epochs = min(args.epochs, 3), min(args.keras_epochs, 3)
+        args.epochs, args.keras_epochs = min(args.epochs, 2), min(args.keras_epochs, 2)
         args.lr_bits = min(args.lr_bits, 18)
     if args.seeds < 1:
         raise SystemExit("--seeds: at least 1")
