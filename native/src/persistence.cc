@@ -486,6 +486,17 @@ void Skip(FileReader& r, uint64_t n) {
   }
 }
 
+// A delta's header: written by this build (the current row layout) for store `s`.
+void PutDeltaHeader(FileWriter& w, const EmbeddingStore::Impl& s, uint64_t sequence, int64_t global_step) {
+  w.Write(kDeltaMagic, 8);
+  w.Put<uint32_t>(kDeltaVersion);
+  w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
+  w.Put<uint32_t>(static_cast<uint32_t>(s.dim));
+  w.Put<uint32_t>(static_cast<uint32_t>(s.options.optimizer.kind));
+  w.Put<uint64_t>(sequence);
+  w.Put<int64_t>(global_step);
+}
+
 // Rows equal but for the dirty mark (which says only whether a delta still has to carry it).
 bool SameRow(const uint8_t* a, const uint8_t* b, size_t row_bytes) {
   RowHeader ha, hb;
@@ -638,13 +649,7 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
   std::vector<std::vector<int64_t>> taken_rows(s.shards.size()), taken_tombstones(s.shards.size());
   try {
     FileWriter w(path, "store.delta");
-    w.Write(kDeltaMagic, 8);
-    w.Put<uint32_t>(kDeltaVersion);
-    w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
-    w.Put<uint32_t>(static_cast<uint32_t>(s.dim));
-    w.Put<uint32_t>(static_cast<uint32_t>(s.options.optimizer.kind));
-    w.Put<uint64_t>(sequence);
-    w.Put<int64_t>(s.global_step.load());
+    PutDeltaHeader(w, s, sequence, s.global_step.load());
     std::vector<uint8_t> rows;
     for (size_t shard_index = 0; shard_index < s.shards.size(); ++shard_index) {
       Shard& shard = *s.shards[shard_index];
@@ -972,13 +977,7 @@ EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& 
   const size_t snap_shards = static_cast<size_t>(snap.options.num_shards);
   RebaseStats stats;
   FileWriter w(path, "store.delta");
-  w.Write(kDeltaMagic, 8);
-  w.Put<uint32_t>(kDeltaVersion);
-  w.Put<uint32_t>(static_cast<uint32_t>(s.row_bytes));
-  w.Put<uint32_t>(static_cast<uint32_t>(s.dim));
-  w.Put<uint32_t>(static_cast<uint32_t>(s.options.optimizer.kind));
-  w.Put<uint64_t>(s.delta_sequence.load() + 1);
-  w.Put<int64_t>(snap.global_step);
+  PutDeltaHeader(w, s, s.delta_sequence.load() + 1, snap.global_step);
   // The sequence to take: the snapshot's (its first delta is delta_sequence + 1).
   w.Put<uint8_t>(kSectionRebase);
   w.Put<uint64_t>(snap.delta_sequence);
