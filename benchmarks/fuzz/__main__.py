@@ -25,9 +25,9 @@ from compression import cli
 PROG = "python -m benchmarks.fuzz"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET_NAMES = ("json_decoder", "csv_file", "parquet_file", "jsonl_file", "tree_parquet",
-                "tree_ipc", "store_snapshot", "store_delta", "checkpoint", "schema_yaml",
-                "config_yaml")
-NATIVE_TARGETS = ("json_decoder", "store_snapshot", "store_delta")
+                "tree_ipc", "store_snapshot", "store_delta", "store_rebase", "checkpoint",
+                "schema_yaml", "config_yaml")
+NATIVE_TARGETS = ("json_decoder", "store_snapshot", "store_delta", "store_rebase")
 ASAN_DIR = os.path.join("build", "fuzz-asan")
 ASAN_SHARE = 0.3  # of a native target's time, run under ASan + UBSan
 ARTIFACT_KINDS = ("crash", "timeout", "oom", "leak", "slow-unit")

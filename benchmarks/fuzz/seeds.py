@@ -172,7 +172,8 @@ def seeds() -> dict[str, dict[str, bytes]]:
     })
 
     _, snapshot, delta = T.store_base()
-    for name, blob in (("store_snapshot", snapshot), ("store_delta", delta)):
+    for name, blob in (("store_snapshot", snapshot), ("store_rebase", snapshot),
+                       ("store_delta", delta)):
         body = blob[:-T.TRAILER_BYTES]
         out[name].update({
             "valid-as-is": b"\x00" + blob,
@@ -181,6 +182,7 @@ def seeds() -> dict[str, dict[str, bytes]]:
             "header-only-sealed": b"\x01" + body[:12],
         })
     out["store_snapshot"]["bloom-filter-sealed"] = b"\x01" + _bloom_snapshot()[:-T.TRAILER_BYTES]
+    out["store_rebase"]["bloom-filter-sealed"] = out["store_snapshot"]["bloom-filter-sealed"]
 
     _, _, files, _ = T.checkpoint_base()
     state = files["trainer.json"]

@@ -448,6 +448,53 @@ def store_delta(data: bytes) -> None:
     check_store(store)
 
 
+def store_rebase(data: bytes) -> None:
+    """A snapshot (see :func:`store_file`) taken in by a store of another lineage with
+    ``store.write_rebase_delta``: it refuses what ``EmbeddingStore.load`` refuses (writing
+    nothing), accepts what load accepts for a store of its dim and optimizer, and the delta
+    it writes, applied, leaves the store holding exactly the loaded snapshot's rows."""
+    import numpy as np
+
+    import native
+
+    base, _, _ = store_base()
+    store = native.EmbeddingStore.load(base)
+    train_store(store, range(4, 6))  # rows the snapshot may hold otherwise, or not at all
+    directory = input_path("-rebase")
+    os.makedirs(directory, exist_ok=True)
+    write(os.path.join(directory, "store.snapshot"), store_file(data))
+    out = input_path("-rebase.bin")
+    if os.path.exists(out):
+        os.remove(out)
+    try:
+        loaded = native.EmbeddingStore.load(directory)
+    except ValueError:
+        loaded = None
+    try:
+        stats = store.write_rebase_delta(directory, out)
+    except ValueError:
+        if os.path.exists(out):
+            raise Inconsistent("a refused rebase left its delta behind") from None
+        if loaded is not None and loaded.dim == store.dim and type(
+                loaded.config.optimizer) is type(store.config.optimizer):
+            raise Inconsistent("write_rebase_delta refused a snapshot load accepts") from None
+        raise
+    if loaded is None:
+        raise Inconsistent("write_rebase_delta accepted a snapshot load refuses")
+    contents = store.read_delta(out)
+    if contents["rebase"] != loaded.stats().delta_sequence or stats["rows"] != len(
+            contents["ids"]):
+        raise Inconsistent(f"rebase delta reads as {contents['rebase']}, {len(contents['ids'])}"
+                           f" rows; wrote {stats}")
+    store.apply_delta(out)
+    mine, theirs = store.to_numpy(), loaded.to_numpy()
+    a, b = np.argsort(mine["ids"]), np.argsort(theirs["ids"])
+    for name in ("ids", "values", "state", "update_counts", "last_steps", "last_times"):
+        if mine[name][a].tobytes() != theirs[name][b].tobytes():
+            raise Inconsistent(f"after the rebase the store's {name} differ from the snapshot's")
+    check_store(store)
+
+
 # -- trainer checkpoints ---------------------------------------------------------------------
 
 CHECKPOINT_SCHEMA = {"name": "fuzz_ckpt", "labels": ["click"], "layers": [
@@ -601,6 +648,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("store_snapshot", store_snapshot, native=True, max_len=8192,
            doc=store_snapshot.__doc__),
     Target("store_delta", store_delta, native=True, max_len=8192, doc=store_delta.__doc__),
+    Target("store_rebase", store_rebase, native=True, max_len=8192, doc=store_rebase.__doc__),
     Target("checkpoint", checkpoint, max_len=8192, doc=checkpoint.__doc__),
     Target("schema_yaml", schema_yaml, max_len=8192, doc=schema_yaml.__doc__),
     Target("config_yaml", config_yaml, max_len=8192, doc=config_yaml.__doc__),
