@@ -333,23 +333,32 @@ def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
+@contextlib.contextmanager
+def replaced_atomically(path: str):
+    """A temporary name beside the local file ``path``: what the block writes there becomes
+    ``path`` when the block ends (fsynced, then renamed into place); on an error it is removed
+    and ``path`` is left as it was."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_bytes(path: str, data: bytes) -> str:
     """Write ``path`` whole, atomically: a temp file renamed into place locally, one object
     upload on a store."""
     if is_local(path):
         path = local_path(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-        try:
+        with replaced_atomically(path) as tmp:
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
         return path
     with open_output(path) as f, _errors(path, "write it"):
         f.write(data)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterator
 
@@ -419,17 +418,8 @@ def write_trees(trees: pa.Table, path: str, row_group_rows: int = 1 << 14,
             pq.write_table(trees, f, row_group_size=row_group_rows, compression=compression)
         return path
     path = fs.local_path(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    try:
+    with fs.replaced_atomically(path) as tmp:
         pq.write_table(trees, tmp, row_group_size=row_group_rows, compression=compression)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
