@@ -83,12 +83,13 @@ def test_every_answer_is_one_published_version_while_versions_apply(tmp_path):
         for c in clients:
             c.start()
         try:
-            for version in range(1, 9):
-                _train(trainer, version)
-                assert export_increment(trainer, export)["version"] == version
-                assert reference.update() == len(trainer.tables)
-                expected[version] = reference.predict(PROBE)
-                assert not np.allclose(expected[version], expected[version - 1])
+            for version in range(9):  # version 0 answered before version 1 is published
+                if version:
+                    _train(trainer, version)
+                    assert export_increment(trainer, export)["version"] == version
+                    assert reference.update() == len(trainer.tables)
+                    expected[version] = reference.predict(PROBE)
+                    assert not np.allclose(expected[version], expected[version - 1])
                 with seen:  # a client got an answer of this version: the swap happened
                     assert seen.wait_for(lambda: errors or any(v == version for v, _ in answers),
                                          60), service.stderr
