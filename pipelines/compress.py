@@ -185,9 +185,10 @@ class _PooledFn(_FilesFn):
 @beam.typehints.with_output_types(Tuple[int, ShardPart])
 class _ReadShardsFn(_PooledFn):
     """One raw file -> (shard, part of the good rows); rejected rows are written to
-    ``OUTPUT/_dead_letter/`` (:func:`_write_dead_letter`). Parts carry the root layer's features once per root node of the chunk
-    (``compression.split_roots``), not once per sample: a user's features and behaviour lists,
-    most of the bytes, are then shuffled ~10x less often.
+    ``OUTPUT/_dead_letter/`` here (:func:`_write_dead_letter`). Parts carry the root layer's
+    features once per root node of the chunk (``compression.split_roots``), not once per
+    sample: a user's features and behaviour lists, most of the bytes, are then shuffled ~10x
+    less often.
 
     Whole-file problems (a missing or mistyped column, an unreadable file) raise
     :class:`RawDataError` naming the file: they are not bad rows, and retrying cannot fix them.

@@ -23,6 +23,7 @@ def train_args(base, out):
             "--patience", "2", "--seed", "3", "--out", str(out)]
 
 
+@pytest.mark.slow
 def test_a_run_on_s3_interrupted_and_resumed_equals_the_local_run(schema, raw_small, s3_bucket,
                                                                   tmp_path):
     from trainer import train
