@@ -21,8 +21,10 @@ def local_dask_cluster(workers: int = 2, timeout: float = 60.0) -> Iterator:
     worker connected before it is handed out; closed at the end."""
     from distributed import Client, LocalCluster
 
+    # The scheduler serves HTTP (health, metrics) even without a dashboard, on port 8787
+    # unless told otherwise: a free port instead, so clusters of parallel tests never clash.
     cluster = LocalCluster(n_workers=workers, processes=True, threads_per_worker=1,
-                           host="127.0.0.1", dashboard_address=None)
+                           host="127.0.0.1", dashboard_address="127.0.0.1:0")
     try:
         with Client(cluster) as client:
             client.wait_for_workers(workers, timeout=timeout)
