@@ -4,7 +4,6 @@ Predictor loaded from s3:// scores exactly as the same export on local disk."""
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 import compression
