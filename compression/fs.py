@@ -686,3 +686,48 @@ class StagedObjectOutput:
         if exc_type is not None or not self.committed:
             self.discard()
         return False
+
+
+def publish_directory(local_dir: str, directory: str, overwrite: bool = True,
+                      flag: str = "--output") -> str:
+    """Publish the local directory ``local_dir`` (every file under it) as the object-store
+    directory ``directory``, all or nothing (:class:`StagedObjectOutput`): the files are
+    copied under a hidden generation, then the manifest naming them is written last. With
+    ``overwrite`` (the default) an older output there is replaced whole."""
+    staged = StagedObjectOutput(directory, overwrite=overwrite, flag=flag)
+    with staged:
+        filesystem, inner = resolve(staged.tmp)
+        with _errors(directory, "publish it"):
+            # streams the files, several at once (no whole file in memory)
+            pafs.copy_files(os.path.abspath(local_path(local_dir)), inner,
+                            source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=filesystem)
+        staged.commit()
+    return staged.path
+
+
+def download_published(directory: str, local_dir: str) -> str:
+    """Copy the files the manifest of the published object-store ``directory`` names into the
+    local directory ``local_dir`` (created), keeping their relative paths; returns
+    ``local_dir``. :class:`NoSuchPath` when nothing is published there. For consumers that
+    must read local files (native libraries, TensorFlow's SavedModel loader)."""
+    manifest = published_manifest(directory)
+    if manifest is None:
+        raise NoSuchPath(f"{directory}: nothing published there ({MANIFEST} missing)")
+    filesystem, inner = resolve(directory)
+    local_dir = os.path.abspath(local_path(local_dir))
+    for name in manifest["files"]:
+        target = os.path.join(local_dir, *name.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with _errors(join(directory, name), "download it"):
+            pafs.copy_files(f"{inner}/{manifest['generation']}/{name}", target,
+                            source_filesystem=filesystem,
+                            destination_filesystem=pafs.LocalFileSystem())
+    return local_dir
+
+
+def check_bucket(path: str) -> None:
+    """Raise :class:`StorageError` now when the bucket of an object-store path does not exist
+    (for a command that writes there only at its end); nothing for other paths."""
+    if not is_local(path):
+        _check_bucket(path)

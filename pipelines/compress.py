@@ -26,7 +26,10 @@ Without ``--runner`` the job runs on the in-process ``FnApiRunner``: the default
 ``DirectRunner`` of Beam 2.77 first tries to download the Prism runner on every run and falls
 back to the FnApiRunner when it cannot (offline it only wastes time; on a network that drops
 packets it can hang). Pass ``--runner=DirectRunner``, ``DataflowRunner``, ``FlinkRunner`` or
-``SparkRunner`` with their usual options to run elsewhere.
+``SparkRunner`` with their usual options to run elsewhere, or
+``--runner=apache_beam.runners.dask.dask_runner.DaskRunner --dask_client_address=HOST:PORT``
+for a Dask cluster (Beam knows that runner only by its full name; see
+:class:`CompressFiles` for what shape it needs).
 
 Paths may be local or on an object store (``s3://bucket/logs/*.parquet``, ``gs://``): workers
 open and create files through Beam's ``FileSystems`` (``apache-beam[aws]`` for S3, ``[gcp]``
@@ -142,14 +145,34 @@ def _write_text(path: str, text: str) -> None:
             f.write(text.encode("utf-8"))
 
 
-class _PooledFn(beam.DoFn):
+class _FilesFn(beam.DoFn):
+    """A DoFn that opens and creates files through Beam's ``FileSystems`` with the job's
+    pipeline options (``--s3_endpoint_url``...), set in ``setup`` on the worker.
+
+    Dataflow's and the portable runners' workers receive the options from the runner; the
+    DaskRunner's do not, and Beam's S3 file system without options fails ("Unable to get
+    the Filesystem"). ``filesystem_options`` is the dict of the options given
+    (``PipelineOptions.get_all_options(drop_default=True)``); None leaves the worker's
+    own."""
+
+    def __init__(self, filesystem_options: dict | None = None):
+        self._filesystem_options = filesystem_options
+
+    def setup(self):
+        if self._filesystem_options is not None:
+            FileSystems.set_options(PipelineOptions.from_dictionary(self._filesystem_options))
+
+
+class _PooledFn(_FilesFn):
     """A DoFn with a pool of ``threads - 1`` worker threads (None for one thread) next to the
     bundle thread, built in ``setup`` (DoFns are pickled) and shut down in ``teardown``."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, filesystem_options: dict | None = None):
+        super().__init__(filesystem_options)
         self._threads = max(1, threads)
 
     def setup(self):
+        super().setup()
         self._pool = (concurrent.futures.ThreadPoolExecutor(self._threads - 1)
                       if self._threads > 1 else None)
 
@@ -161,20 +184,20 @@ class _PooledFn(beam.DoFn):
 
 @beam.typehints.with_output_types(Tuple[int, ShardPart])
 class _ReadShardsFn(_PooledFn):
-    """One raw file -> (shard, part of the good rows), and rejected rows to the dead-letter
-    output. Parts carry the root layer's features once per root node of the chunk
-    (``compression.split_roots``), not once per sample: a user's features and behaviour lists,
-    most of the bytes, are then shuffled ~10x less often.
+    """One raw file -> (shard, part of the good rows); rejected rows are written to
+    ``OUTPUT/_dead_letter/`` here (:func:`_write_dead_letter`). Parts carry the root layer's
+    features once per root node of the chunk (``compression.split_roots``), not once per
+    sample: a user's features and behaviour lists, most of the bytes, are then shuffled ~10x
+    less often.
 
     Whole-file problems (a missing or mistyped column, an unreadable file) raise
     :class:`RawDataError` naming the file: they are not bad rows, and retrying cannot fix them.
     """
 
-    DEAD_LETTER = "dead_letter"
-
-    def __init__(self, schema_yaml: str, shards: int, format: str | None, chunk_rows: int,
-                 threads: int = 1):
-        super().__init__(threads)
+    def __init__(self, schema_yaml: str, output: str, shards: int, format: str | None,
+                 chunk_rows: int, threads: int = 1, filesystem_options: dict | None = None):
+        super().__init__(threads, filesystem_options)
+        self._dead_letter_dir = fs.join(output, DEAD_LETTER_DIR)
         self._schema_yaml = schema_yaml
         self._shards = shards
         self._format = format
@@ -241,7 +264,7 @@ class _ReadShardsFn(_PooledFn):
     def _emit(self, rejected: pa.Table, parts):
         if rejected.num_rows:
             self._bad.inc(rejected.num_rows)
-            yield beam.pvalue.TaggedOutput(self.DEAD_LETTER, rejected)
+            _write_dead_letter(self._dead_letter_dir, rejected)
         yield from parts
 
 
@@ -255,8 +278,9 @@ class _BuildShardFn(_PooledFn):
     order of completion; at most ``threads`` shards are in memory at once.
     """
 
-    def __init__(self, schema_yaml: str, output: str, shards: int, threads: int = 1):
-        super().__init__(threads)
+    def __init__(self, schema_yaml: str, output: str, shards: int, threads: int = 1,
+                 filesystem_options: dict | None = None):
+        super().__init__(threads, filesystem_options)
         self._schema_yaml = schema_yaml
         self._output = output
         self._shards = shards
@@ -322,37 +346,59 @@ class _BuildShardFn(_PooledFn):
         return shard, stats
 
 
-class _WriteDeadLetterFn(beam.DoFn):
-    """Rejected rows (source, row, reason) as one JSON-lines file per rejecting chunk.
+def _write_dead_letter(directory: str, rejected: pa.Table) -> None:
+    """Rejected rows (source, row, reason) of one chunk as one JSON-lines file.
 
     The file name comes from the source and its first rejected row, so a retried bundle
-    rewrites the same file instead of adding a copy.
+    rewrites the same file instead of adding a copy, and :func:`_count_dead_letters` can count
+    the files' lines.
     """
-
-    def __init__(self, output: str):
-        self._directory = fs.join(output, DEAD_LETTER_DIR)
-
-    def process(self, rejected: pa.Table):
-        source = rejected.column("source")[0].as_py()
-        first = rejected.column("row")[0].as_py()
-        tag = hashlib.sha1(source.encode()).hexdigest()[:8]
-        base = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(source)) or "input"
-        path = fs.join(self._directory, f"{base}-{tag}-{first:012d}.jsonl")
-        # rejected rows only: few, and small
-        _write_text(path, "".join(json.dumps(row) + "\n" for row in rejected.to_pylist()))
-        # (count, and the chunk's first rejected row for the job's error: source, row, reason)
-        yield rejected.num_rows, source, first, rejected.column("reason")[0].as_py()
+    source = rejected.column("source")[0].as_py()
+    first = rejected.column("row")[0].as_py()
+    tag = hashlib.sha1(source.encode()).hexdigest()[:8]
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(source)) or "input"
+    path = fs.join(directory, f"{base}-{tag}-{first:012d}.jsonl")
+    # rejected rows only: few, and small
+    _write_text(path, "".join(json.dumps(row) + "\n" for row in rejected.to_pylist()))
 
 
-class _FinishFn(beam.DoFn):
+def _count_dead_letters(directory: str) -> tuple[int, dict | None]:
+    """(rejected rows, the first of them by source and row) of the files in ``directory``."""
+    pattern = fs.join(directory, "*.jsonl")
+    with _storage_errors(directory, "list it"):
+        found = FileSystems.match([pattern])[0].metadata_list
+    count, first = 0, None
+    for metadata in sorted(found, key=lambda m: m.path):
+        with _storage_errors(metadata.path, "read it"):
+            with FileSystems.open(metadata.path, mime_type="application/octet-stream",
+                                  compression_type=CompressionTypes.UNCOMPRESSED) as f:
+                lines = f.read().decode("utf-8").splitlines()
+        count += len(lines)
+        if lines:
+            head = json.loads(lines[0])
+            if first is None or (head["source"], head["row"]) < (first["source"],
+                                                                   first["row"]):
+                first = head
+    return count, first
+
+
+_GATHER = 0  # the one key all shard statistics are grouped under (an int: same hash anywhere)
+
+
+class _FinishFn(_FilesFn):
     """Merges the shards' statistics, checks the bad-row budget, writes ``_stats.json``.
 
+    Its one element is ``(_GATHER, [None, (shard, stats), ...])``: the statistics of every
+    shard built, grouped under one key, with a None that makes the element exist when no
+    shard was. Bad rows are counted from the dead-letter files the read step wrote.
     ``_stats.json`` is written last and only when the job succeeds: its presence marks a
     complete output directory.
     """
 
     def __init__(self, schema_yaml: str, output: str, shards: int, input_files: int,
-                 max_bad_rows: int, rejected_dir: str | None = None):
+                 max_bad_rows: int, rejected_dir: str | None = None,
+                 filesystem_options: dict | None = None):
+        super().__init__(filesystem_options)
         self._schema_yaml = schema_yaml
         self._output = output
         self._rejected_dir = rejected_dir or fs.join(output, DEAD_LETTER_DIR)
@@ -360,19 +406,19 @@ class _FinishFn(beam.DoFn):
         self._input_files = input_files
         self._max_bad_rows = max_bad_rows
 
-    def process(self, _, shard_stats, bad_counts):
+    def process(self, element):
+        _, gathered = element
         schema = _load_schema(self._schema_yaml)
-        bad_rows = int(sum(count for count, *_ in bad_counts))
+        bad_rows, first = _count_dead_letters(fs.join(self._output, DEAD_LETTER_DIR))
         if bad_rows > self._max_bad_rows:
-            _, source, _, reason = min(bad_counts, key=lambda c: (c[1], c[2]))
             raise TooManyBadRows(
                 f"{bad_rows:,} rows failed validation, more than --max-bad-rows "
-                f"{self._max_bad_rows:,} (the first: {source}: {reason}); their reasons are in "
-                f"{self._rejected_dir}/ (fix the data, or raise "
+                f"{self._max_bad_rows:,} (the first: {first['source']}: {first['reason']}); "
+                f"their reasons are in {self._rejected_dir}/ (fix the data, or raise "
                 "--max-bad-rows to drop them)")
         total = TreeStats(schema)
         built = set()
-        for shard, stats in shard_stats:
+        for shard, stats in (g for g in gathered if g is not None):
             total.merge(stats)
             built.add(shard)
         # A shard no sample hashed to still gets its (empty) file: readers can count on N.
@@ -392,16 +438,27 @@ class CompressFiles(beam.PTransform):
 
     ``schema_yaml`` is the schema's YAML text (what DoFns carry to the workers).
     ``rejected_dir`` is where the error of a failed job says the rejected rows are (default
-    ``output/_dead_letter``).
+    ``output/_dead_letter``). ``filesystem_options``: the pipeline options the workers set on
+    Beam's ``FileSystems`` (:class:`_FilesFn`).
+
+    One chain of single-output ParDos, GroupByKeys and a Flatten, no side inputs: the shape
+    Beam 2.77's DaskRunner runs. It hands every consumer of a multi-output ParDo all of its
+    outputs mixed (the dead-letter writer got (shard, part) pairs), computes only the last
+    transform's graph (a side input is computed again inside the task that reads it, which
+    holds a worker meanwhile), and drops what a DoFn emits from ``finish_bundle`` (its
+    ``apply_dofn_to_bundle`` collects the outputs before calling it): the job passes
+    ``threads=1`` to the build step there (:func:`build_threads`).
     """
 
     def __init__(self, schema_yaml: str, output: str, shards: int = DEFAULT_SHARDS,
                  format: str | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                  max_bad_rows: int = 0, input_files: int = 0,
-                 threads: int = DEFAULT_THREADS, rejected_dir: str | None = None):
+                 threads: int = DEFAULT_THREADS, rejected_dir: str | None = None,
+                 filesystem_options: dict | None = None, build_threads: int | None = None):
         super().__init__()
         self._rejected_dir = rejected_dir
         self._threads = threads
+        self._build_threads = threads if build_threads is None else build_threads
         self._schema_yaml = schema_yaml
         self._output = output
         self._shards = shards
@@ -409,28 +466,57 @@ class CompressFiles(beam.PTransform):
         self._chunk_rows = chunk_rows
         self._max_bad_rows = max_bad_rows
         self._input_files = input_files
+        self._filesystem_options = filesystem_options
 
     def expand(self, paths):
-        read = (paths
-                | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadAndShard" >> beam.ParDo(
-                    _ReadShardsFn(self._schema_yaml, self._shards, self._format,
-                                  self._chunk_rows, self._threads)).with_outputs(
-                    _ReadShardsFn.DEAD_LETTER, main="rows"))
-        shard_stats = (read.rows
+        options = self._filesystem_options
+        shard_stats = (paths
+                       | "SpreadFiles" >> beam.Reshuffle()
+                       | "ReadAndShard" >> beam.ParDo(
+                           _ReadShardsFn(self._schema_yaml, self._output, self._shards,
+                                         self._format, self._chunk_rows, self._threads,
+                                         options))
                        | "GroupByShard" >> beam.GroupByKey()
                        | "BuildAndWrite" >> beam.ParDo(
                            _BuildShardFn(self._schema_yaml, self._output, self._shards,
-                                         self._threads)))
-        bad_counts = (read[_ReadShardsFn.DEAD_LETTER]
-                      | "WriteDeadLetter" >> beam.ParDo(_WriteDeadLetterFn(self._output)))
-        return (paths.pipeline
-                | "Finish" >> beam.Create([None])
+                                         self._build_threads, options)))
+        always = paths.pipeline | "Finish" >> beam.Create([None])
+        return ((shard_stats, always)
+                | "Gather" >> beam.Flatten()
+                | "OneKey" >> beam.Map(lambda stats: (_GATHER, stats))
+                | "GroupAll" >> beam.GroupByKey()
                 | "WriteStats" >> beam.ParDo(
                     _FinishFn(self._schema_yaml, self._output, self._shards,
-                              self._input_files, self._max_bad_rows, self._rejected_dir),
-                    shard_stats=beam.pvalue.AsList(shard_stats),
-                    bad_counts=beam.pvalue.AsList(bad_counts)))
+                              self._input_files, self._max_bad_rows, self._rejected_dir,
+                              options)))
+
+
+def _on_dask(options: PipelineOptions) -> bool:
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    runner = options.view_as(StandardOptions).runner
+    name = runner if isinstance(runner, str) else type(runner).__name__
+    return bool(name) and name.rsplit(".", 1)[-1] == "DaskRunner"
+
+
+def build_threads(options: PipelineOptions, threads: int) -> int:
+    """The threads of the build step: 1 on the DaskRunner (which drops what
+    ``finish_bundle`` emits, where the pool's last builds come out), ``threads`` elsewhere."""
+    return 1 if _on_dask(options) else threads
+
+
+def _spread_on_dask(options: PipelineOptions, files: int) -> None:
+    """On the DaskRunner, one Dask partition per input file unless ``--dask_npartitions`` or
+    ``--dask_partition_size`` is given: Beam's DaskRunner puts up to 128 elements of a Create
+    in one partition and its Reshuffle does nothing, so one task would read every file, and
+    the GroupByKey keeps the number of partitions, so one worker would build every shard."""
+    if not _on_dask(options):
+        return
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+
+    dask = options.view_as(DaskOptions)
+    if dask.npartitions is None and dask.partition_size is None:
+        dask.npartitions = files
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -566,15 +652,24 @@ def _keep_dead_letter(tmp: str, rejected: str) -> None:
 
 
 def _run_pipeline(options, files, schema, output: str, args, rejected: str) -> None:
+    _spread_on_dask(options, len(files))
     try:
-        with beam.Pipeline(options=options) as p:
-            _ = (p
-                 | "Files" >> beam.Create([os.path.abspath(f) if fs.is_local(f) else f
-                                          for f in files])
-                 | "Compress" >> CompressFiles(schema.to_yaml(), output, args.shards,
-                                               args.format, args.chunk_rows,
-                                               args.max_bad_rows, len(files),
-                                               args.threads, rejected))
+        p = beam.Pipeline(options=options)
+        _ = (p
+             | "Files" >> beam.Create([os.path.abspath(f) if fs.is_local(f) else f
+                                      for f in files])
+             | "Compress" >> CompressFiles(
+                 schema.to_yaml(), output, args.shards, args.format, args.chunk_rows,
+                 args.max_bad_rows, len(files), args.threads, rejected,
+                 options.get_all_options(drop_default=True),
+                 build_threads(options, args.threads)))
+        result = p.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            client = getattr(result, "client", None)  # the DaskRunner's, left open by Beam
+            if client is not None:
+                client.close()
     except Exception as e:
         ours = _job_error(e)
         if ours is None:

@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import schemas
-from compression import cli
+from compression import cli, fs
 from schemas import Feature, Schema, stable_hash
 from schemas.hashing import GOLDEN, mix64
 
@@ -800,6 +800,11 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
     ``shards`` defaults to one file per ~500k rows. Files are written under a temporary name and
     renamed, and ``part-*.parquet`` files left from an earlier, larger run are removed, so the
     directory always holds one complete data set. Same arguments, same rows.
+
+    ``out_dir`` may be an object-store URI (``s3://...``, through :mod:`compression.fs`): each
+    file is then one object that appears complete when it is closed, written in place (the
+    command writes into the hidden generation of a :class:`compression.fs.StagedObjectOutput`,
+    published by its manifest at the end).
     """
     _check(schema, samples, seed, samples_per_user, ctr, chunk_rows)
     samples = int(samples)
@@ -811,7 +816,8 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
         raise ValueError(f"shards: {shards} shards for {samples} samples would leave empty "
                          f"files; use at most {samples}")
     out_dir = os.fspath(out_dir)
-    _prepare_dir(out_dir)
+    if fs.is_local(out_dir):
+        _prepare_dir(out_dir)
 
     names = [f"part-{i:05d}.parquet" for i in range(shards)]
     shard_writer = _ShardWriter(out_dir, names, math.ceil(samples / shards),
@@ -849,39 +855,51 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
         bar.close()
         shard_writer.abort()
     assert written == samples and shard_writer.done == len(names), (written, shard_writer.done)
-    _remove_stale(out_dir, set(names))
+    if fs.is_local(out_dir):
+        _remove_stale(out_dir, set(names))
 
     truth = _truth(plan, root_counts, labels_all, probs_all, out_dir, names, seed)
-    path = os.path.join(out_dir, TRUTH_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(truth, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    fs.write_text(fs.join(out_dir, TRUTH_FILE), json.dumps(truth, indent=2) + "\n")
     return truth
 
 
 class _ShardWriter:
-    """Cuts the row stream into ``names`` files of ``rows_per_shard`` rows; each file is
-    written under a temporary name and renamed when complete."""
+    """Cuts the row stream into ``names`` files of ``rows_per_shard`` rows; each local file is
+    written under a temporary name and renamed when complete (an object on a store appears,
+    complete, when its stream is closed: no temporary name there)."""
 
     def __init__(self, out_dir: str, names: list[str], rows_per_shard: int, schema: pa.Schema):
         self.out_dir, self.names, self.rows_per_shard, self.schema = (
             out_dir, names, rows_per_shard, schema)
-        self.suffix = f".tmp-{os.getpid()}"
+        self.local = fs.is_local(out_dir)
+        self.suffix = f".tmp-{os.getpid()}" if self.local else ""
         self.done = 0          # files completed
         self._writer = None
+        self._sink = None      # the object's stream on a store
         self._rows = 0         # rows in the open file
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.out_dir, name)
+        return fs.join(self.out_dir, name)
+
+    def _open(self, path: str) -> pq.ParquetWriter:
+        if self.local:
+            return pq.ParquetWriter(path, self.schema, compression="zstd")
+        self._sink = fs.open_output(path)
+        return pq.ParquetWriter(self._sink, self.schema, compression="zstd")
+
+    def _close(self) -> None:
+        self._writer.close()
+        self._writer = None
+        if self._sink is not None:
+            with fs.translate_errors(self._path(self.names[self.done]), "write it"):
+                self._sink.close()
+            self._sink = None
 
     def write(self, table: pa.Table):
         start = 0
         while start < table.num_rows:
             if self._writer is None:
-                self._writer = pq.ParquetWriter(self._path(self.names[self.done] + self.suffix),
-                                                self.schema, compression="zstd")
+                self._writer = self._open(self._path(self.names[self.done] + self.suffix))
             take = min(table.num_rows - start, self.rows_per_shard - self._rows)
             self._writer.write_table(table.slice(start, take))
             start += take
@@ -894,18 +912,17 @@ class _ShardWriter:
             self._finish()
 
     def _finish(self):
-        self._writer.close()
-        self._writer = None
+        self._close()
         name = self.names[self.done]
-        os.replace(self._path(name + self.suffix), self._path(name))
+        if self.local:
+            os.replace(self._path(name + self.suffix), self._path(name))
         self.done, self._rows = self.done + 1, 0
 
     def abort(self):
         """After a failure: drop the half-written file (complete ones stay)."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            os.remove(self._path(self.names[self.done] + self.suffix))
+            self._close()
+            fs.delete_tree(self._path(self.names[self.done] + self.suffix))
 
 
 def _truth(plan: _Plan, root_counts, labels_all, probs_all, out_dir, names, seed) -> dict:
@@ -934,7 +951,7 @@ def _truth(plan: _Plan, root_counts, labels_all, probs_all, out_dir, names, seed
                     "logit_std": _LOGIT_STD, "samples_per_user": plan.samples_per_user},
         "vocab": {p.feature.name: p.pool.vocab for p in plan.plans if p.pool is not None},
         "files": names,
-        "bytes": int(sum(os.path.getsize(os.path.join(out_dir, n)) for n in names)),
+        "bytes": int(sum(fs.size(fs.join(out_dir, n)) for n in names)),
     }
     for li, name in enumerate(plan.schema.labels):
         stats = {"rate": float(labels_all[name].mean()),
@@ -1004,9 +1021,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", required=True, type=int,
                    help="number of samples (rows) to write")
     p.add_argument("--out", required=True,
-                   help="output directory (part-*.parquet and _truth.json); a non-empty one is "
-                        "refused unless --overwrite; written through a temporary directory "
-                        "renamed into place at the end")
+                   help="output directory (part-*.parquet and _truth.json), local or on an "
+                        "object store (s3://bucket/raw); a non-empty one is refused unless "
+                        "--overwrite; written through a temporary directory renamed into place "
+                        "at the end (on an object store: under a hidden prefix, published by "
+                        "OUT/_MANIFEST.json written last)")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed; the same seed and options give the same rows (default 0)")
     p.add_argument("--shards", type=int, default=None,
@@ -1043,7 +1062,7 @@ def run(argv=None) -> dict:
           f"{truth['samples_per_user_mean']:.1f} samples/user "
           f"(p50 {truth['samples_per_user_p50']:.0f}, p99 {truth['samples_per_user_p99']:.0f}), "
           f"ctr {truth['ctr']:.4f}, bayes_auc {truth['bayes_auc']:.4f}")
-    print(os.path.join(args.out, TRUTH_FILE))
+    print(fs.join(args.out, TRUTH_FILE))
     return truth
 
 

@@ -242,7 +242,8 @@ def fit_result(args, config, history: dict, stats: dict, keep_best: bool, epochs
                   model=args.model, compute=config.compute, batch_size=config.batch_size,
                   epochs=epochs, run_dir=os.path.abspath(args.out))
     if getattr(args, "export_dir", None):
-        result["export_dir"] = os.path.abspath(args.export_dir)
+        result["export_dir"] = (os.path.abspath(args.export_dir)
+                                if fs.is_local(args.export_dir) else args.export_dir)
     return {k: json_number(v) for k, v in result.items()}
 
 
@@ -251,6 +252,9 @@ def check_export_dir(export_dir: str, out: str, inputs) -> None:
     end), and neither inside the run directory nor holding it or an input."""
     from compression.cli import UsageError
 
+    if not fs.is_local(export_dir):
+        _check_remote_export_dir(export_dir, out, inputs)
+        return
     real, run = os.path.realpath(export_dir), os.path.realpath(out)
     for other, what in ((run, f"the run directory {out}"),
                         *((os.path.realpath(i), f"the input {i}") for i in inputs)):
@@ -264,6 +268,30 @@ def check_export_dir(export_dir: str, out: str, inputs) -> None:
             not os.path.isfile(os.path.join(export_dir, "export.json")):
         raise UsageError(f"--export-dir {export_dir}: holds something other than an export "
                          "(no export.json); choose an empty or new directory")
+
+
+def _check_remote_export_dir(export_dir: str, out: str, inputs) -> None:
+    """``check_export_dir`` for an object-store directory: empty (leftovers of writers that
+    died aside) or a published export (``_MANIFEST.json`` naming export.json)."""
+    from compression.cli import UsageError
+
+    base = export_dir.rstrip("/")
+    for other, what in ((out, f"the run directory {out}"),
+                        *((i, f"the input {i}") for i in inputs)):
+        other = os.fspath(other).rstrip("/")
+        if base == other or base.startswith(other + "/") or other.startswith(base + "/"):
+            raise UsageError(f"--export-dir {export_dir}: overlaps {what}; choose a directory "
+                             "of its own")
+    fs.check_bucket(base)
+    manifest = fs.published_manifest(base)
+    if manifest is not None and "export.json" in manifest["files"]:
+        return
+    kept = [f for f in fs.list_files(base)
+            if not f[len(base) + 1:].startswith(fs.GENERATION_PREFIX)]
+    if kept:
+        raise UsageError(f"--export-dir {export_dir}: holds something other than an export "
+                         "(no _MANIFEST.json naming export.json); choose an empty or new "
+                         "directory")
 
 
 def result_line(result: dict) -> str:

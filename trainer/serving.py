@@ -34,6 +34,13 @@ The SavedModel takes the feed of :mod:`trainer.feed` (ids already turned into em
 the Predictor does that part with the native stores, so a serving process follows the trainer
 through ``apply_delta`` without reloading TensorFlow. Samples are scored one leaf per sample
 (every layer's node is the sample itself), which keeps their order.
+
+**Object stores.** A full export may go to ``s3://...`` (``gs://``..., through
+:mod:`compression.fs`): it is written to a local temporary directory, then published all or
+nothing, its files under a hidden ``DIR/.gen-XXXXXXXX/`` and ``DIR/_MANIFEST.json`` written
+last (:func:`compression.fs.publish_directory`). ``Predictor("s3://...")`` downloads the files
+that manifest names to a local temporary directory first (the native stores and TensorFlow load
+local files) and loads from there. Versions (:func:`export_increment`) are local only for now.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ from compression.cli import replace_directory
 import native
 from native.crash_points import crash_point
 import schemas
-from compression import LayerBatch, TreeBatch
+from compression import LayerBatch, TreeBatch, fs
 from compression.batches import feature_array
 from schemas.hashing import id_shards
 from trainer.checkpoints import dense_name
@@ -78,7 +85,18 @@ def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None
     ``stores``: ``{table: EmbeddingStore}`` to snapshot; or ``write_stores(tmp_dir)``, which
     writes the snapshots itself and returns what to add to ``export.json``
     (``DistributedTrainer.export``: one snapshot per shard, ``stores/<table>/shard-NNNN``,
-    and ``"shards": S``)."""
+    and ``"shards": S``).
+
+    On an object store (``directory`` a URI) the export is written locally, then published
+    whole by a manifest written last (see the module's docstring)."""
+    if not fs.is_local(os.fspath(directory)):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="prefixrec-export-") as local:
+            export(core, os.path.join(local, "export"), step=step, stores=stores,
+                   write_stores=write_stores)
+            return fs.publish_directory(os.path.join(local, "export"), os.fspath(directory),
+                                        flag="--export-dir")
     directory = os.path.abspath(os.fspath(directory))
     tmp = f"{directory}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -154,6 +172,10 @@ def export_increment(trainer, directory: str | os.PathLike,
     ``export(dir)``, ``export_delta(dir)`` -> ``{table: path or [path per shard]}``,
     ``dense_arrays(optimizer=False)`` and ``step``). Returns ``{"full": dir}`` or
     ``{"version": N, "manifest": path, "deltas": ..., "dense": path}``, plus ``"lineage"``."""
+    if not fs.is_local(os.fspath(directory)):
+        raise ValueError(f"{os.fspath(directory)}: versions (export_increment) are written to "
+                         "local directories only for now; export to an object store with "
+                         "export()")
     directory = os.path.abspath(os.fspath(directory))
     mine = _PUBLISHED.setdefault(trainer, {})
     state = mine.get(directory)
@@ -211,7 +233,9 @@ class Predictor:
     """Scores raw samples with an export directory's SavedModel and embedding snapshots."""
 
     def __init__(self, directory: str | os.PathLike, batch_size: int = 4096):
-        self.directory = os.fspath(directory)
+        self.directory = self.source = os.fspath(directory)
+        if not fs.is_local(self.source):  # a local copy of what the manifest names
+            self.directory = self._download(self.source)
         path = os.path.join(self.directory, "export.json")
         try:
             with open(path) as f:
@@ -246,6 +270,16 @@ class Predictor:
         self.lineage = meta.get("lineage")
         self.version = 0  # of the lineage: the full export
 
+    def _download(self, uri: str) -> str:
+        import tempfile
+
+        manifest = fs.published_manifest(uri)
+        if manifest is None or "export.json" not in manifest["files"]:
+            raise FileNotFoundError(f"{uri}: not a trainer export (no {fs.MANIFEST} naming "
+                                    "export.json); write one with Trainer.export")
+        self._local_copy = tempfile.TemporaryDirectory(prefix="prefixrec-predictor-")
+        return fs.download_published(uri, self._local_copy.name)
+
     def _update_dense(self) -> None:
         path = os.path.join(self.directory, "dense.npz")
         if os.path.exists(path) and _dense_step(path) > self.dense_step:
@@ -278,6 +312,9 @@ class Predictor:
         Predictor (``trainer.serve`` does it by itself)."""
         if delta_root is not None:
             return self._apply_delta_tree(os.fspath(delta_root))
+        if self.source != self.directory:
+            raise ValueError(f"{self.source}: versions of an export on an object store are not "
+                             "followed yet; load a new Predictor for a new export")
         versions = [v for v in published_versions(self.directory) if v > self.version]
         if not versions:  # an export of the older layout: deltas/ and dense.npz
             self._update_dense()

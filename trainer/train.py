@@ -17,6 +17,12 @@ interrupted.json`` (the settings and where the fit stopped) in place; the same c
 evaluations and early-stopping state; exact with the defaults: no dropout, no stale lookups).
 With ``--workers``/``--shards`` (Ray) the run directory, a signal and ``--resume`` are handled
 alike (the pipeline drains first; resumed with the same ``--workers`` and ``--shards``).
+
+``--out`` may be on an object store (``s3://bucket/runs/mlp``): the run then works in a local
+temporary directory (a ``--resume`` first downloads the published run into it), and at the end,
+or on an interrupt, that directory is published to ``--out`` all or nothing
+(:func:`compression.fs.publish_directory`: its files under a hidden generation, the manifest
+written last). A failed run publishes nothing; what was published before stays as it was.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 
 import compression  # noqa: F401
 import schemas
-from compression import cli
+from compression import cli, fs
 from trainer.config import ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
                           StopOnSignal, check_export_dir, fit_result, interrupted_run, link_tree,
@@ -76,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run directory; written through a temporary directory next to it and "
                         "renamed into place at the end (or on an interrupt, with the "
                         "checkpoint); a directory holding another run is refused, an "
-                        "interrupted one is continued with --resume")
+                        "interrupted one is continued with --resume. On an object store "
+                        "(s3://...): a local working directory published there by a "
+                        "manifest at the end or on an interrupt")
     p.add_argument("--export-dir", metavar="DIR",
                    help="also write a serving export of the kept model here at the end "
                         "(SavedModel + embedding snapshots: trainer.serving.Predictor reads "
@@ -118,6 +128,8 @@ def run(argv=None) -> dict:
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out and --overwrite replaces it; pass "
                      "one of them")
+    if not fs.is_local(args.out):
+        return _run_with_out_on_store(argv, args)
     try:
         schema = schemas.load(args.schema)
         config = TrainConfig.load(args.config) if args.config else TrainConfig()
@@ -227,6 +239,54 @@ def run(argv=None) -> dict:
             json.dump(result, f, indent=1)
         staged.commit()
     return result
+
+
+def _run_with_out_on_store(argv: list[str], args) -> dict:
+    """The run with ``--out`` on an object store: in a local working directory (the published
+    run downloaded into it for ``--resume``), published to ``--out`` at the end or on an
+    interrupt. Messages name ``--out``, never the working directory."""
+    out = args.out.rstrip("/")
+    inputs = [*args.train_data, *(args.eval_data or [])]
+    if args.export_dir:
+        check_export_dir(args.export_dir, out, [])
+    if args.resume:
+        if fs.published_manifest(out) is None:
+            fs.check_bucket(out)
+            raise cli.UsageError(f"--out {args.out}: no interrupted run to resume (nothing "
+                                 "published there); run without --resume to start one")
+    else:  # the bucket, the output policy and the inputs, before any work
+        fs.StagedObjectOutput(out, args.overwrite, "--out", inputs)
+    work = tempfile.mkdtemp(prefix="prefixrec-run-")
+    local = os.path.join(work, "run")
+    try:
+        if args.resume:
+            fs.download_published(out, local)
+        local_argv, i = [], 0
+        while i < len(argv):  # --out URI -> --out LOCAL; --overwrite: the local one is new
+            if argv[i] == "--out":
+                local_argv += ["--out", local]
+                i += 2
+                continue
+            if argv[i].startswith("--out="):
+                local_argv.append(f"--out={local}")
+            elif argv[i] != "--overwrite":
+                local_argv.append(argv[i])
+            i += 1
+        try:
+            result = run(local_argv)
+        except Interrupted as e:
+            fs.publish_directory(local, out, flag="--out")
+            e.args = (str(e).replace(local, out),)
+            raise
+        except cli.UsageError as e:
+            e.args = (str(e).replace(local, out),)
+            raise
+        if "run_dir" in result:
+            result["run_dir"] = out
+        fs.publish_directory(local, out, flag="--out")
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv=None) -> int:
