@@ -79,6 +79,9 @@ SLOW_FIRST = (
     "tests/serve/test_serve_online.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_serving_benchmark_tiny",
     "tests/serve/test_serve.py",
+    "tests/trainer/test_train_out_s3.py",
+    "tests/pipelines/test_compress_dask.py",
+    "tests/trainer/test_export_s3.py",
 )
 # Tests that share an expensive module-scoped fixture go to one worker together: the `runs`
 # fixture of test_distributed_faults.py is a 2 x 2 Ray run killed twice and a single-process
