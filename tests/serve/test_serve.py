@@ -280,14 +280,34 @@ def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(s
                                    _predictions(tree), rtol=1e-6)
 
         # SIGTERM while requests are being computed: every accepted one is answered
-        big = {"samples": [{**PROBE[i % 12], "item": i} for i in range(3000)]}
+        big = json.dumps({"samples": [{**PROBE[i % 12], "item": i} for i in range(3000)]}
+                         ).encode()
         watcher = service.connection()
+
+        def client(results, sent):
+            connection = service.connection(120)
+            connection.request("POST", "/v1/predict", big, {"Content-Type": "application/json"})
+            sent.release()
+            response = connection.getresponse()
+            response.read()
+            results.append(response.status)
+            connection.close()
+
         for _ in range(20):  # waves of 4 requests (computed one at a time) until all 4 are
             results = []     # seen accepted (read, queued or being computed) at once
-            clients = [threading.Thread(target=lambda: results.append(
-                service.predict(big)[0])) for _ in range(4)]
-            for c in clients:
-                c.start()
+            sent = threading.Semaphore(0)
+            clients = [threading.Thread(target=client, args=(results, sent)) for _ in range(4)]
+            # the service stopped while the four bodies are sent: on a loaded host it answered
+            # one before it had read the next (CI saw 20 waves in a row without 4 at once);
+            # continued, it finds all four in its sockets
+            service.child.send_signal(signal.SIGSTOP)
+            try:
+                for c in clients:
+                    c.start()
+                for _ in clients:
+                    sent.acquire(timeout=10)
+            finally:
+                service.child.send_signal(signal.SIGCONT)
             caught = False
             while not caught and any(c.is_alive() for c in clients):
                 caught = "prefixrec_serve_requests_in_flight 4.0" in service.request(
