@@ -76,3 +76,34 @@ def evaluation(probabilities: dict, labels: dict, loss_sum: float, n: int,
         if i == 0:
             out["auc"], out["logloss"] = out[f"auc/{name}"], out[f"logloss/{name}"]
     return out
+
+
+class ProgressiveValidation:
+    """AUC and log loss of predictions made before the samples were trained on: a streaming
+    AUC (constant memory, within ~1/10,000) and the mean log loss."""
+
+    def __init__(self):
+        self.auc = StreamingAUC()
+        self.logloss_sum = 0.0
+        self.samples = 0
+
+    def add(self, probabilities: np.ndarray, labels: np.ndarray) -> None:
+        n = len(labels)
+        if n:
+            self.auc.add(probabilities, labels)
+            self.logloss_sum += logloss(probabilities, labels) * n
+            self.samples += n
+
+    def result(self) -> dict:
+        """``{"auc", "logloss", "samples"}``; AUC None while only one class was seen, both None
+        before any sample."""
+        value = self.auc.result() if self.samples else float("nan")
+        return {"auc": None if np.isnan(value) else round(value, 6),
+                "logloss": (round(self.logloss_sum / self.samples, 6) if self.samples
+                            else None),
+                "samples": self.samples}
+
+    def reset(self) -> None:
+        self.auc.reset()
+        self.logloss_sum = 0.0
+        self.samples = 0

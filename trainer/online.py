@@ -64,7 +64,8 @@ from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
-from trainer.metrics import StreamingAUC, logloss
+from trainer.metrics import ProgressiveValidation
+from trainer.ray_address import check_ray_address
 from trainer.runs import MODEL_NAMES, load_tensorflow
 
 if TYPE_CHECKING:  # TensorFlow is imported once the arguments are parsed (a fast --help)
@@ -132,37 +133,6 @@ class DelayHistogram:
         cumulative = np.cumsum(self.counts)
         return {name: float(np.searchsorted(cumulative, q * total) + 1) * self.BUCKET_MS / 1000
                 for name, q in (("p50", 0.5), ("p99", 0.99))}
-
-
-class ProgressiveValidation:
-    """AUC and log loss of predictions made before the samples were trained on: a streaming
-    AUC (constant memory, within ~1/10,000) and the mean log loss."""
-
-    def __init__(self):
-        self.auc = StreamingAUC()
-        self.logloss_sum = 0.0
-        self.samples = 0
-
-    def add(self, probabilities: np.ndarray, labels: np.ndarray) -> None:
-        n = len(labels)
-        if n:
-            self.auc.add(probabilities, labels)
-            self.logloss_sum += logloss(probabilities, labels) * n
-            self.samples += n
-
-    def result(self) -> dict:
-        """``{"auc", "logloss", "samples"}``; AUC None while only one class was seen, both None
-        before any sample."""
-        value = self.auc.result() if self.samples else float("nan")
-        return {"auc": None if np.isnan(value) else round(value, 6),
-                "logloss": (round(self.logloss_sum / self.samples, 6) if self.samples
-                            else None),
-                "samples": self.samples}
-
-    def reset(self) -> None:
-        self.auc.reset()
-        self.logloss_sum = 0.0
-        self.samples = 0
 
 
 @dataclass
@@ -781,6 +751,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                         help="larger messages go to the dead-letter topic "
                              f"(default {DEFAULT_MAX_MESSAGE_BYTES})")
+    ray = parser.add_argument_group("online learning on Ray (see the README)")
+    ray.add_argument("--workers", type=int, metavar="W",
+                     help="online workers (Ray actors), each reading its share of the topic's "
+                          "partitions; with --shards, the embedding tables are sharded over S "
+                          "store actors (default: one process, no Ray)")
+    ray.add_argument("--shards", type=int, metavar="S", help="store shards (Ray actors)")
+    ray.add_argument("--ray-address", metavar="HOST:PORT",
+                     help="a running Ray cluster's head (default with --workers/--shards: a "
+                          "local cluster started for the run)")
+    ray.add_argument("--step-log", action="store_true",
+                     help="with --workers/--shards: append which messages every step trained "
+                          "to RUN_DIR/steps.jsonl at each checkpoint (a single-process replay "
+                          "of it gives the same model)")
     kafka.add_options(parser, clients="consumer and the dead-letter producer")
     return parser
 
@@ -797,6 +780,15 @@ def run(argv=None) -> dict:
     if args.init_from and (args.config or args.model):
         parser.error("--init-from takes the batch run's config and model; drop --config and "
                      "--model")
+    on_ray = args.workers is not None or args.shards is not None or args.ray_address
+    for name in ("workers", "shards"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}: expected at least 1, got {getattr(args, name)}")
+    if args.ray_address:  # before TensorFlow is imported: an address where nothing answers
+        try:
+            check_ray_address(args.ray_address)
+        except (ConnectionError, ValueError) as e:
+            parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     load_tensorflow(args.debug)
     from trainer.models import MODELS
@@ -807,6 +799,15 @@ def run(argv=None) -> dict:
                                                       options), args.broker_timeout)
     except kafka.BrokerUnreachable as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
+    if on_ray:
+        from trainer.distributed.online import run_cli
+
+        try:
+            schema = schemas.load(args.schema)
+            config = TrainConfig.load(args.config) if args.config else TrainConfig()
+        except (schemas.SchemaError, ConfigError) as e:
+            parser.error(str(e))
+        return run_cli(args, parser, schema, config, MODELS[args.model or "mlp"]())
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
     try:
