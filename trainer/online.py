@@ -17,6 +17,8 @@ The loop, and why it is crash-exact:
 
 So after a crash at any moment the restored model has trained exactly the messages before the
 checkpoint's offsets, and training resumes right after them: nothing lost, nothing twice.
+With ``--workers W --shards S`` the same command trains on Ray, with the same guarantee
+(:mod:`trainer.distributed.online`).
 SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0. A checkpoint
 is written only when something changed since the previous one (a trained batch or new
 offsets): an idle run does not rewrite the same checkpoint every ``--checkpoint-every`` s.
@@ -807,7 +809,8 @@ def run(argv=None) -> dict:
             config = TrainConfig.load(args.config) if args.config else TrainConfig()
         except (schemas.SchemaError, ConfigError) as e:
             parser.error(str(e))
-        return run_cli(args, parser, schema, config, MODELS[args.model or "mlp"]())
+        return print_summary(run_cli(args, parser, schema, config,
+                                     MODELS[args.model or "mlp"]()), args.topic)
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
     try:
@@ -861,11 +864,18 @@ def run(argv=None) -> dict:
         source.close()
         if metrics is not None:
             metrics.shutdown()
+    return print_summary(summary, args.topic)
+
+
+def print_summary(summary: dict, topic: str) -> dict:
+    """The run's result line and its summary as one JSON line (what scripts read)."""
     delay = {k: "n/a" if v is None else f"{v:.2f}" for k, v in summary["delay_s"].items()}
     rate, pv = summary["rate"], summary["pv"]
     rate_text = ("steady, after start-up" if rate["over"] == "steady"
                  else "over the whole run, start-up included")
-    print(f"trained {summary['samples']:,} samples from {args.topic!r} "
+    where = (f" on {summary['workers']} workers x {summary['shards']} shards"
+             if "workers" in summary else "")
+    print(f"trained {summary['samples']:,} samples from {topic!r}{where} "
           f"({rate['samples_per_sec']:,.0f} samples/s {rate_text}), "
           f"progressive validation AUC {_metric(pv['auc'])} logloss {_metric(pv['logloss'])}, "
           f"{summary['dead_letters']} dead letters, {summary['checkpoints']} checkpoints, "

@@ -305,11 +305,13 @@ class OnlineRun:
     def summary(self) -> dict:
         seconds = time.monotonic() - self.started
         stats = self.engine.store_stats()
+        rate = round(self.samples / max(seconds, 1e-9), 1)
         return {"samples": self.samples, "messages": self.messages, "dead_letters": self.dead,
                 "steps": self.engine.step, "seconds": round(seconds, 3),
-                "samples_per_sec": round(self.samples / max(seconds, 1e-9), 1),
+                "samples_per_sec": rate, "rate": {"samples_per_sec": rate, "over": "whole run"},
                 "pv": {**self.pv.result(), "label": self.pv_label},
-                "checkpoints": self.checkpoints_written,
+                "checkpoints": self.checkpoints_written, "exports": 0,
+                "delay_s": {"p50": None, "p99": None},
                 "store_rows": stats.get("rows", 0), "admitted": stats.get("admitted", 0),
                 "expired": stats.get("expired", 0), "workers": self.engine.workers,
                 "shards": self.engine.shards, "assignment": self.assignment,
@@ -336,8 +338,9 @@ def truncate_step_log(path: str, step: int) -> None:
 
 def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) -> dict:
     """``python -m trainer.online ... --workers W --shards S``: restore the latest checkpoint
-    of ``--run-dir`` (or start ``model`` with ``config``), train, checkpoint, commit; print
-    the summary and return it."""
+    of ``--run-dir`` (or start ``model`` with ``config``), train, checkpoint, commit; returns
+    the run's summary (the keys of the single-process one that apply, plus workers, shards
+    and the assignment)."""
     unsupported = [flag for flag, given in (
         ("--format trees", args.format != "json"), ("--init-from", args.init_from),
         ("--export-dir", args.export_dir), ("--metrics-port", args.metrics_port is not None),
@@ -389,11 +392,4 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
         if run is not None:
             run.close()
         engine.close()
-    pv = summary["pv"]
-    print(f"trained {summary['samples']:,} samples from {args.topic!r} on {workers} workers x "
-          f"{shards} shards ({summary['samples_per_sec']:,.0f} samples/s over the whole run), "
-          f"progressive validation AUC {pv['auc']} logloss {pv['logloss']}, "
-          f"{summary['dead_letters']} dead letters, {summary['checkpoints']} checkpoints, "
-          f"{summary['store_rows']:,} store rows", flush=True)
-    print(json.dumps(summary, sort_keys=True), flush=True)
     return summary
