@@ -66,7 +66,7 @@ from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
-from trainer.metrics import ProgressiveValidation
+from trainer.metrics import ProgressiveValidation, run_rates
 from trainer.ray_address import check_ray_address
 from trainer.runs import MODEL_NAMES, load_tensorflow
 
@@ -85,13 +85,6 @@ DEFAULT_UNIT_BATCHES = 10
 # partitions' leaders answer, waiting up to PROBE_TIMEOUT s: an outage is not idle time.
 PROBE_EVERY = 1.0
 PROBE_TIMEOUT = 2.0
-# The steady rate (from the end of the first unit to the end of the last) leaves start-up out
-# (group join, tracing, the first poll). It says something about the run only when it covers
-# several units and most of the run: over one or two units it is the speed of one poll's worth
-# of training between two polls (a 100k-sample demo read "269,305 samples/s steady" from 0.19 s
-# of a 5.8 s run that trained 17,176 samples/s). Below these, the headline is the whole run's.
-STEADY_MIN_UNITS = 4      # units trained after the first one
-STEADY_MIN_SHARE = 0.5    # of the run's seconds
 _IDLE = object()  # the reader's last item when the topic was idle for --idle-exit seconds
 
 
@@ -575,27 +568,13 @@ class OnlineTrainer:
         now = time.monotonic()
         seconds = now - self.stats.started
         store = self.trainer.store_stats()
-        # steady-state rate: from the end of the first unit (after start-up and group join) to
-        # the end of the latest; a stopped run's final export and checkpoint are not in it
-        # (they are shut-down work, ``since_last_unit_s`` in a stopped run's summary: ~2 s that
-        # made a 500k-sample run read as 0.7x its rate), the periodic ones are
-        steady = (self.stats.samples - self.stats.first_unit_samples) / max(
-            self.stats.last_unit - self.stats.first_unit, 1e-9) if self.stats.first_unit else 0.0
-        whole = self.stats.samples / max(seconds, 1e-9)
-        # the headline: the steady rate only when it is measured over a meaningful part of the
-        # run (see STEADY_MIN_UNITS), else the whole run's
-        steady_meaningful = (self.stats.first_unit is not None
-                             and self.stats.units - 1 >= STEADY_MIN_UNITS
-                             and self.stats.last_unit - self.stats.first_unit
-                             >= STEADY_MIN_SHARE * seconds)
         return {"samples": self.stats.samples, "messages": self.stats.messages,
                 "units": self.stats.units,
                 "dead_letters": self.stats.dead, "steps": self.trainer.step,
                 "seconds": round(seconds, 3),
-                "samples_per_sec": round(whole, 1),
-                "steady_samples_per_sec": round(steady, 1),
-                "rate": {"samples_per_sec": round(steady if steady_meaningful else whole, 1),
-                         "over": "steady" if steady_meaningful else "whole run"},
+                **run_rates(self.stats.samples, seconds, self.stats.units,
+                            self.stats.first_unit, self.stats.last_unit,
+                            self.stats.first_unit_samples),
                 # progressive validation: the whole run, and the window the latest console
                 # line reported (None before the first line)
                 "pv": {**self.pv.result(), "label": self.pv_label,

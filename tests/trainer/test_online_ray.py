@@ -216,32 +216,32 @@ class Streaming:
         return self.next
 
 
-def latest_step(run_dir) -> int | None:
-    """The step of the checkpoint LATEST names, read without a CheckpointManager (whose
+def latest_state(run_dir) -> dict | None:
+    """The state of the checkpoint LATEST names, read without a CheckpointManager (whose
     constructor removes temporary directories: the running writer's among them)."""
     directory = os.path.join(run_dir, "checkpoints")
     try:
         with open(os.path.join(directory, "LATEST")) as f:
             name = f.read().strip()
         with open(os.path.join(directory, name, "state.json")) as f:
-            return json.load(f)["step"]
+            return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):  # none yet, or pruned meanwhile
         return None
 
 
-def wait_for_checkpoint(process, run_dir, condition, timeout=180) -> int:
-    """The step of the first checkpoint whose step meets ``condition``."""
+def wait_for_checkpoint(process, run_dir, condition, timeout=180) -> dict:
+    """The state of the first checkpoint that meets ``condition``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert process.poll() is None, "the run ended before it was killed"
-        step = latest_step(run_dir)
-        if step is not None and condition(step):
-            return step
+        assert process.poll() is None, "the run ended before the checkpoint awaited"
+        state = latest_state(run_dir)
+        if state is not None and condition(state):
+            return state
         time.sleep(0.05)
     raise TimeoutError("no checkpoint of the kind awaited")
 
 
-def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing(
+def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing_sigterm_ends_cleanly(
         kafka_broker, files, ray_address, tmp_path):
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
@@ -253,11 +253,11 @@ def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing(
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=log)
         try:
-            first = wait_for_checkpoint(process, run_dir, lambda step: step > 0)
+            first = wait_for_checkpoint(process, run_dir, lambda s: s["step"] > 0)["step"]
             producer = Streaming(messages, kafka_broker, topic, 1000)  # while it trains on
             try:
                 killed_at = wait_for_checkpoint(process, run_dir,
-                                                lambda step: step > first + 2)
+                                                lambda s: s["step"] > first + 2)["step"]
                 process.send_signal(signal.SIGKILL)  # no chance to checkpoint or commit
                 process.wait()
             finally:
@@ -271,10 +271,19 @@ def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing(
     assert restored.step >= killed_at
     messages.produce(kafka_broker, topic, range(total, total + 100))  # after the kill
     total += 100
-    final = subprocess.run(argv + ["--idle-exit", "2"], capture_output=True, text=True,
-                           timeout=300)
-    assert final.returncode == 0, final.stderr[-3000:]
-    summary = json.loads(final.stdout.strip().splitlines()[-1])
+    # the restart trains the rest; SIGTERM then finishes the step, checkpoints, commits, exit 0
+    with open(tmp_path / "restarted.log", "w") as log:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            wait_for_checkpoint(process, run_dir, lambda s: s["samples"] == total)
+            process.send_signal(signal.SIGTERM)
+            stdout, _ = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, (tmp_path / "restarted.log").read_text()[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["samples"] == total - read_manifest(
         os.path.join(restored.path, "model"))["samples"]
     assert_equals_replay(run_dir, messages, total, kafka_broker, topic, "g-kill")

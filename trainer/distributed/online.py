@@ -58,7 +58,7 @@ from trainer.distributed.manifest import read_manifest
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
 from trainer.kafka_source import commit_offsets
-from trainer.metrics import ProgressiveValidation
+from trainer.metrics import ProgressiveValidation, run_rates
 from trainer.runs import StopOnSignal
 
 log = logging.getLogger("trainer.online")
@@ -166,6 +166,10 @@ class OnlineRun:
         self.pv = ProgressiveValidation()
         self.pv_label: str | None = None
         self.samples = self.messages = self.dead = self.checkpoints_written = 0
+        self.steps = 0  # trained by this run
+        self.first_step: float | None = None  # when this run's first and latest step ended
+        self.last_step: float | None = None
+        self.first_step_samples = 0
         self.started = time.monotonic()
         self._checkpointed = (engine.step, dict(self.positions))
         self._pending_log: list[str] = []
@@ -233,6 +237,10 @@ class OnlineRun:
         trained = sum(r["n"] for r in results)
         if trained:
             self.samples += trained
+            self.steps += 1
+            self.last_step = time.monotonic()
+            if self.first_step is None:
+                self.first_step, self.first_step_samples = self.last_step, trained
             if self.step_log:
                 self._pending_log.append(json.dumps({"step": self.engine.step,
                                                      "workers": step_record}))
@@ -305,10 +313,11 @@ class OnlineRun:
     def summary(self) -> dict:
         seconds = time.monotonic() - self.started
         stats = self.engine.store_stats()
-        rate = round(self.samples / max(seconds, 1e-9), 1)
         return {"samples": self.samples, "messages": self.messages, "dead_letters": self.dead,
                 "steps": self.engine.step, "seconds": round(seconds, 3),
-                "samples_per_sec": rate, "rate": {"samples_per_sec": rate, "over": "whole run"},
+                # a step is the unit: the steady rate leaves the actors' start-up out
+                **run_rates(self.samples, seconds, self.steps, self.first_step,
+                            self.last_step, self.first_step_samples),
                 "pv": {**self.pv.result(), "label": self.pv_label},
                 "checkpoints": self.checkpoints_written, "exports": 0,
                 "delay_s": {"p50": None, "p99": None},
