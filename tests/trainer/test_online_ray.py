@@ -287,3 +287,49 @@ def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing_sigterm_ends_
     assert summary["samples"] == total - read_manifest(
         os.path.join(restored.path, "model"))["samples"]
     assert_equals_replay(run_dir, messages, total, kafka_broker, topic, "g-kill")
+
+
+def test_a_worker_takes_the_first_batch_that_arrives_and_reports_dead_letters(
+        kafka_broker, files):
+    """The dense statistics wait for the first batch of any worker: a worker asked before
+    anything arrived answers nothing and takes the batch that arrives later; a poll of
+    malformed messages only is reported with its offsets (no Ray: the actor class in
+    process)."""
+    from trainer import models
+    from trainer.config import TrainConfig
+    from trainer.distributed.online_worker import OnlineWorker
+    from trainer.distributed.worker import resolve_dense, unresolved_dense
+
+    schema, config = schemas.from_dict(SCHEMA), TrainConfig.from_dict(CONFIG)
+    topic = kafka_broker.create_topic(partitions=1)
+    worker = OnlineWorker(0, 1, 1, schema.to_dict(), models.MLP().spec(), config.to_dict())
+    worker.open({"bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "group": "g-w",
+                 "options": {}, "dlq_topic": None, "max_message_bytes": 1 << 20}, [0], {},
+                poll_timeout=0.2)
+    try:
+        names = unresolved_dense(schema, config)
+        assert worker.first_dense_sample(names) == (None, None)  # nothing produced yet
+        kafka_broker.produce(topic, [(b"k", b"{", None, None, 0)] * 3)
+
+        def next_round():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                sample, consumed = worker.first_dense_sample(names)
+                if sample is not None or consumed is not None:
+                    return sample, consumed
+            raise TimeoutError("nothing arrived")
+
+        assert next_round() == (None, {"ranges": {0: [0, 3]}, "messages": 3, "dead": 3})
+        kafka_broker.produce(topic, [sample(s)[:4] + (0,) for s in range(50)])
+        found, consumed = next_round()
+        assert consumed is None and len(found["price"][0]) == 50
+        worker.set_config(resolve_dense(schema, config, [found]).to_dict())
+        meta, request = worker.next_step()  # the batch held for the first step
+        assert meta["n"] == 50
+        rows = {table: np.zeros((len(ids), CONFIG["embedding"]["dim"]), np.float32)
+                for table, ids in request.items()}  # what the shard would send
+        result = worker.train_step(rows)[0]
+        assert result["n"] == 50
+        assert result["consumed"] == {"ranges": {0: [3, 53]}, "messages": 50, "dead": 0}
+    finally:
+        worker.close_source()

@@ -127,6 +127,8 @@ class OnlineWorker(Worker):
         union batch, as a single process does on its first batch. A batch is held for the
         next step; without one (nothing polled, or only malformed messages) this worker
         contributes nothing to the next step."""
+        if self._held is _NOTHING:  # the previous round's: there was no step since
+            self._held = None
         item = self._take()
         if item is None or item.batch is None:
             self._held = _NOTHING
