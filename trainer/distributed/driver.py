@@ -48,7 +48,7 @@ def _check_count(name: str, value) -> int:
     return value
 
 
-def _is_actor_failure(error: BaseException) -> bool:
+def is_actor_failure(error: BaseException) -> bool:
     """An actor's process died (or Ray restarted it and it refused to go on without a
     checkpoint), as opposed to an error in the step itself."""
     return isinstance(error, ray.exceptions.RayActorError) or RESTARTED in str(error)
@@ -399,7 +399,7 @@ class DistributedTrainer:
             try:
                 return body()
             except ray.exceptions.RayError as error:
-                if not _is_actor_failure(error):
+                if not is_actor_failure(error):
                     raise
                 self._recover(error, progress, pass_index)
 

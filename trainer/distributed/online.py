@@ -53,7 +53,7 @@ import schemas
 from compression import kafka
 from trainer.checkpoints import CheckpointManager
 from trainer.config import TrainConfig
-from trainer.distributed.driver import DistributedTrainer
+from trainer.distributed.driver import DistributedTrainer, is_actor_failure
 from trainer.distributed.manifest import read_manifest
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
@@ -397,6 +397,14 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                         step_log=step_log)
         with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
             summary = run.run(lambda: stop.signum is not None)
+    except ray.exceptions.RayError as e:
+        if not is_actor_failure(e):
+            raise
+        latest = checkpoints.latest()
+        raise RuntimeError(
+            f"an actor of the run died ({type(e).__name__}); the steps since the last "
+            f"checkpoint are dropped and their offsets were not committed: run the same "
+            f"command again to resume from {latest.path if latest else 'the start'}") from e
     finally:
         if run is not None:
             run.close()
