@@ -112,8 +112,8 @@ class OnlineDistributedTrainer(DistributedTrainer):
         A new run first resolves the dense features' statistics (``auto`` transforms,
         standardization) on the first step's union batch, as a single process does on its
         first batch: every worker takes its first batch ahead; until one of them has one,
-        the rounds are yielded as steps that trained nothing (with what they consumed: only
-        malformed messages)."""
+        the rounds are yielded as paused steps that trained nothing (with what they
+        consumed: only malformed messages)."""
         names = unresolved_dense(self.schema, self.config)
         while names:
             found = ray.get([w.first_dense_sample.remote(names) for w in self._workers])
@@ -123,7 +123,9 @@ class OnlineDistributedTrainer(DistributedTrainer):
                 ray.get([w.set_config.remote(self.config.to_dict()) for w in self._workers])
                 names = []
             if any(consumed for _, consumed in found) or names:
-                yield [{"n": 0, "consumed": consumed} for _, consumed in found], True
+                # not a pause once resolved: no checkpoint may hold statistics resolved on
+                # batches it has not trained (a restart could group them otherwise)
+                yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
         mean = self.config.row_gradients == "mean"
         rows = self._lookup([refs[1:] for refs in self._next("train")], True)
         while True:
