@@ -49,13 +49,19 @@ class KafkaSampleSource:
     """Consumes ``topic`` in group ``group``; ``format`` is ``json`` (one raw sample per
     message) or ``trees`` (one Arrow IPC tree table per message, from the streaming job).
 
+    ``partitions``: read exactly these partitions (explicit assignment, no group membership:
+    the caller decides who reads what, e.g. the driver of online learning on Ray); each starts
+    at its ``start_offsets`` entry, else at the group's committed offset, else at the
+    beginning. Without it the source joins the group and the group assigns partitions.
+
     ``config``: the user's librdkafka settings (``-X``), for the consumer and the dead-letter
     producer (see ``compression.kafka``)."""
 
     def __init__(self, schema: Schema, bootstrap_servers: str, topic: str, group: str,
                  format: str = "json", start_offsets: dict[int, int] | None = None,
                  dlq_topic: str | None = None, config: dict | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 partitions: list[int] | None = None):
         if format not in ("json", "trees"):
             raise ValueError(f"format must be json or trees, got {format!r}")
         self.schema = schema
@@ -77,7 +83,15 @@ class KafkaSampleSource:
             bootstrap_servers, group, config, overrides={"on_commit": self._on_commit}))
         self.producer = kafka.producer(kafka.producer_settings(bootstrap_servers, config,
                                                                linger_ms=5))
-        self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        if partitions is None:
+            self.consumer.subscribe([topic], on_assign=self._on_assign,
+                                    on_revoke=self._on_revoke)
+        else:
+            # TopicPartition's default offset means "the committed one, else auto.offset.reset"
+            self.consumer.assign([TopicPartition(topic, p, self.positions[p])
+                                  if p in self.positions else TopicPartition(topic, p)
+                                  for p in sorted(partitions)])
+            self.assigned = set(partitions)
 
     # -- group membership ----------------------------------------------------------------
 
@@ -232,24 +246,11 @@ class KafkaSampleSource:
         the broker's answer arrives in a later :meth:`poll` and updates :attr:`committed`
         (``commits_in_flight`` counts the unanswered ones)."""
         offsets = self.positions if offsets is None else offsets
-        owned = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())
-                 if p in self.assigned]
-        if not owned:
-            return True
-        try:
-            if asynchronous:
-                self.consumer.commit(offsets=owned, asynchronous=True)
-                self.commits_in_flight += 1
-                return True
-            self.consumer.commit(offsets=owned, asynchronous=False)
-        except KafkaException as e:
-            error = e.args[0] if e.args else e
-            if isinstance(error, KafkaError) and error.fatal():
-                raise
-            log.warning("commit of %s offsets failed, retrying at the next checkpoint: %s",
-                        self.topic, error)
-            return False
-        return True
+        owned = {p: o for p, o in offsets.items() if p in self.assigned}
+        sent = commit_offsets(self.consumer, self.topic, owned, asynchronous)
+        if sent and owned and asynchronous:
+            self.commits_in_flight += 1
+        return sent
 
     def _on_commit(self, err, partitions):
         """The broker's answer to a commit (served by ``consume``, or by the commit call)."""
@@ -298,6 +299,27 @@ class KafkaSampleSource:
             self.producer.flush(10)
         finally:
             self.consumer.close()
+
+
+def commit_offsets(consumer, topic: str, offsets: dict[int, int],
+                   asynchronous: bool = False) -> bool:
+    """Commit ``offsets`` (partition -> next offset to read) of ``topic`` with ``consumer``
+    (a member of the group, or any consumer of the group when no member subscribes: explicit
+    assignment). False when the commit failed and the caller should retry at its next
+    checkpoint; a fatal client error is raised. ``asynchronous`` only sends it."""
+    owned = [TopicPartition(topic, p, o) for p, o in sorted(offsets.items())]
+    if not owned:
+        return True
+    try:
+        consumer.commit(offsets=owned, asynchronous=asynchronous)
+    except KafkaException as e:
+        error = e.args[0] if e.args else e
+        if isinstance(error, KafkaError) and error.fatal():
+            raise
+        log.warning("commit of %s offsets failed, retrying at the next checkpoint: %s",
+                    topic, error)
+        return False
+    return True
 
 
 def _leaves_per_root(trees: pa.Table, schema: Schema) -> np.ndarray:

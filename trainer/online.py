@@ -17,6 +17,8 @@ The loop, and why it is crash-exact:
 
 So after a crash at any moment the restored model has trained exactly the messages before the
 checkpoint's offsets, and training resumes right after them: nothing lost, nothing twice.
+With ``--workers W --shards S`` the same command trains on Ray, with the same guarantee
+(:mod:`trainer.distributed.online`).
 SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0. A checkpoint
 is written only when something changed since the previous one (a trained batch or new
 offsets): an idle run does not rewrite the same checkpoint every ``--checkpoint-every`` s.
@@ -64,7 +66,8 @@ from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
-from trainer.metrics import StreamingAUC, logloss
+from trainer.metrics import ProgressiveValidation, run_rates
+from trainer.ray_address import check_ray_address
 from trainer.runs import MODEL_NAMES, load_tensorflow
 
 if TYPE_CHECKING:  # TensorFlow is imported once the arguments are parsed (a fast --help)
@@ -82,13 +85,6 @@ DEFAULT_UNIT_BATCHES = 10
 # partitions' leaders answer, waiting up to PROBE_TIMEOUT s: an outage is not idle time.
 PROBE_EVERY = 1.0
 PROBE_TIMEOUT = 2.0
-# The steady rate (from the end of the first unit to the end of the last) leaves start-up out
-# (group join, tracing, the first poll). It says something about the run only when it covers
-# several units and most of the run: over one or two units it is the speed of one poll's worth
-# of training between two polls (a 100k-sample demo read "269,305 samples/s steady" from 0.19 s
-# of a 5.8 s run that trained 17,176 samples/s). Below these, the headline is the whole run's.
-STEADY_MIN_UNITS = 4      # units trained after the first one
-STEADY_MIN_SHARE = 0.5    # of the run's seconds
 _IDLE = object()  # the reader's last item when the topic was idle for --idle-exit seconds
 
 
@@ -132,37 +128,6 @@ class DelayHistogram:
         cumulative = np.cumsum(self.counts)
         return {name: float(np.searchsorted(cumulative, q * total) + 1) * self.BUCKET_MS / 1000
                 for name, q in (("p50", 0.5), ("p99", 0.99))}
-
-
-class ProgressiveValidation:
-    """AUC and log loss of predictions made before the samples were trained on: a streaming
-    AUC (constant memory, within ~1/10,000) and the mean log loss."""
-
-    def __init__(self):
-        self.auc = StreamingAUC()
-        self.logloss_sum = 0.0
-        self.samples = 0
-
-    def add(self, probabilities: np.ndarray, labels: np.ndarray) -> None:
-        n = len(labels)
-        if n:
-            self.auc.add(probabilities, labels)
-            self.logloss_sum += logloss(probabilities, labels) * n
-            self.samples += n
-
-    def result(self) -> dict:
-        """``{"auc", "logloss", "samples"}``; AUC None while only one class was seen, both None
-        before any sample."""
-        value = self.auc.result() if self.samples else float("nan")
-        return {"auc": None if np.isnan(value) else round(value, 6),
-                "logloss": (round(self.logloss_sum / self.samples, 6) if self.samples
-                            else None),
-                "samples": self.samples}
-
-    def reset(self) -> None:
-        self.auc.reset()
-        self.logloss_sum = 0.0
-        self.samples = 0
 
 
 @dataclass
@@ -603,27 +568,13 @@ class OnlineTrainer:
         now = time.monotonic()
         seconds = now - self.stats.started
         store = self.trainer.store_stats()
-        # steady-state rate: from the end of the first unit (after start-up and group join) to
-        # the end of the latest; a stopped run's final export and checkpoint are not in it
-        # (they are shut-down work, ``since_last_unit_s`` in a stopped run's summary: ~2 s that
-        # made a 500k-sample run read as 0.7x its rate), the periodic ones are
-        steady = (self.stats.samples - self.stats.first_unit_samples) / max(
-            self.stats.last_unit - self.stats.first_unit, 1e-9) if self.stats.first_unit else 0.0
-        whole = self.stats.samples / max(seconds, 1e-9)
-        # the headline: the steady rate only when it is measured over a meaningful part of the
-        # run (see STEADY_MIN_UNITS), else the whole run's
-        steady_meaningful = (self.stats.first_unit is not None
-                             and self.stats.units - 1 >= STEADY_MIN_UNITS
-                             and self.stats.last_unit - self.stats.first_unit
-                             >= STEADY_MIN_SHARE * seconds)
         return {"samples": self.stats.samples, "messages": self.stats.messages,
                 "units": self.stats.units,
                 "dead_letters": self.stats.dead, "steps": self.trainer.step,
                 "seconds": round(seconds, 3),
-                "samples_per_sec": round(whole, 1),
-                "steady_samples_per_sec": round(steady, 1),
-                "rate": {"samples_per_sec": round(steady if steady_meaningful else whole, 1),
-                         "over": "steady" if steady_meaningful else "whole run"},
+                **run_rates(self.stats.samples, seconds, self.stats.units,
+                            self.stats.first_unit, self.stats.last_unit,
+                            self.stats.first_unit_samples),
                 # progressive validation: the whole run, and the window the latest console
                 # line reported (None before the first line)
                 "pv": {**self.pv.result(), "label": self.pv_label,
@@ -781,6 +732,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                         help="larger messages go to the dead-letter topic "
                              f"(default {DEFAULT_MAX_MESSAGE_BYTES})")
+    ray = parser.add_argument_group("online learning on Ray (see the README)")
+    ray.add_argument("--workers", type=int, metavar="W",
+                     help="online workers (Ray actors), each reading its share of the topic's "
+                          "partitions; with --shards, the embedding tables are sharded over S "
+                          "store actors (default: one process, no Ray)")
+    ray.add_argument("--shards", type=int, metavar="S", help="store shards (Ray actors)")
+    ray.add_argument("--ray-address", metavar="HOST:PORT",
+                     help="a running Ray cluster's head (default with --workers/--shards: a "
+                          "local cluster started for the run)")
+    ray.add_argument("--step-log", action="store_true",
+                     help="with --workers/--shards: append which messages every step trained "
+                          "to RUN_DIR/steps.jsonl at each checkpoint (a single-process replay "
+                          "of it gives the same model)")
     kafka.add_options(parser, clients="consumer and the dead-letter producer")
     return parser
 
@@ -797,6 +761,15 @@ def run(argv=None) -> dict:
     if args.init_from and (args.config or args.model):
         parser.error("--init-from takes the batch run's config and model; drop --config and "
                      "--model")
+    on_ray = args.workers is not None or args.shards is not None or args.ray_address
+    for name in ("workers", "shards"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}: expected at least 1, got {getattr(args, name)}")
+    if args.ray_address:  # before TensorFlow is imported: an address where nothing answers
+        try:
+            check_ray_address(args.ray_address)
+        except (ConnectionError, ValueError) as e:
+            parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     load_tensorflow(args.debug)
     from trainer.models import MODELS
@@ -807,6 +780,16 @@ def run(argv=None) -> dict:
                                                       options), args.broker_timeout)
     except kafka.BrokerUnreachable as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
+    if on_ray:
+        from trainer.distributed.online import run_cli
+
+        try:
+            schema = schemas.load(args.schema)
+            config = TrainConfig.load(args.config) if args.config else TrainConfig()
+        except (schemas.SchemaError, ConfigError) as e:
+            parser.error(str(e))
+        return print_summary(run_cli(args, parser, schema, config,
+                                     MODELS[args.model or "mlp"]()), args.topic)
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
     try:
@@ -860,11 +843,18 @@ def run(argv=None) -> dict:
         source.close()
         if metrics is not None:
             metrics.shutdown()
+    return print_summary(summary, args.topic)
+
+
+def print_summary(summary: dict, topic: str) -> dict:
+    """The run's result line and its summary as one JSON line (what scripts read)."""
     delay = {k: "n/a" if v is None else f"{v:.2f}" for k, v in summary["delay_s"].items()}
     rate, pv = summary["rate"], summary["pv"]
     rate_text = ("steady, after start-up" if rate["over"] == "steady"
                  else "over the whole run, start-up included")
-    print(f"trained {summary['samples']:,} samples from {args.topic!r} "
+    where = (f" on {summary['workers']} workers x {summary['shards']} shards"
+             if "workers" in summary else "")
+    print(f"trained {summary['samples']:,} samples from {topic!r}{where} "
           f"({rate['samples_per_sec']:,.0f} samples/s {rate_text}), "
           f"progressive validation AUC {_metric(pv['auc'])} logloss {_metric(pv['logloss'])}, "
           f"{summary['dead_letters']} dead letters, {summary['checkpoints']} checkpoints, "

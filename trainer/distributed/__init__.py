@@ -61,6 +61,11 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
   workers batch their first trees again and skip them). The run then ends as an uninterrupted
   one (``tests/trainer/test_distributed_faults.py``).
 
+- **Online learning** (``python -m trainer.online ... --workers W --shards S``,
+  :mod:`trainer.distributed.online`): the same shards and step, workers that read their Kafka
+  partitions (:mod:`trainer.distributed.online_worker`), and checkpoints whose manifest holds
+  every partition's trained offset.
+
 **Exactness.** With workers holding ``n_w`` leaves (``N = sum n_w``), the single-process loss
 of the union batch is the mean over its ``N`` leaves, so ``L = sum_w (n_w / N) L_w`` and every
 gradient of ``L`` is the ``n_w / N``-weighted sum of the workers' gradients. Workers therefore

@@ -48,7 +48,7 @@ def _check_count(name: str, value) -> int:
     return value
 
 
-def _is_actor_failure(error: BaseException) -> bool:
+def is_actor_failure(error: BaseException) -> bool:
     """An actor's process died (or Ray restarted it and it refused to go on without a
     checkpoint), as opposed to an error in the step itself."""
     return isinstance(error, ray.exceptions.RayActorError) or RESTARTED in str(error)
@@ -72,6 +72,9 @@ class DistributedTrainer:
     process, that cluster is used and left running. ``actor_cpus``: CPUs each actor reserves.
     ``max_restarts``: how many times Ray restarts each actor whose process died; ``fit`` with
     a ``checkpoint_dir`` then rolls every actor back to its last checkpoint and goes on."""
+
+    # the worker actors' class (online learning's reads Kafka; see trainer.distributed.online)
+    worker_class = Worker
 
     def __init__(self, schema: Schema, model=None, config: TrainConfig | None = None, *,
                  workers: int = 2, shards: int = 2, ray_address: str | None = None,
@@ -166,7 +169,7 @@ class DistributedTrainer:
             shard_cls = ray.remote(Shard)
             self._shards = [shard_cls.options(**options).remote(s, self.shards, specs)
                             for s in range(self.shards)]
-            worker_cls = ray.remote(Worker)
+            worker_cls = ray.remote(self.worker_class)
             self._workers = [worker_cls.options(**options).remote(
                 w, self.workers, self.shards, schema.to_dict(), self._model, config.to_dict())
                 for w in range(self.workers)]
@@ -396,7 +399,7 @@ class DistributedTrainer:
             try:
                 return body()
             except ray.exceptions.RayError as error:
-                if not _is_actor_failure(error):
+                if not is_actor_failure(error):
                     raise
                 self._recover(error, progress, pass_index)
 
@@ -554,12 +557,13 @@ class DistributedTrainer:
         return {"workers": ray.get([w.get_timings.remote() for w in self._workers]),
                 "shards": ray.get([s.get_timings.remote() for s in self._shards])}
 
-    def save(self, directory) -> str:
+    def save(self, directory, extra: dict | None = None) -> str:
         """A checkpoint across processes, taken between steps (the barrier: fit calls it
         when the pipeline is drained): every shard writes its snapshot to
         ``shard-NNNN/<table>``, worker 0 gives its dense weights and optimizer state
         (``dense.npz``), and the driver writes ``manifest.json`` last (step, shard files,
-        every worker's input position); the directory is replaced atomically."""
+        every worker's input position, and ``extra``'s entries: online learning's Kafka
+        offsets); the directory is replaced atomically."""
         directory = os.path.abspath(os.fspath(directory))
         tmp = f"{directory}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -585,7 +589,7 @@ class DistributedTrainer:
             "shard_expired": [s["expired"] for s in saved],
             "tables": list(self.tables), "variables": state["variables"],
             "model": self.model_spec, "config": self.config.to_dict(),
-            "schema": self.schema.to_dict()}
+            "schema": self.schema.to_dict(), **(extra or {})}
         with open(os.path.join(tmp, "manifest.json.tmp"), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()

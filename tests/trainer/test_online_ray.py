@@ -1,0 +1,335 @@
+"""Online learning on Ray against a real broker and a real local Ray cluster: 2 workers x 2
+shards equal a single process replaying the same steps, every message trains exactly once, and
+a SIGKILL of the driver loses and repeats nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+from confluent_kafka import Consumer, TopicPartition
+
+import compression
+import native
+import schemas
+from compression.messages import decode_json_samples
+from trainer.checkpoints import CheckpointManager
+from trainer.distributed.manifest import read_manifest
+
+ray = pytest.importorskip("ray")
+
+SCHEMA = {"name": "online_ray_test", "labels": ["click"], "layers": [
+    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"},
+                                                   {"name": "age", "kind": "id"}]},
+    {"name": "sample", "key": ["sid"], "features": [
+        {"name": "sid", "kind": "id"},
+        {"name": "price", "kind": "dense", "dim": 1}]}]}  # resolved on the first step
+CONFIG = {"batch_size": 200, "seed": 3, "threads": 1,
+          "embedding": {"dim": 4, "optimizer": {"name": "adagrad", "lr": 0.1},
+                        "initializer": {"name": "normal", "stddev": 0.01}}}
+PARTITIONS = 4
+
+
+def sample(sid: int) -> tuple[bytes, bytes, None, None, int]:
+    """A message whose sample id ``sid`` is its own feature: its row counts its trainings."""
+    uid = sid % 37
+    value = {"uid": uid, "age": uid % 5, "sid": sid, "price": [float(sid % 13) * 2.5],
+             "click": float((sid * 7 + uid) % 5 == 0)}
+    return str(uid).encode(), json.dumps(value).encode(), None, None, uid % PARTITIONS
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online_ray")
+    (root / "schema.yaml").write_text(yaml.safe_dump(SCHEMA))
+    (root / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    return str(root / "schema.yaml"), str(root / "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def ray_address(cluster):
+    """The module's cluster, which the runs under test join (in this process or a child)."""
+    return ray.get_runtime_context().gcs_address
+
+
+def command(files, broker, topic, group, run_dir, ray_address, *extra) -> list[str]:
+    schema_path, config_path = files
+    return ["--schema", schema_path, "--config", config_path, "--bootstrap-servers",
+            broker.bootstrap, "--topic", topic, "--group", group, "--run-dir", run_dir,
+            "--workers", "2", "--shards", "2", "--ray-address", ray_address, "--step-log",
+            *extra]
+
+
+class Messages:
+    """What the test produced: (partition, offset) -> message value."""
+
+    def __init__(self):
+        self.by_offset: dict[tuple[int, int], bytes] = {}
+        self.lock = threading.Lock()
+
+    def produce(self, broker, topic, sids, messages=None) -> None:
+        messages = messages or [sample(s) for s in sids]
+        offsets = broker.produce(topic, messages)
+        with self.lock:
+            for (_, value, _, _, partition), offset in zip(messages, offsets):
+                self.by_offset[partition, offset] = value
+
+    def __len__(self):
+        return len(self.by_offset)
+
+
+def replay(run_dir, messages: Messages):
+    """A single-process Trainer that trained, step by step, the union batches the step log
+    of ``run_dir`` records (every worker's messages side by side, in worker order)."""
+    from trainer import Trainer, models
+    from trainer.config import TrainConfig
+
+    schema = schemas.from_dict(SCHEMA)
+    single = Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG))
+    trained = []
+    with open(os.path.join(run_dir, "steps.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    # the union is what is checked: steps in which both workers trained
+    assert any(all(w["samples"] for w in step["workers"]) for step in steps)
+    for number, step in enumerate(steps, 1):
+        assert step["step"] == number
+        values = [messages.by_offset[int(p), offset] for worker in step["workers"]
+                  for p, (first, end) in worker["ranges"].items()
+                  for offset in range(first, end)]
+        trained += [(int(p), offset) for worker in step["workers"]
+                    for p, (first, end) in worker["ranges"].items()
+                    for offset in range(first, end)]
+        table, _ = decode_json_samples(values, schema)  # malformed ones were dead-lettered
+        assert table.num_rows == sum(w["samples"] for w in step["workers"])
+        batches = list(compression.iter_batches(compression.build_trees(table, schema), schema,
+                                                CONFIG["batch_size"]))
+        assert len(batches) == 1
+        single.train_batch(batches[0])
+    return single, trained
+
+
+def checkpointed_rows(model_dir: str, table: str) -> dict:
+    """A table's rows over every shard of a distributed checkpoint, by id."""
+    manifest = read_manifest(model_dir)
+    parts = [native.EmbeddingStore.load(os.path.join(model_dir, d, table)).to_numpy()
+             for d in manifest["shard_dirs"]]
+    rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.argsort(rows["ids"])
+    return {k: v[order] for k, v in rows.items()}
+
+
+def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic, group,
+                         malformed: int = 0):
+    latest = CheckpointManager(run_dir).latest()
+    model_dir = os.path.join(latest.path, "model")
+    manifest = read_manifest(model_dir)
+    single, trained = replay(run_dir, messages)
+    # every message produced trained once, in exactly one step of the model's lineage
+    assert len(trained) == len(set(trained)) == total + malformed == len(messages)
+    assert set(trained) == set(messages.by_offset)
+    assert manifest["step"] == single.step and manifest["samples"] == single.samples == total
+    offsets = manifest["online"]["offsets"]
+    assert offsets == {str(p): 1 + max(o for q, o in messages.by_offset if q == p)
+                       for p in range(PARTITIONS)}
+    # count per key: every sample's own id has a row, updated exactly once
+    rows = checkpointed_rows(model_dir, "sid")
+    assert rows["ids"].tolist() == list(range(total))
+    assert set(rows["update_counts"].tolist()) == {1}
+    # the model equals the single-process replay: rows, optimizer state, counters, dense
+    for table, store in single.stores.items():
+        got = checkpointed_rows(model_dir, table)
+        want = store.to_numpy()
+        order = np.argsort(want["ids"])
+        want = {k: v[order] for k, v in want.items()}
+        np.testing.assert_array_equal(got["ids"], want["ids"], err_msg=table)
+        for key in ("values", "state"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{table} {key}")
+        for key in ("update_counts", "last_steps"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{table} {key}")
+    assert manifest["config"]["dense"] == single.config.to_dict()["dense"]
+    with np.load(os.path.join(model_dir, "dense.npz")) as dense:
+        want = single.dense_arrays()
+        assert sorted(dense.files) == sorted(want)
+        for name in want:
+            np.testing.assert_allclose(dense[name], want[name], rtol=1e-5, atol=1e-7,
+                                       err_msg=name)
+    # Kafka's committed offsets are the checkpoint's
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+    committed = consumer.committed([TopicPartition(topic, p) for p in range(PARTITIONS)],
+                                   timeout=10)
+    consumer.close()
+    assert {str(tp.partition): tp.offset for tp in committed} == offsets
+
+
+def test_two_workers_two_shards_equal_a_single_process_replay_of_their_steps(
+        kafka_broker, files, ray_address, tmp_path):
+    from trainer import online
+
+    topic = kafka_broker.create_topic(partitions=PARTITIONS)
+    messages = Messages()
+    messages.produce(kafka_broker, topic, range(2000))
+    # malformed messages on a partition of each worker, the last ones after every good one
+    bad = [(b"k", b"not json %d" % i, None, None, 1 + i % 2) for i in range(120)]
+    messages.produce(kafka_broker, topic, None, bad)
+    run_dir = str(tmp_path / "run")
+    summary = online.run(command(files, kafka_broker, topic, "g-ray", run_dir, ray_address,
+                                 "--idle-exit", "2", "--checkpoint-every", "0.5"))
+    assert summary["samples"] == 2000 and summary["messages"] == 2000 + len(bad)
+    assert summary["assignment"] == [[0, 2], [1, 3]]
+    assert summary["pv"]["samples"] == 2000
+    # each worker sent what it read to the dead-letter topic and went on
+    assert summary["dead_letters"] == len(bad)
+    letters = kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)
+    assert sorted(m.value() for m in letters) == sorted(value for _, value, *_ in bad)
+    assert {dict(m.headers())["source.partition"] for m in letters} == {b"1", b"2"}
+    assert_equals_replay(run_dir, messages, 2000, kafka_broker, topic, "g-ray", len(bad))
+
+
+class Streaming:
+    """A thread producing chunks of new sample ids until :meth:`stop` (each chunk delivered
+    before the next one starts)."""
+
+    def __init__(self, messages: Messages, broker, topic, first: int, chunk=100, pause=0.2):
+        self.next = first
+        self._stop = threading.Event()
+
+        def stream():
+            while not self._stop.is_set():
+                messages.produce(broker, topic, range(self.next, self.next + chunk))
+                self.next += chunk
+                self._stop.wait(pause)
+
+        self._thread = threading.Thread(target=stream, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        """Stop; the next sample id."""
+        self._stop.set()
+        self._thread.join()
+        return self.next
+
+
+def latest_state(run_dir) -> dict | None:
+    """The state of the checkpoint LATEST names, read without a CheckpointManager (whose
+    constructor removes temporary directories: the running writer's among them)."""
+    directory = os.path.join(run_dir, "checkpoints")
+    try:
+        with open(os.path.join(directory, "LATEST")) as f:
+            name = f.read().strip()
+        with open(os.path.join(directory, name, "state.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):  # none yet, or pruned meanwhile
+        return None
+
+
+def wait_for_checkpoint(process, run_dir, condition, timeout=180) -> dict:
+    """The state of the first checkpoint that meets ``condition``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended before the checkpoint awaited"
+        state = latest_state(run_dir)
+        if state is not None and condition(state):
+            return state
+        time.sleep(0.05)
+    raise TimeoutError("no checkpoint of the kind awaited")
+
+
+def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing_sigterm_ends_cleanly(
+        kafka_broker, files, ray_address, tmp_path):
+    topic = kafka_broker.create_topic(partitions=PARTITIONS)
+    messages = Messages()
+    messages.produce(kafka_broker, topic, range(1000))
+    run_dir = str(tmp_path / "run")
+    argv = [sys.executable, "-m", "trainer.online",
+            *command(files, kafka_broker, topic, "g-kill", run_dir, ray_address,
+                     "--checkpoint-every", "0.3")]
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=log)
+        try:
+            first = wait_for_checkpoint(process, run_dir, lambda s: s["step"] > 0)["step"]
+            producer = Streaming(messages, kafka_broker, topic, 1000)  # while it trains on
+            try:
+                killed_at = wait_for_checkpoint(process, run_dir,
+                                                lambda s: s["step"] > first + 2)["step"]
+                process.send_signal(signal.SIGKILL)  # no chance to checkpoint or commit
+                process.wait()
+            finally:
+                total = producer.stop()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    # the checkpoint the restart finds is the kill's or a later one it wrote meanwhile
+    restored = CheckpointManager(run_dir).latest()
+    assert restored.step >= killed_at
+    messages.produce(kafka_broker, topic, range(total, total + 100))  # after the kill
+    total += 100
+    # the restart trains the rest; SIGTERM then finishes the step, checkpoints, commits, exit 0
+    with open(tmp_path / "restarted.log", "w") as log:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            wait_for_checkpoint(process, run_dir, lambda s: s["samples"] == total)
+            process.send_signal(signal.SIGTERM)
+            stdout, _ = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, (tmp_path / "restarted.log").read_text()[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["samples"] == total - read_manifest(
+        os.path.join(restored.path, "model"))["samples"]
+    assert_equals_replay(run_dir, messages, total, kafka_broker, topic, "g-kill")
+
+
+def test_a_worker_takes_the_first_batch_that_arrives_and_reports_dead_letters(
+        kafka_broker, files):
+    """The dense statistics wait for the first batch of any worker: a worker asked before
+    anything arrived answers nothing and takes the batch that arrives later; a poll of
+    malformed messages only is reported with its offsets (no Ray: the actor class in
+    process)."""
+    from trainer import models
+    from trainer.config import TrainConfig
+    from trainer.distributed.online_worker import OnlineWorker
+    from trainer.distributed.worker import resolve_dense, unresolved_dense
+
+    schema, config = schemas.from_dict(SCHEMA), TrainConfig.from_dict(CONFIG)
+    topic = kafka_broker.create_topic(partitions=1)
+    worker = OnlineWorker(0, 1, 1, schema.to_dict(), models.MLP().spec(), config.to_dict())
+    worker.open({"bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "group": "g-w",
+                 "options": {}, "dlq_topic": None, "max_message_bytes": 1 << 20}, [0], {},
+                poll_timeout=0.2)
+    try:
+        names = unresolved_dense(schema, config)
+        assert worker.first_dense_sample(names) == (None, None)  # nothing produced yet
+        kafka_broker.produce(topic, [(b"k", b"{", None, None, 0)] * 3)
+
+        def next_round():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                sample, consumed = worker.first_dense_sample(names)
+                if sample is not None or consumed is not None:
+                    return sample, consumed
+            raise TimeoutError("nothing arrived")
+
+        assert next_round() == (None, {"ranges": {0: [0, 3]}, "messages": 3, "dead": 3})
+        kafka_broker.produce(topic, [sample(s)[:4] + (0,) for s in range(50)])
+        found, consumed = next_round()
+        assert consumed is None and len(found["price"][0]) == 50
+        worker.set_config(resolve_dense(schema, config, [found]).to_dict())
+        meta, request = worker.next_step()  # the batch held for the first step
+        assert meta["n"] == 50
+        rows = {table: np.zeros((len(ids), CONFIG["embedding"]["dim"]), np.float32)
+                for table, ids in request.items()}  # what the shard would send
+        result = worker.train_step(rows)[0]
+        assert result["n"] == 50
+        assert result["consumed"] == {"ranges": {0: [3, 53]}, "messages": 50, "dead": 0}
+    finally:
+        worker.close_source()

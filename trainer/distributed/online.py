@@ -1,0 +1,414 @@
+"""Online learning on Ray: W workers read their Kafka partitions, S store shards hold the rows,
+steps are synchronous, and a checkpoint holds every partition's trained offset.
+
+    python -m trainer.online --schema S --bootstrap-servers HOST:PORT --topic samples \\
+        --group ctr-online --run-dir run/ --workers 2 --shards 2 [--ray-address HEAD:6379]
+
+The actors are those of batch training (:mod:`trainer.distributed.driver`): the shards are
+:class:`~trainer.distributed.shard.Shard`, the workers are
+:class:`~trainer.distributed.online_worker.OnlineWorker` (a batch ``Worker`` whose batches come
+from Kafka), and a step is the batch driver's step (gradients on the workers, one
+``apply_gradients`` and one lookup per table on each shard, the dense update averaged in worker
+order).
+
+**Partitions.** The driver lists the topic's partitions at start and deals them to the workers
+in turn (the i-th partition in order to worker ``i % W``), by explicit assignment: no consumer
+group membership, no rebalances, so every worker knows exactly what it owns. (A worker added or
+lost, or partitions added to the topic, are taken into account at the next start.)
+
+**Steps.** Each worker polls at most its share of the global batch (``worker_batch_size``) at a
+time; one poll is one batch. At every step each worker contributes the batch of its next poll,
+or nothing when no poll came back within the poll timeout (``POLL_TIMEOUT``). Step ``k`` trains
+the *union batch*: the workers' batches side by side in worker order, which is what the
+shards and the dense update compute (see :mod:`trainer.distributed`): the rows, optimizer
+state and dense weights after step ``k`` equal a single :class:`trainer.Trainer` that trained
+the same union batches in the same order, up to float rounding. A step in which no worker
+had a sample trains nothing and does not count. Which messages each step trained is therefore
+a record, not a rule: with ``step_log`` the driver appends it to ``RUN_DIR/steps.jsonl``
+(``{"step": k, "workers": [{"ranges": {partition: [first, next]}, "samples": n}, ...]}``) at
+every checkpoint, so a single-process replay of the log reproduces the model (the tests do).
+
+**Exactly once.** A checkpoint is taken between steps, when no batch of the next step has been
+looked up (the lookup admits ids): the dead letters of every worker are delivered first, then
+:class:`~trainer.checkpoints.CheckpointManager` writes ``checkpoints/ckpt-N/model``, the
+distributed checkpoint (every shard's snapshot, the dense weights, and ``manifest.json``
+written last, whose ``online`` entry holds the topic, the group, the assignment and every
+partition's trained offset), fsyncs it, renames it into place and points ``LATEST`` at it;
+only then are the offsets committed to Kafka. A restart restores the latest checkpoint into
+the actors and every worker seeks its partitions to the manifest's offsets. So after a driver
+crash at any moment the restored model has trained exactly the messages before those offsets
+and the run goes on right after them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import ray
+
+import schemas
+from compression import kafka
+from trainer.checkpoints import CheckpointManager
+from trainer.config import TrainConfig
+from trainer.distributed.driver import DistributedTrainer, is_actor_failure
+from trainer.distributed.manifest import read_manifest
+from trainer.distributed.online_worker import OnlineWorker
+from trainer.distributed.worker import resolve_dense, unresolved_dense
+from trainer.kafka_source import commit_offsets
+from trainer.metrics import ProgressiveValidation, run_rates
+from trainer.runs import StopOnSignal
+
+log = logging.getLogger("trainer.online")
+
+# Seconds a worker waits for a poll's batch before it contributes nothing to a step: the
+# longest one idle worker holds the others up.
+POLL_TIMEOUT = 0.2
+STEP_LOG = "steps.jsonl"
+
+
+def assign_partitions(partitions: list[int], workers: int) -> list[list[int]]:
+    """Each worker's partitions: the i-th partition (in order) goes to worker ``i % workers``."""
+    ordered = sorted(partitions)
+    return [ordered[w::workers] for w in range(workers)]
+
+
+class OnlineDistributedTrainer(DistributedTrainer):
+    """A :class:`DistributedTrainer` whose workers read Kafka (:class:`OnlineWorker`): the
+    same actors, step and checkpoints, an open-ended stream of steps instead of passes."""
+
+    worker_class = OnlineWorker
+
+    def open_sources(self, kafka_spec: dict, assignment: list[list[int]], offsets: dict,
+                     poll_timeout: float = POLL_TIMEOUT) -> None:
+        """Every worker reads its partitions of ``assignment`` from ``offsets``."""
+        ray.get([w.open.remote(kafka_spec, parts, {p: offsets[p] for p in parts
+                                                   if p in offsets}, poll_timeout)
+                 for w, parts in zip(self._workers, assignment)])
+
+    def close(self) -> None:
+        if not self._closed and ray.is_initialized():
+            try:  # deliver the dead letters and leave the brokers cleanly
+                ray.get([w.close_source.remote() for w in getattr(self, "_workers", [])],
+                        timeout=30)
+            except Exception as e:  # noqa: BLE001 - the actors are killed next anyway
+                log.warning("closing the workers' Kafka clients: %s", e)
+        super().close()
+
+    def flush_dead_letters(self, timeout: float) -> bool:
+        """Whether every worker's dead letters were delivered within ``timeout`` s."""
+        return all(ray.get([w.flush_dead_letters.remote(timeout) for w in self._workers]))
+
+    def online_steps(self, pause):
+        """Synchronous steps for ever: yields ``(results, paused)`` per step, ``results``
+        the workers' (``n``, ``loss``, ``probabilities``, ``labels``, ``consumed``).
+        ``pause()`` is asked before each step is submitted: True drains it (the shards apply
+        it without looking the next batches up), so when the step is yielded the actors hold
+        exactly the steps trained, and a checkpoint may be taken. Otherwise the shards look
+        the workers' next batches up in the same call (the pipelining of batch training).
+
+        A new run first resolves the dense features' statistics (``auto`` transforms,
+        standardization) on the first step's union batch, as a single process does on its
+        first batch: every worker takes its first batch ahead; until one of them has one,
+        the rounds are yielded as paused steps that trained nothing (with what they
+        consumed: only malformed messages)."""
+        names = unresolved_dense(self.schema, self.config)
+        while names:
+            found = ray.get([w.first_dense_sample.remote(names) for w in self._workers])
+            if any(sample for sample, _ in found):
+                self.config = resolve_dense(self.schema, self.config,
+                                            [sample for sample, _ in found])
+                ray.get([w.set_config.remote(self.config.to_dict()) for w in self._workers])
+                names = []
+            if any(consumed for _, consumed in found) or names:
+                # not a pause once resolved: no checkpoint may hold statistics resolved on
+                # batches it has not trained (a restart could group them otherwise)
+                yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
+        mean = self.config.row_gradients == "mean"
+        rows = self._lookup([refs[1:] for refs in self._next("train")], True)
+        while True:
+            paused = bool(pause())
+            current = self._submit_step(self.step + 1, mean, rows, not paused)
+            results = ray.get(current["results"])
+            ray.get(current["dense_applied"])
+            expired = sum(ray.get(current["applied"]))
+            if any(r["n"] for r in results):  # else the shards skipped it: no step
+                self.step += 1
+                self.expired += expired
+                self._stepped(results)
+                self.losses.clear()  # an online run does not keep every step's loss
+            yield results, paused
+            rows = (self._lookup(current["messages"], True) if paused
+                    else current["next_rows"])
+
+
+class OnlineRun:
+    """One online run on Ray: the steps, the offsets they trained, checkpoints and commits."""
+
+    def __init__(self, engine: OnlineDistributedTrainer, checkpoints: CheckpointManager,
+                 kafka_spec: dict, offsets: dict, *, checkpoint_every: float = 30.0,
+                 max_samples: int | None = None, idle_exit: float | None = None,
+                 report_every: float = 10.0, step_log: str | None = None):
+        self.engine = engine
+        self.checkpoints = checkpoints
+        self.kafka_spec = kafka_spec
+        self.checkpoint_every = checkpoint_every
+        self.max_samples = max_samples
+        self.idle_exit = idle_exit
+        self.report_every = report_every
+        self.step_log = step_log
+        self.positions = {int(p): int(o) for p, o in offsets.items()}  # next offset to train
+        self.assignment: list[list[int]] = []
+        self.settings = kafka.consumer_settings(kafka_spec["bootstrap_servers"],
+                                                kafka_spec["group"], kafka_spec["options"])
+        # commits offsets for the whole group (the workers never commit): it never subscribes
+        self.committer = kafka.consumer(self.settings)
+        self.pv = ProgressiveValidation()
+        self.pv_label: str | None = None
+        self.samples = self.messages = self.dead = self.checkpoints_written = 0
+        self.steps = 0  # trained by this run
+        self.first_step: float | None = None  # when this run's first and latest step ended
+        self.last_step: float | None = None
+        self.first_step_samples = 0
+        self.started = time.monotonic()
+        self._checkpointed = (engine.step, dict(self.positions))
+        self._pending_log: list[str] = []
+        self._idle_since: float | None = None
+        self._finish = False  # max_samples reached or idle for idle_exit s
+
+    def run(self, should_stop) -> dict:
+        """Train until ``should_stop()``, ``max_samples`` or ``idle_exit``; then the final
+        checkpoint and commit. Returns the summary."""
+        engine = self.engine
+        partitions = kafka.list_partitions(self.settings, self.kafka_spec["topic"])
+        self.assignment = assign_partitions(partitions, engine.workers)
+        log.info("%d workers x %d shards, partitions per worker %s, from offsets %s",
+                 engine.workers, engine.shards, self.assignment, self.positions)
+        engine.open_sources(self.kafka_spec, self.assignment, self.positions)
+        last_checkpoint = last_report = time.monotonic()
+
+        def due() -> bool:
+            return time.monotonic() - last_checkpoint >= self.checkpoint_every
+
+        def pause() -> bool:
+            return self._finish or should_stop() or due()
+
+        for results, paused in engine.online_steps(pause):
+            self._account(results)
+            if time.monotonic() - last_report >= self.report_every:
+                self.report()
+                last_report = time.monotonic()
+            if not paused:
+                continue
+            if self._finish or should_stop():
+                break
+            if due():
+                self.checkpoint()  # postponed (False) while dead letters wait: retried later
+                last_checkpoint = time.monotonic()
+        return self.finish()
+
+    def finish(self) -> dict:
+        if not self.checkpoint(flush_timeout=60.0, final=True):
+            raise RuntimeError("the final checkpoint was not written: dead letters could not be "
+                               "delivered within 60 s (is the broker reachable?); the run "
+                               "resumes from the previous checkpoint")
+        self.report()
+        return self.summary()
+
+    def _account(self, results) -> None:
+        """The offsets, counts and predictions of a step's ``results``; the idle clock."""
+        consumed_any = False
+        step_record = []
+        for r in results:
+            consumed = r.get("consumed")
+            step_record.append({"ranges": {} if consumed is None else consumed["ranges"],
+                                "samples": r["n"]})
+            if consumed is None:
+                continue
+            consumed_any = True
+            self.messages += consumed["messages"]
+            self.dead += consumed["dead"]
+            for p, (_, end) in consumed["ranges"].items():
+                self.positions[int(p)] = max(self.positions.get(int(p), 0), int(end))
+            if r["n"]:
+                if self.pv_label is None:
+                    self.pv_label = next(iter(r["probabilities"]))  # the model's first head
+                self.pv.add(r["probabilities"][self.pv_label], r["labels"][self.pv_label])
+        trained = sum(r["n"] for r in results)
+        if trained:
+            self.samples += trained
+            self.steps += 1
+            self.last_step = time.monotonic()
+            if self.first_step is None:
+                self.first_step, self.first_step_samples = self.last_step, trained
+            if self.step_log:
+                self._pending_log.append(json.dumps({"step": self.engine.step,
+                                                     "workers": step_record}))
+        if self.max_samples is not None and self.samples >= self.max_samples:
+            self._finish = True
+        now = time.monotonic()
+        if consumed_any:
+            self._idle_since = None
+        elif self.idle_exit is not None:
+            if self._idle_since is None:
+                self._idle_since = now
+            elif now - self._idle_since >= self.idle_exit:
+                try:  # an empty poll cannot tell "nothing new" from "no broker": ask it
+                    kafka.check_reachable(self.settings, timeout=2.0)
+                    self._finish = True
+                except kafka.BrokerUnreachable:
+                    self._idle_since = None  # an outage is not idle time
+
+    def checkpoint(self, flush_timeout: float = 5.0, final: bool = False) -> bool:
+        """Write a checkpoint holding every partition's trained offset (the actors must be
+        between steps, with nothing looked up ahead), then commit those offsets. Nothing is
+        written when nothing changed since the latest one."""
+        engine = self.engine
+        positions = dict(self.positions)
+        if (engine.step, positions) == self._checkpointed:
+            if final:
+                self._commit(positions)
+            return True
+        if not engine.flush_dead_letters(flush_timeout):
+            log.warning("checkpoint postponed: dead letters are not delivered yet")
+            return False
+        latest = self.checkpoints.latest()
+        online = {"topic": self.kafka_spec["topic"], "group": self.kafka_spec["group"],
+                  "offsets": {str(p): o for p, o in sorted(positions.items())},
+                  "assignment": self.assignment,
+                  "previous": None if latest is None else os.path.basename(latest.path)}
+        self._write_step_log()
+        self.checkpoints.save(
+            lambda d: engine.save(os.path.join(d, "model"), extra={"online": online}),
+            {"step": engine.step, "samples": engine.samples, "kind": "ray-online",
+             "time": time.time()})
+        self._checkpointed = (engine.step, positions)
+        self.checkpoints_written += 1
+        self._commit(positions)
+        return True
+
+    def _commit(self, positions: dict) -> None:
+        """After the checkpoint holding ``positions`` is durable. A failed commit is made
+        good by the next checkpoint's (the checkpoint, not Kafka, is where a restart
+        resumes)."""
+        commit_offsets(self.committer, self.kafka_spec["topic"], positions)
+
+    def _write_step_log(self) -> None:
+        if not self.step_log or not self._pending_log:
+            return
+        with open(self.step_log, "a") as f:
+            f.write("".join(line + "\n" for line in self._pending_log))
+            f.flush()
+            os.fsync(f.fileno())
+        self._pending_log = []
+
+    def report(self) -> None:
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        pv = self.pv.result()
+        log.info("%s samples (%s samples/s), step %d, %d dead letters, %d checkpoints, "
+                 "progressive validation AUC %s, offsets %s", f"{self.samples:,}",
+                 f"{self.samples / seconds:,.0f}", self.engine.step, self.dead,
+                 self.checkpoints_written, pv["auc"], self.positions)
+
+    def summary(self) -> dict:
+        seconds = time.monotonic() - self.started
+        stats = self.engine.store_stats()
+        return {"samples": self.samples, "messages": self.messages, "dead_letters": self.dead,
+                "steps": self.engine.step, "seconds": round(seconds, 3),
+                # a step is the unit: the steady rate leaves the actors' start-up out
+                **run_rates(self.samples, seconds, self.steps, self.first_step,
+                            self.last_step, self.first_step_samples),
+                "pv": {**self.pv.result(), "label": self.pv_label},
+                "checkpoints": self.checkpoints_written, "exports": 0,
+                "delay_s": {"p50": None, "p99": None},
+                "store_rows": stats.get("rows", 0), "admitted": stats.get("admitted", 0),
+                "expired": stats.get("expired", 0), "workers": self.engine.workers,
+                "shards": self.engine.shards, "assignment": self.assignment,
+                "offsets": {str(p): o for p, o in sorted(self.positions.items())}}
+
+    def close(self) -> None:
+        self.committer.close()
+
+
+def truncate_step_log(path: str, step: int) -> None:
+    """Drop the lines of steps after ``step`` (written before a checkpoint that was never
+    finished: those steps are trained again after the restart)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) -> dict:
+    """``python -m trainer.online ... --workers W --shards S``: restore the latest checkpoint
+    of ``--run-dir`` (or start ``model`` with ``config``), train, checkpoint, commit; returns
+    the run's summary (the keys of the single-process one that apply, plus workers, shards
+    and the assignment)."""
+    unsupported = [flag for flag, given in (
+        ("--format trees", args.format != "json"), ("--init-from", args.init_from),
+        ("--export-dir", args.export_dir), ("--metrics-port", args.metrics_port is not None),
+        ("--expire-every", args.expire_every is not None),
+        ("--unit-samples", args.unit_samples is not None)) if given]
+    if unsupported:
+        parser.error(f"{', '.join(unsupported)}: not available with --workers/--shards yet "
+                     "(see the README's online learning on Ray)")
+    workers, shards = args.workers or 1, args.shards or 1
+    checkpoints = CheckpointManager(args.run_dir)
+    latest = checkpoints.latest()
+    step_log = os.path.join(args.run_dir, STEP_LOG) if args.step_log else None
+    offsets = {}
+    try:
+        if latest is None:
+            engine = OnlineDistributedTrainer(schema, model, config, workers=workers,
+                                              shards=shards, ray_address=args.ray_address)
+        else:
+            directory = os.path.join(latest.path, "model")
+            online = read_manifest(directory).get("online")
+            if online is None:
+                parser.error(f"{latest.path}: not a checkpoint of online learning on Ray (a "
+                             "single-process run's? start it without --workers/--shards)")
+            if online["topic"] != args.topic:
+                parser.error(f"--topic {args.topic}: {args.run_dir} trained topic "
+                             f"{online['topic']!r}")
+            offsets = {int(p): o for p, o in online["offsets"].items()}
+            engine = OnlineDistributedTrainer.restore(directory, workers=workers,
+                                                      shards=shards,
+                                                      ray_address=args.ray_address)
+            log.info("restored %s: step %d, offsets %s", latest.path, engine.step, offsets)
+    except (ConnectionError, ValueError) as e:
+        parser.error(str(e))
+    if step_log:
+        truncate_step_log(step_log, engine.step)
+    kafka_spec = {"bootstrap_servers": args.bootstrap_servers, "topic": args.topic,
+                  "group": args.group, "options": dict(args.kafka_options),
+                  "dlq_topic": args.dead_letter_topic,
+                  "max_message_bytes": args.max_message_bytes}
+    run = None
+    try:
+        run = OnlineRun(engine, checkpoints, kafka_spec, offsets,
+                        checkpoint_every=args.checkpoint_every, max_samples=args.max_samples,
+                        idle_exit=args.idle_exit, report_every=args.report_every,
+                        step_log=step_log)
+        with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
+            summary = run.run(lambda: stop.signum is not None)
+    except ray.exceptions.RayError as e:
+        if not is_actor_failure(e):
+            raise
+        latest = checkpoints.latest()
+        raise RuntimeError(
+            f"an actor of the run died ({type(e).__name__}); the steps since the last "
+            f"checkpoint are dropped and their offsets were not committed: run the same "
+            f"command again to resume from {latest.path if latest else 'the start'}") from e
+    finally:
+        if run is not None:
+            run.close()
+        engine.close()
+    return summary
