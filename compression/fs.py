@@ -39,6 +39,8 @@ import uuid
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from native.crash_points import crash_point
+
 MANIFEST = "_MANIFEST.json"
 MANIFEST_FORMAT = "prefixrec-manifest"
 GENERATION_PREFIX = ".gen-"
@@ -650,9 +652,11 @@ class StagedObjectOutput:
                      if f.type == pafs.FileType.File}
             manifest = {"format": MANIFEST_FORMAT, "version": 1,
                         "generation": self.generation, "files": dict(sorted(files.items()))}
+            crash_point("publish.copied")  # see native.crash_points
             with filesystem.open_output_stream(f"{inner}/{MANIFEST}", compression=None) as f:
                 f.write(json.dumps(manifest, indent=1).encode())
         self.committed = True
+        crash_point("publish.committed")
         self._remove_others(filesystem, inner)
         return self.path
 
@@ -696,14 +700,43 @@ def publish_directory(local_dir: str, directory: str, overwrite: bool = True,
     ``overwrite`` (the default) an older output there is replaced whole."""
     staged = StagedObjectOutput(directory, overwrite=overwrite, flag=flag)
     with staged:
-        filesystem, inner = resolve(staged.tmp)
-        with _errors(directory, "publish it"):
-            # streams the files, several at once (no whole file in memory)
-            pafs.copy_files(os.path.abspath(local_path(local_dir)), inner,
-                            source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=filesystem)
+        upload_directory(local_dir, staged.tmp, doing="publish it", reported=directory)
         staged.commit()
     return staged.path
+
+
+def upload_directory(local_dir: str, directory: str, doing: str = "upload it",
+                     reported: str | None = None) -> None:
+    """Copy every file under the local directory ``local_dir`` to the object-store directory
+    ``directory``, keeping relative paths; the files are streamed, several at once (no whole
+    file in memory). Nothing marks them published: the caller writes its manifest last.
+    Errors name ``reported`` (default ``directory``)."""
+    filesystem, inner = resolve(directory)
+    with _errors(reported or directory, doing):
+        pafs.copy_files(os.path.abspath(local_path(local_dir)), inner,
+                        source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=filesystem)
+
+
+@contextlib.contextmanager
+def working_copy(directory: str, download: bool = True):
+    """A local temporary directory to work in for the object-store ``directory``: with
+    ``download``, holding the files its manifest names (empty when nothing is published
+    there); removed at the end of the block. What the block wants kept it publishes with
+    :func:`publish_directory` (for consumers that write local files: checkpoints, TensorBoard
+    logs, native snapshots)."""
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="prefixrec-work-")
+    local = os.path.join(work, basename(directory.rstrip("/")) or "dir")
+    try:
+        if download and published_manifest(directory) is not None:
+            download_published(directory, local)
+        os.makedirs(local, exist_ok=True)
+        yield local
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def download_published(directory: str, local_dir: str) -> str:
@@ -714,16 +747,22 @@ def download_published(directory: str, local_dir: str) -> str:
     manifest = published_manifest(directory)
     if manifest is None:
         raise NoSuchPath(f"{directory}: nothing published there ({MANIFEST} missing)")
-    filesystem, inner = resolve(directory)
     local_dir = os.path.abspath(local_path(local_dir))
     for name in manifest["files"]:
-        target = os.path.join(local_dir, *name.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with _errors(join(directory, name), "download it"):
-            pafs.copy_files(f"{inner}/{manifest['generation']}/{name}", target,
-                            source_filesystem=filesystem,
-                            destination_filesystem=pafs.LocalFileSystem())
+        download_file(join(directory, manifest["generation"], name),
+                      os.path.join(local_dir, *name.split("/")), reported=join(directory, name))
     return local_dir
+
+
+def download_file(uri: str, target: str, reported: str | None = None) -> str:
+    """Copy the object ``uri`` to the local file ``target`` (its directory created), streamed;
+    errors name ``reported`` (default ``uri``)."""
+    filesystem, inner = resolve(uri)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    with _errors(reported or uri, "download it"):
+        pafs.copy_files(inner, os.path.abspath(target), source_filesystem=filesystem,
+                        destination_filesystem=pafs.LocalFileSystem())
+    return target
 
 
 def check_bucket(path: str) -> None:

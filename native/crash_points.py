@@ -28,6 +28,13 @@ Checkpoint (``trainer.checkpoints.CheckpointManager.save``):
 Serving export (``trainer.serving.export_increment``):
     ``export.published``         a version's manifest in place (followers may apply it), the
                                  trainer's checkpoint not yet written
+Object-store publish (``compression.fs.StagedObjectOutput.commit``: a directory on ``s3://``,
+``gs://``...; the run directory of ``trainer.online``/``trainer.train`` and full exports there
+are local working copies published this way, so the points above happen locally before it):
+    ``publish.copied``           every file under the hidden ``DIR/.gen-XXXXXXXX/``, the manifest
+                                 not written: readers still see the previous generation
+    ``publish.committed``        ``DIR/_MANIFEST.json`` names the new generation, older ones not
+                                 yet removed
 Kafka offsets (``trainer.online.OnlineTrainer._commit``):
     ``offsets.commit``           the checkpoint holding the offsets is durable, not committed
     ``offsets.committed``        the commit sent (the final commit of a run: and answered)
@@ -50,7 +57,8 @@ POINTS = (
     "checkpoint.written", "checkpoint.renamed", "checkpoint.latest", "checkpoint.removing",
     "checkpoint.written.same-step", "checkpoint.renamed.same-step",
     "checkpoint.latest.same-step", "checkpoint.removing.same-step",
-    "export.published", "offsets.commit", "offsets.committed",
+    "export.published", "publish.copied", "publish.committed", "offsets.commit",
+    "offsets.committed",
 )
 
 _lock = threading.Lock()

@@ -23,6 +23,12 @@ own checksum). A damaged file raises :class:`CheckpointDamagedError` naming it; 
 removes that checkpoint to resume from the previous one. Files written before checksums
 existed (no ``checksum``) are read as they are.
 
+On an object store (``trainer.online --run-dir s3://...``) the run directory is a local working
+copy (downloaded from the store at start) that the manager publishes after every save: its files
+under a hidden generation, ``_MANIFEST.json`` written last, older generations removed after
+(:func:`compression.fs.publish_directory`). Readers and a restart see the run of the last
+complete publish, never a mix; a crash before it leaves the previous one.
+
 Each step of :meth:`CheckpointManager.save` is a crash point (``checkpoint.written``,
 ``checkpoint.renamed``, ``checkpoint.latest``, ``checkpoint.removing``, each also with
 ``.same-step`` in a save of a step saved before): see :mod:`native.crash_points`.
@@ -39,6 +45,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from compression import fs
 from native.crash_points import crash_point
 
 STATE_FILE = "state.json"
@@ -135,11 +142,17 @@ def unsealed(path: str, value: dict, required: bool = True) -> dict:
 class CheckpointManager:
     """Writes and finds the checkpoints under ``run_dir/checkpoints``; keeps the newest ``keep``."""
 
-    def __init__(self, run_dir: str, keep: int = 3):
+    def __init__(self, run_dir: str, keep: int = 3, publish_to: str | None = None):
+        """``publish_to``: an object-store run directory (``s3://...``), of which ``run_dir``
+        is the local working copy: after each save the whole of ``run_dir`` is published there
+        all or nothing (:func:`compression.fs.publish_directory`), and :meth:`save` returns
+        only then (an object store cannot rename a directory; see the module's docstring)."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
+        self.run_dir = run_dir
         self.directory = os.path.join(run_dir, "checkpoints")
         self.keep = keep
+        self.publish_to = publish_to
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):
             if name.startswith(".tmp-"):
@@ -216,7 +229,14 @@ class CheckpointManager:
         _fsync_dir(self.directory)
         _crash_point("latest", again)
         self._prune(keep_name=name, again=again)
+        if self.publish_to is not None:
+            self.publish()
         return Checkpoint(final, state)
+
+    def publish(self) -> None:
+        """Publish the local run directory to ``publish_to`` (nothing without one)."""
+        if self.publish_to is not None:
+            fs.publish_directory(self.run_dir, self.publish_to, flag="--run-dir")
 
     def _prune(self, keep_name: str, again: bool = False):
         """Remove the checkpoints older than the newest ``keep`` and older revisions of

@@ -4,7 +4,9 @@
 
 Restores ``RUN_DIR/checkpoint`` (written by ``python -m trainer.train``), shows a progress bar on
 stderr, adds the scalars to ``RUN_DIR/eval``, prints a summary line on stderr and the result as
-one JSON line on stdout.
+one JSON line on stdout. ``--run`` may be on an object store (``s3://...``, as ``trainer.train
+--out`` publishes it): it is read from a local copy, which is published back with the eval
+logs, all or nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import os
 import sys
 
-from compression import cli
+from compression import cli, fs
 from trainer.runs import json_number, load_tensorflow
 
 PROG = "python -m trainer.evaluate"
@@ -34,10 +36,22 @@ def run(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size: expected a number >= 1, got {args.batch_size}")
-    checkpoint = os.path.join(args.run, "checkpoint")
+    if fs.is_local(args.run):
+        return _evaluate(parser, args, args.run)
+    fs.check_bucket(args.run)
+    with fs.working_copy(args.run) as local:  # the published run, with the eval logs added
+        result = _evaluate(parser, args, local)
+        fs.publish_directory(local, args.run, flag="--run")
+    return result
+
+
+def _evaluate(parser, args, run_dir: str) -> dict:
+    """The evaluation with the run in the local directory ``run_dir`` (``--run`` itself, or a
+    working copy of it on an object store); messages name ``--run``."""
+    checkpoint = os.path.join(run_dir, "checkpoint")
     if not os.path.exists(os.path.join(checkpoint, "trainer.json")):
-        parser.error(f"--run {args.run}: no checkpoint in {checkpoint}; train with "
-                     "python -m trainer.train --out RUN_DIR first")
+        parser.error(f"--run {args.run}: no checkpoint in {fs.join(args.run, 'checkpoint')}; "
+                     "train with python -m trainer.train --out RUN_DIR first")
     cli.check_inputs(args.data, "--data")  # before any work: missing, unreadable, empty
     load_tensorflow(args.debug)
     from trainer.trainer import Trainer
@@ -45,7 +59,7 @@ def run(argv=None) -> dict:
     trainer = Trainer.restore(checkpoint)
     if args.batch_size:
         trainer.config = trainer.config.replace(batch_size=args.batch_size)
-    result = trainer.evaluate(args.data, progress=not args.no_progress, log_dir=args.run)
+    result = trainer.evaluate(args.data, progress=not args.no_progress, log_dir=run_dir)
     result["store_rows"] = trainer.store_rows()
     result["step"] = trainer.step
     return {k: json_number(v) for k, v in result.items()}

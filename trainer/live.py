@@ -24,6 +24,11 @@ foreign manifest, or a delta the stores refuse is never applied: the model keeps
 the last good version and says why it is not ready (:attr:`problem`) until the export directory
 holds a version it can apply or a new full export (a new lineage).
 
+**Object stores.** ``LiveModel("s3://bucket/export")`` follows a local copy of the export that
+every :meth:`poll` first brings up to date (:func:`trainer.serving.mirror_export`: a new full
+export replaces the copy whole, a version's files are copied before its manifest), then reads
+it as a local export directory: the same checks, the same one version per answer.
+
 **A new full export is a rebase, not a second model.** When the export directory holds a new
 lineage of the same model (same schema, config, tables, heads and sharding: a trainer restarted
 from an older checkpoint, another writer, a SIGHUP reload), the stores stream its snapshots and
@@ -55,7 +60,8 @@ from trainer.checkpoints import dense_name
 from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
-from trainer.serving import (EXPORT_VERSION, ShardedStore, one_node_per_sample,
+from compression.fs import StorageError, is_local
+from trainer.serving import (EXPORT_VERSION, ShardedStore, mirror_export, one_node_per_sample,
                              published_versions, read_lineage, read_manifest, request_table,
                              request_tree, version_path)
 
@@ -206,7 +212,10 @@ class LiveModel:
 
     def __init__(self, directory: str | os.PathLike, batch_size: int = 4096,
                  max_lag: float | None = None):
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.source = os.fspath(directory)  # the export as named (maybe s3://...)
+        self.directory = None
+        if is_local(self.source):
+            self.source = self.directory = os.path.abspath(self.source)
         self.batch_size = batch_size
         self.max_lag = max_lag
         self.problem: str | None = None     # why the served version is not the newest
@@ -220,6 +229,12 @@ class LiveModel:
         self._retired: list[Version] = []   # replaced versions some request may still pin
         self._staging = tempfile.mkdtemp(prefix="prefixrec-serve-")
         self._current: Version | None = None
+        if self.directory is None:  # on an object store: follow a local copy of it
+            self.directory = os.path.join(self._staging, "mirror", "export")
+            try:
+                mirror_export(self.source, self.directory)
+            except StorageError as e:
+                self.problem = str(e)
         try:
             self._current = self._load_full()
         except ValueError as e:  # an export it cannot serve: not ready until a better one
@@ -306,6 +321,12 @@ class LiveModel:
         versions applied. Never raises for what it finds in the export
         directory: a problem is kept in :attr:`problem` (and counted in :attr:`failed`) and
         the served version stays."""
+        if self.source != self.directory:  # an object store: its local copy up to date first
+            try:
+                mirror_export(self.source, self.directory)
+            except StorageError as e:  # unreachable, or a version removed while copied
+                self.problem = str(e)
+                return 0
         lineage = read_lineage(self.directory)
         current = self._current
         if lineage is None:

@@ -32,6 +32,14 @@ offsets (at most every ``PROBE_EVERY`` s); an unanswered request restarts the id
 the trainer keeps retrying, however long the outage lasts. Just before it stops, the reader
 asks once more, so a run never gives up while the broker is away.
 
+On an object store (``--run-dir s3://bucket/online``, ``gs://``...): the run works in a local copy
+of the run directory (downloaded at start: the published checkpoints, so a restart resumes from
+the store) and publishes it whole after every checkpoint, before the checkpoint's offsets are
+committed, and once more at the end (final ``status.json``, TensorBoard logs): its files under a
+hidden generation, ``_MANIFEST.json`` written last (:mod:`compression.fs`), so the store holds the
+previous checkpoint or the new one, never a mix. ``--export-dir`` and ``--init-from`` may be on a
+store too (see :func:`trainer.serving.export_increment`).
+
 Progressive validation: every training step's probabilities are computed with the weights and
 rows *before* that step's update, so each sample is scored by a model that has not trained on
 it yet. Their AUC and log loss (of the model's first head), over the whole run and over the
@@ -59,7 +67,7 @@ import numpy as np
 
 import compression
 import schemas
-from compression import kafka
+from compression import fs, kafka
 from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
 from native.crash_points import crash_point
 from compression import cli
@@ -686,7 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "from pipelines.stream_compress (default json)")
     parser.add_argument("--group", required=True, help="consumer group id")
     parser.add_argument("--run-dir", required=True,
-                        help="checkpoints and TensorBoard logs; restored from on start")
+                        help="checkpoints and TensorBoard logs; restored from on start. On "
+                             "an object store (s3://...): a local working copy published "
+                             "there after every checkpoint")
     parser.add_argument("--config", help="trainer YAML (see trainer/examples/mlp.yaml)")
     parser.add_argument("--model", choices=sorted(MODEL_NAMES),
                         help="built-in model for a new run (default mlp)")
@@ -696,7 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "its optimizer state and counters, the entry filters' state, its "
                              "step and config; what the batch run saw counts as seen. Ignored "
                              "once --run-dir holds a checkpoint of its own")
-    parser.add_argument("--export-dir", help="write store deltas and dense weights here")
+    parser.add_argument("--export-dir", help="write store deltas and dense weights here "
+                                             "(a local directory or s3://..., gs://...)")
     parser.add_argument("--export-every", type=float, default=10.0,
                         help="seconds between exports (default 10)")
     parser.add_argument("--checkpoint-every", type=float, default=30.0,
@@ -770,7 +781,19 @@ def run(argv=None) -> dict:
             check_ray_address(args.ray_address)
         except (ConnectionError, ValueError) as e:
             parser.error(str(e))
+    if on_ray and not fs.is_local(args.run_dir):
+        parser.error(f"--run-dir {args.run_dir}: on an object store only without --workers/"
+                     "--shards for now; give the Ray run a local or shared --run-dir")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if fs.is_local(args.run_dir):
+        return _run(parser, args, args.run_dir)
+    fs.check_bucket(args.run_dir)  # a working copy of the published run, published at each
+    with fs.working_copy(args.run_dir) as local:  # checkpoint (CheckpointManager.publish_to)
+        return _run(parser, args, local, publish_to=args.run_dir.rstrip("/"))
+
+
+def _run(parser, args, run_dir: str, publish_to: str | None = None) -> dict:
+    """The run, in the local run directory ``run_dir`` (a working copy of ``publish_to``)."""
     load_tensorflow(args.debug)
     from trainer.models import MODELS
     from trainer.trainer import Trainer
@@ -790,7 +813,7 @@ def run(argv=None) -> dict:
             parser.error(str(e))
         return print_summary(run_cli(args, parser, schema, config,
                                      MODELS[args.model or "mlp"]()), args.topic)
-    checkpoints = CheckpointManager(args.run_dir)
+    checkpoints = CheckpointManager(run_dir, publish_to=publish_to)
     latest = checkpoints.latest()
     try:
         schema = schemas.load(args.schema)
@@ -820,8 +843,8 @@ def run(argv=None) -> dict:
                            checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
                            export_every=args.export_every, max_samples=args.max_samples,
                            idle_exit=args.idle_exit,
-                           status_path=os.path.join(args.run_dir, "status.json"),
-                           log_dir=os.path.join(args.run_dir, "online"),
+                           status_path=os.path.join(run_dir, "status.json"),
+                           log_dir=os.path.join(run_dir, "online"),
                            report_every=args.report_every, reader_nice=args.reader_nice,
                            unit_samples=args.unit_samples,
                            calibrate=latest is None and not args.init_from)
@@ -839,6 +862,7 @@ def run(argv=None) -> dict:
         log.info("metrics on %s", online.metrics_url)
     try:
         summary = online.run()
+        checkpoints.publish()  # on a store: the final status and logs too
     finally:
         source.close()
         if metrics is not None:
@@ -871,7 +895,14 @@ def _init_from(parser, run_dir: str, schema: schemas.Schema) -> Trainer:
     from trainer.trainer import Trainer
 
     try:
-        trainer = Trainer.restore_run(run_dir)
+        if fs.is_local(run_dir):
+            trainer = Trainer.restore_run(run_dir)
+        else:  # the published run, restored from a local copy
+            with fs.working_copy(run_dir) as local:
+                try:
+                    trainer = Trainer.restore_run(local)
+                except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
+                    raise type(e)(str(e).replace(local, run_dir)) from None
     except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
         parser.error(f"--init-from {run_dir}: {e}")
     if trainer.schema.to_dict() != schema.to_dict():

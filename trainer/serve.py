@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 
-from compression import cli
+from compression import cli, fs
 
 PROG = "python -m trainer.serve"
 MAX_SAMPLES = 10_000
@@ -225,7 +225,7 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     async def model_info(request):
         version = live.version
         return JSONResponse({
-            "export_dir": live.directory, "ready": live.ready, "problem": live.problem,
+            "export_dir": live.source, "ready": live.ready, "problem": live.problem,
             "model": None if version is None else {**version.info(),
                                                    "heads": version.base.heads,
                                                    "schema": version.base.schema.name},
@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_debug_flag(parser)
     parser.add_argument("--export-dir", required=True,
                         help="the export to serve (trainer.train --export-dir, "
-                             "trainer.online --export-dir)")
+                             "trainer.online --export-dir): a local directory or s3://..., "
+                             "gs://... (followed through a local copy)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8500,
@@ -351,7 +352,9 @@ def run(args) -> int:
         raise cli.UsageError(f"--max-lag must be positive, got {args.max_lag}")
     if not 0 <= args.port <= 65535:
         raise cli.UsageError(f"--port must be 0-65535, got {args.port}")
-    if not os.path.isdir(args.export_dir):
+    if not fs.is_local(args.export_dir):
+        fs.check_bucket(args.export_dir)  # the export itself may come later
+    elif not os.path.isdir(args.export_dir):
         raise cli.UsageError(f"--export-dir {args.export_dir}: no such directory; write an "
                              "export with trainer.train --export-dir or trainer.online "
                              "--export-dir")
@@ -399,7 +402,7 @@ def run(args) -> int:
         to_thread.current_default_thread_limiter().total_tokens = args.threads
         host, port = sock.getsockname()[:2]
         version = live.version
-        log(f"serving {live.directory} ("
+        log(f"serving {live.source} ("
             + ("no model yet: " + str(live.problem) if version is None else
                f"lineage {version.lineage}, version {version.number}, step {version.step}")
             + f") on http://{host}:{port}")

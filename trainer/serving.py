@@ -40,7 +40,9 @@ through ``apply_delta`` without reloading TensorFlow. Samples are scored one lea
 nothing, its files under a hidden ``DIR/.gen-XXXXXXXX/`` and ``DIR/_MANIFEST.json`` written
 last (:func:`compression.fs.publish_directory`). ``Predictor("s3://...")`` downloads the files
 that manifest names to a local temporary directory first (the native stores and TensorFlow load
-local files) and loads from there. Versions (:func:`export_increment`) are local only for now.
+local files) and loads from there; :meth:`Predictor.update` (and ``trainer.serve``) bring that
+copy up to date first (:func:`mirror_export`). Versions (:func:`export_increment`) are published
+on a store as locally: their files first, their manifest last.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import uuid
 import weakref
@@ -90,8 +93,6 @@ def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None
     On an object store (``directory`` a URI) the export is written locally, then published
     whole by a manifest written last (see the module's docstring)."""
     if not fs.is_local(os.fspath(directory)):
-        import tempfile
-
         with tempfile.TemporaryDirectory(prefix="prefixrec-export-") as local:
             export(core, os.path.join(local, "export"), step=step, stores=stores,
                    write_stores=write_stores)
@@ -137,24 +138,33 @@ _PUBLISHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def version_path(directory: str, version: int) -> str:
     """``directory/versions/vNNNNNNNN``: version ``version``'s files (+ ``.json``: manifest)."""
-    return os.path.join(directory, "versions", f"v{version:08d}")
+    return fs.join(os.fspath(directory), "versions", f"v{version:08d}")
 
 
 def published_versions(directory: str) -> list[int]:
     """The version numbers whose manifest is in ``directory/versions``, ascending."""
-    try:
-        names = os.listdir(os.path.join(directory, "versions"))
-    except FileNotFoundError:
-        return []
+    directory = os.fspath(directory)
+    if fs.is_local(directory):
+        try:
+            names = os.listdir(os.path.join(directory, "versions"))
+        except FileNotFoundError:
+            return []
+    else:
+        names = [fs.basename(f) for f in fs.list_files(fs.join(directory, "versions"),
+                                                        recursive=False)]
     return sorted(int(m.group(1)) for m in map(_MANIFEST.match, names) if m)
 
 
 def read_lineage(directory: str) -> str | None:
     """The lineage of the full export in ``directory`` (None: none there, or an export written
     before lineages)."""
+    directory = os.fspath(directory)
     try:
-        with open(os.path.join(directory, "export.json")) as f:
-            return json.load(f).get("lineage")
+        if fs.is_local(directory):
+            with open(os.path.join(directory, "export.json")) as f:
+                return json.load(f).get("lineage")
+        return json.loads(fs.read_bytes(fs.resolve_published(
+            fs.join(directory, "export.json")))).get("lineage")
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -171,12 +181,16 @@ def export_increment(trainer, directory: str | os.PathLike,
     ``trainer``: a :class:`~trainer.trainer.Trainer` or a ``DistributedTrainer`` (anything with
     ``export(dir)``, ``export_delta(dir)`` -> ``{table: path or [path per shard]}``,
     ``dense_arrays(optimizer=False)`` and ``step``). Returns ``{"full": dir}`` or
-    ``{"version": N, "manifest": path, "deltas": ..., "dense": path}``, plus ``"lineage"``."""
-    if not fs.is_local(os.fspath(directory)):
-        raise ValueError(f"{os.fspath(directory)}: versions (export_increment) are written to "
-                         "local directories only for now; export to an object store with "
-                         "export()")
-    directory = os.path.abspath(os.fspath(directory))
+    ``{"version": N, "manifest": path, "deltas": ..., "dense": path}``, plus ``"lineage"``.
+
+    On an object store (``directory`` a URI) the full export is published by its manifest
+    (:func:`export`), and a version is written to a local temporary directory, its files
+    uploaded under ``versions/vNNNNNNNN/``, then its manifest ``versions/vNNNNNNNN.json`` put
+    last in one request: as locally, readers trust a version's files only once its manifest
+    is there. A new full export removes every version of the lineage it replaces."""
+    remote = not fs.is_local(os.fspath(directory))
+    directory = (os.fspath(directory).rstrip("/") if remote
+                 else os.path.abspath(os.fspath(directory)))
     mine = _PUBLISHED.setdefault(trainer, {})
     state = mine.get(directory)
     if state is None or read_lineage(directory) != state[0]:
@@ -185,34 +199,94 @@ def export_increment(trainer, directory: str | os.PathLike,
         mine[directory] = [lineage, 0]
         return {"full": directory, "lineage": lineage}
     lineage, version = state[0], state[1] + 1
-    files = version_path(directory, version)
+    # the version's files are written under `root`: the directory, or a local staging copy
+    root = tempfile.mkdtemp(prefix="prefixrec-version-") if remote else directory
+    files = version_path(root, version)
     shutil.rmtree(files, ignore_errors=True)  # a failed attempt's leftovers, never published
     try:
         deltas = trainer.export_delta(files)
         dense = os.path.join(files, "dense.npz")
         np.savez(dense, step=np.int64(trainer.step), **trainer.dense_arrays(optimizer=False))
-        relative = {table: [os.path.relpath(p, directory)
+        relative = {table: [os.path.relpath(p, root)
                             for p in (paths if isinstance(paths, list) else [paths])]
                     for table, paths in deltas.items()}
         manifest = {"lineage": lineage, "version": version, "step": int(trainer.step),
-                    "deltas": relative, "dense": os.path.relpath(dense, directory),
+                    "deltas": relative, "dense": os.path.relpath(dense, root),
                     "newest_sample_time": newest_sample_time, "published_at": time.time()}
-        path = f"{files}.json"
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if remote:
+            target = version_path(directory, version)
+            fs.delete_tree(target)
+            fs.upload_directory(files, target, doing="publish a version")
+            deltas = {t: [fs.join(directory, p) for p in paths] if isinstance(deltas[t], list)
+                      else fs.join(directory, paths[0]) for t, paths in relative.items()}
+            dense = fs.join(directory, manifest["dense"])
+        # written last, whole (a temp file fsynced and renamed; one PUT on a store)
+        path = fs.write_bytes(f"{version_path(directory, version)}.json",
+                              json.dumps(manifest, indent=1).encode())
         crash_point("export.published")  # see native.crash_points
     except BaseException:
         # the stores' delta sequences may have moved past what is published: the next
         # call starts a new lineage rather than publish a version with a hole
         mine.pop(directory, None)
         raise
+    finally:
+        if remote:
+            shutil.rmtree(root, ignore_errors=True)
     state[1] = version
     return {"version": version, "manifest": path, "deltas": deltas, "dense": dense,
             "lineage": lineage}
+
+
+def mirror_export(source: str, local: str) -> bool:
+    """Bring ``local``, a local copy of the object-store export ``source``, up to date the way
+    a local export directory changes, so that followers (:class:`Predictor`,
+    :class:`trainer.live.LiveModel`) read it as one: a new full export (a new generation of
+    its ``_MANIFEST.json``) replaces the copy whole; then every version published since, of
+    the copy's lineage, is downloaded, its files first and its manifest last. A version of
+    another lineage is a leftover a new export is removing: the round stops there. Returns
+    whether anything was copied; raises :class:`compression.fs.StorageError` when the store
+    fails (a version a new export removed meanwhile: the next round finds the new export)."""
+    published = fs.published_manifest(source)
+    if published is None or "export.json" not in published["files"]:
+        return False
+    marker = os.path.join(local, ".generation")  # which generation the copy holds
+    try:
+        with open(marker) as f:
+            generation = f.read()
+    except FileNotFoundError:
+        generation = None
+    changed = False
+    if generation != published["generation"]:
+        tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            fs.download_published(source, tmp)
+            with open(os.path.join(tmp, ".generation"), "w") as f:
+                f.write(published["generation"])
+            os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+            replace_directory(tmp, local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        changed = True
+    lineage = read_lineage(local)
+    have = published_versions(local)
+    for number in published_versions(source):
+        if have and number <= have[-1]:
+            continue
+        data = fs.read_bytes(f"{version_path(source, number)}.json")
+        try:
+            manifest = json.loads(data)
+            names = [*(p for paths in manifest["deltas"].values() for p in paths),
+                     manifest["dense"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            names = []  # damaged: copied as it is, for the follower to refuse
+        else:
+            if manifest.get("lineage") != lineage:
+                break
+        for name in names:
+            fs.download_file(fs.join(source, name), os.path.join(local, name))
+        fs.write_bytes(f"{version_path(local, number)}.json", data)
+        changed = True
+    return changed
 
 
 def read_manifest(directory: str, version: int) -> dict:
@@ -234,7 +308,7 @@ class Predictor:
 
     def __init__(self, directory: str | os.PathLike, batch_size: int = 4096):
         self.directory = self.source = os.fspath(directory)
-        if not fs.is_local(self.source):  # a local copy of what the manifest names
+        if not fs.is_local(self.source):  # a local copy (mirror_export) of the published one
             self.directory = self._download(self.source)
         path = os.path.join(self.directory, "export.json")
         try:
@@ -271,14 +345,12 @@ class Predictor:
         self.version = 0  # of the lineage: the full export
 
     def _download(self, uri: str) -> str:
-        import tempfile
-
-        manifest = fs.published_manifest(uri)
-        if manifest is None or "export.json" not in manifest["files"]:
+        self._local_copy = tempfile.TemporaryDirectory(prefix="prefixrec-predictor-")
+        local = os.path.join(self._local_copy.name, "export")
+        if not mirror_export(uri, local):
             raise FileNotFoundError(f"{uri}: not a trainer export (no {fs.MANIFEST} naming "
                                     "export.json); write one with Trainer.export")
-        self._local_copy = tempfile.TemporaryDirectory(prefix="prefixrec-predictor-")
-        return fs.download_published(uri, self._local_copy.name)
+        return local
 
     def _update_dense(self) -> None:
         path = os.path.join(self.directory, "dense.npz")
@@ -312,9 +384,8 @@ class Predictor:
         Predictor (``trainer.serve`` does it by itself)."""
         if delta_root is not None:
             return self._apply_delta_tree(os.fspath(delta_root))
-        if self.source != self.directory:
-            raise ValueError(f"{self.source}: versions of an export on an object store are not "
-                             "followed yet; load a new Predictor for a new export")
+        if self.source != self.directory:  # on an object store: through the local copy
+            mirror_export(self.source, self.directory)
         versions = [v for v in published_versions(self.directory) if v > self.version]
         if not versions:  # an export of the older layout: deltas/ and dense.npz
             self._update_dense()
