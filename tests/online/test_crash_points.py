@@ -3,6 +3,7 @@ one run after another on the same topic, then restarted: every sample is trained
 in the model that comes out, Kafka's committed offsets never run ahead of a checkpoint, and an
 idle run writes no checkpoint at all."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import yaml
 from confluent_kafka import Consumer, TopicPartition
 
 import native
+from compression import fs
 from native import crash_points
 from trainer.checkpoints import LATEST_FILE, CheckpointManager
 
@@ -119,26 +121,53 @@ def test_killed_at_every_point_of_a_checkpoint_and_commit_nothing_is_lost_or_rep
     assert _listing(run_dir) == before
 
 
-@pytest.mark.parametrize("point", ["checkpoint.written", "checkpoint.renamed",
-                                   "checkpoint.latest", "checkpoint.removing"])
-def test_every_checkpoint_point_leaves_one_complete_checkpoint(tmp_path, point):
+# (point, the step of the newest checkpoint a restart finds): on local disk the run directory
+# itself; on s3:// the run directory as published (a local working copy published after each
+# save, CheckpointManager(publish_to=)), so its local points all leave the previous publish
+CHECKPOINT_CASES = [
+    ("local", "checkpoint.written:3", 2), ("local", "checkpoint.renamed:3", 3),
+    ("local", "checkpoint.latest:3", 3), ("local", "checkpoint.removing", 3),
+    ("s3", "checkpoint.written:3", 2), ("s3", "checkpoint.removing", 2),  # and all between
+    ("s3", "publish.copied:3", 2), ("s3", "publish.committed:3", 3),
+]
+
+
+@pytest.mark.parametrize("root, point, survivor", CHECKPOINT_CASES)
+def test_every_checkpoint_point_leaves_one_complete_checkpoint(request, tmp_path, root, point,
+                                                               survivor):
     """The manager alone, the n-th save killed: the newest complete checkpoint is the last
-    save that got its name, and the next start cleans up and carries on."""
+    save that got its name (on s3://: that got published), and the next start cleans up and
+    carries on."""
     script = ("import os, sys\nfrom trainer.checkpoints import CheckpointManager\n"
-              "m = CheckpointManager(sys.argv[1], keep=2)\n"
+              "m = CheckpointManager(sys.argv[1], keep=2, publish_to=sys.argv[2] or None)\n"
               "for step in (1, 2, 3):\n"
               "    m.save(lambda d, s=step: open(os.path.join(d, 'w'), 'w').write(str(s)),"
               " {'step': step})\n")
-    run_dir = str(tmp_path / "run")
     env = {k: v for k, v in os.environ.items() if k != crash_points.ENV}
+    published = ""
+    if root == "s3":
+        server = request.getfixturevalue("s3_server")
+        env.update(server.env())
+        published = f"{server.create_bucket()}/run"
+    run_dir = str(tmp_path / "run")
     # removing happens from the third save on (keep=2): its first hit is in save 3
-    child = subprocess.run([sys.executable, "-c", script, run_dir], capture_output=True,
-                           text=True, timeout=120, env={**env, crash_points.ENV: f"{point}:3"
-                                                        if point != "checkpoint.removing"
-                                                        else point})
+    child = subprocess.run([sys.executable, "-c", script, run_dir, published],
+                           capture_output=True, text=True, timeout=120,
+                           env={**env, crash_points.ENV: point})
     assert child.returncode == crash_points.EXIT_CODE, child.stderr
-    manager = CheckpointManager(run_dir, keep=2)
-    assert manager.latest().step == (2 if point == "checkpoint.written" else 3)
-    assert not [n for n in os.listdir(manager.directory) if n.startswith(".tmp-")]
-    manager.save(lambda d: open(os.path.join(d, "w"), "w").write("4"), {"step": 4})
-    assert [c.step for c in manager.all()] == [2 if point == "checkpoint.written" else 3, 4]
+    with contextlib.ExitStack() as stack:
+        if published:  # a restart reads what is published, in a fresh working copy
+            stack.enter_context(request.getfixturevalue("s3_server").environment())
+            run_dir = stack.enter_context(fs.working_copy(published))
+        manager = CheckpointManager(run_dir, keep=2, publish_to=published or None)
+        assert manager.latest().step == survivor
+        assert open(os.path.join(manager.latest().path, "w")).read() == str(survivor)
+        assert not [n for n in os.listdir(manager.directory) if n.startswith(".tmp-")]
+        manager.save(lambda d: open(os.path.join(d, "w"), "w").write("4"), {"step": 4})
+        assert [c.step for c in manager.all()] == [survivor, 4]
+        if published:  # published again: the manifest and its generation, nothing else
+            generation = fs.published_manifest(published)["generation"]
+            assert {f[len(published) + 1:].split("/")[0] for f in fs.list_files(published)} \
+                == {fs.MANIFEST, generation}
+            with fs.working_copy(published) as again:
+                assert [c.step for c in CheckpointManager(again).all()] == [survivor, 4]
