@@ -105,7 +105,12 @@ def has_magic(path: str) -> bool:
 
 _ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
         "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-        "GOOGLE_APPLICATION_CREDENTIALS", "HADOOP_HOME", "JAVA_HOME", "CLASSPATH")
+        "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_ROOT",
+        "NO_GCE_CHECK", "HADOOP_HOME", "JAVA_HOME", "CLASSPATH")
+# A GCS request, retries included, gives up after this many seconds. The client's default
+# keeps retrying for minutes, also when it has no credentials at all: off Google Cloud it then
+# asks the metadata server for a token again and again (measured here: no answer in 100 s).
+GCS_RETRY_SECONDS = 30.0
 _cache: dict = {}
 _cache_lock = threading.Lock()
 
@@ -120,12 +125,18 @@ def resolve(path: str) -> tuple[pafs.FileSystem, str]:
     _check_credentials(path, kind)
     netloc = _URI.match(path).group(2).partition("/")[0]
     # one per bucket (from_uri resolves the bucket's region) or name node
-    key = (kind, netloc, tuple(os.environ.get(name) for name in _ENV))
+    key = (kind, netloc, tuple(os.environ.get(name) for name in _ENV), GCS_RETRY_SECONDS)
     with _cache_lock:
         cached = _cache.get(key)
     if cached is None:
         try:
-            cached, _ = pafs.FileSystem.from_uri(path)
+            if kind in ("gs", "gcs"):
+                import datetime
+
+                cached = pafs.GcsFileSystem(
+                    retry_time_limit=datetime.timedelta(seconds=GCS_RETRY_SECONDS))
+            else:
+                cached, _ = pafs.FileSystem.from_uri(path)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise _storage_error(path, e) from None
         with _cache_lock:
@@ -148,11 +159,21 @@ def _uri(path: str, inner: str) -> str:
 
 
 def _check_credentials(path: str, kind: str) -> None:
-    """Fail before any request when S3 has no credentials to find (the AWS SDK would
-    otherwise ask the instance metadata service and time out, or send anonymous requests)."""
+    """Fail before any request when S3 or GCS has no credentials to find (the client would
+    otherwise ask the cloud's metadata service and time out, or send anonymous requests):
+    when the environment says this is not a cloud machine (``AWS_EC2_METADATA_DISABLED=true``,
+    google-auth's ``NO_GCE_CHECK=true``) and no key or credentials file is set."""
+    env = os.environ
+    if kind in ("gs", "gcs"):
+        if env.get("NO_GCE_CHECK", "").lower() != "true" or \
+                env.get("GOOGLE_APPLICATION_CREDENTIALS"):
+            return
+        config = env.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+        if os.path.isfile(os.path.join(config, "application_default_credentials.json")):
+            return
+        raise StorageError(f"{path}: no GCS credentials: {_HINTS['gs']}")
     if kind != "s3" or os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true":
         return
-    env = os.environ
     if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE") or \
             env.get("AWS_WEB_IDENTITY_TOKEN_FILE") or \
             env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or \
@@ -191,6 +212,8 @@ def _storage_error(path: str, error: BaseException, doing: str = "",
                  text):
         return StorageError(f"{path}: the bucket {bucket!r} does not exist; create it or "
                             "fix the path")
+    if re.search(r"Could not create a OAuth2 access token|default credentials", text):
+        return StorageError(f"{path}: no usable credentials for the store; {hint}")
     if re.search(r"INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH|"
                  r"SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|UNRECOGNIZED_CLIENT|"
                  r"[Cc]redentials|UNAUTHENTICATED|MISSING_AUTHENTICATION", text):

@@ -31,6 +31,43 @@ def test_gs_and_hdfs_resolve_through_the_same_layer_without_the_network():
         fs.resolve("hdfs://127.0.0.1:9/x")
 
 
+def test_hdfs_paths_keep_their_name_node_and_fail_in_one_line():
+    assert fs.scheme("hdfs://nn:8020/logs/x.parquet") == "hdfs"
+    assert fs.join("hdfs://nn:8020/logs", "day=1", "x.parquet") == \
+        "hdfs://nn:8020/logs/day=1/x.parquet"
+    assert fs.dirname("hdfs://nn:8020/logs/x.parquet") == "hdfs://nn:8020/logs"
+    assert fs.basename("hdfs://nn:8020/logs/x.parquet") == "x.parquet"
+    for call in (lambda: fs.expand("hdfs://nn:8020/logs/*.parquet"),
+                 lambda: fs.write_bytes("hdfs://nn:8020/out/x", b"x")):
+        with pytest.raises(fs.StorageError, match=r"^hdfs://nn:8020/[a-z/*.]+: cannot load the "
+                                                  r"HDFS client; [^\n]*CLASSPATH") as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_gs_without_credentials_fails_fast_in_one_line(monkeypatch, tmp_path):
+    """No network: refused before any request when the environment says this is not a Google
+    Cloud machine; otherwise the client's own failure to get a token (its metadata server on
+    an unreachable loopback port), within the retry limit, as one line."""
+    import time
+
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))  # no gcloud login
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    with pytest.raises(fs.StorageError, match=r"^gs://bucket/logs/\*\.parquet: no GCS "
+                                              r"credentials: set GOOGLE_APPLICATION_CREDENTIALS"):
+        fs.expand("gs://bucket/logs/*.parquet")
+    monkeypatch.delenv("NO_GCE_CHECK")
+    monkeypatch.setenv("GCE_METADATA_ROOT", "127.0.0.1:1")
+    monkeypatch.setattr(fs, "GCS_RETRY_SECONDS", 1.0)
+    started = time.monotonic()
+    with pytest.raises(fs.StorageError) as e:
+        fs.read_bytes("gs://bucket/model/export.json")
+    assert str(e.value).startswith("gs://bucket/model/export.json: no usable credentials for "
+                                   "the store; set GOOGLE_APPLICATION_CREDENTIALS")
+    assert "\n" not in str(e.value) and time.monotonic() - started < 10
+
+
 def test_local_expand_is_the_globs_of_before(tmp_path):
     for name in ["b.parquet", "a.parquet", "_stats.json", ".hidden.parquet", "c.csv", "d.txt"]:
         (tmp_path / name).write_text("x")
