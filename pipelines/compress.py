@@ -121,14 +121,31 @@ def _storage_errors(path: str, doing: str):
     return fs.translate_errors(path, doing, extra=(Exception,))
 
 
+class _Counted:
+    """A file being written that counts the bytes written through it."""
+
+    def __init__(self, file):
+        self.file = file
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.size += len(memoryview(data).cast("B"))
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
 def _write_trees(trees: pa.Table, path: str) -> int:
-    """Write a tree file; returns its size in bytes."""
+    """Write a tree file; returns its size in bytes (counted while written: on S3, each call
+    of Beam 2.77's file system builds a new boto3 client, ~0.3 s of CPU here)."""
     if fs.is_local(path):
         return os.path.getsize(compression.write_trees(trees, path))
     with _storage_errors(path, "write it"):
         with _create(path) as f:
-            compression.write_trees(trees, path, sink=f)
-        return FileSystems.match([path])[0].metadata_list[0].size_in_bytes
+            counted = _Counted(f)
+            compression.write_trees(trees, path, sink=counted)
+        return counted.size
 
 
 def _write_text(path: str, text: str) -> None:
