@@ -187,3 +187,17 @@ def test_distributed_benchmark_tiny():
     for kind in ("empty", "whole", "split"):
         assert transport[kind]["median_ms"] >= transport[kind]["min_ms"] > 0
     assert transport["whole"]["ratio"] > 1 and transport["split"]["ratio"] > 1
+
+
+def test_cloud_benchmark_tiny():
+    """The Beam job on s3:// against local files. Its other parts run what other tests run
+    (the Dask part: tests/pipelines/test_compress_dask.py, whose cluster alone takes seconds
+    to start; the training part: tests/trainer/test_train_s3.py, ~8 s more here)."""
+    import benchmarks.cloud
+
+    result = benchmarks.cloud.run(["--samples", "3000", "--shards", "2",
+                                   "--skip", "dask,train"])
+    beam = result["beam_s3"]
+    assert beam["samples"] == 3000 and beam["s3_over_local"] > 0
+    assert beam["s3_server_cpu_s_per_million"] > 0 and beam["s3_job_cpu_s_per_million"] > 0
+    assert "dask" not in result and "train_s3" not in result
