@@ -16,20 +16,12 @@ from confluent_kafka import Consumer, TopicPartition
 import native
 from compression import fs
 from native import crash_points
+from online_samples import CONFIG, SCHEMA
+from online_samples import sample_message as _sample
 from trainer.checkpoints import LATEST_FILE, CheckpointManager
 
-SCHEMA = {"name": "crash_test", "labels": ["click"], "layers": [
-    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"}]},
-    {"name": "sample", "key": ["sid"], "features": [{"name": "sid", "kind": "id"}]}]}
-CONFIG = {"batch_size": 100, "seed": 7, "threads": 1,
-          "embedding": {"dim": 2, "optimizer": {"name": "adagrad", "lr": 0.3}}}
 SAMPLES = 1000
 PER_RUN = 200  # samples each killed run trains (about two units of 100) before it checkpoints
-
-
-def _sample(sid):
-    value = {"uid": sid % 37, "sid": sid, "click": float(sid % 3 == 0)}
-    return str(sid % 37).encode(), json.dumps(value).encode()
 
 
 def _committed(broker, topic, group):

@@ -11,21 +11,12 @@ import yaml
 
 import native
 from compression import fs
+from online_samples import CONFIG, PROBE, SCHEMA
+from online_samples import sample_message as _sample
 from trainer import online
 from trainer.checkpoints import LATEST_FILE, CheckpointManager
 
-SCHEMA = {"name": "online_s3", "labels": ["click"], "layers": [
-    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"}]},
-    {"name": "sample", "key": ["sid"], "features": [{"name": "sid", "kind": "id"}]}]}
-CONFIG = {"batch_size": 100, "seed": 7, "threads": 1,
-          "embedding": {"dim": 2, "optimizer": {"name": "adagrad", "lr": 0.3}}}
 SAMPLES = 400
-PROBE = [{"uid": u, "sid": 30 * u + 1} for u in range(20)]
-
-
-def _sample(sid):
-    value = {"uid": sid % 37, "sid": sid, "click": float(sid % 3 == 0)}
-    return str(sid % 37).encode(), json.dumps(value).encode()
 
 
 @contextlib.contextmanager

@@ -7,22 +7,19 @@ import sys
 
 import numpy as np
 
+import online_samples
 from native import crash_points
+from online_samples import CONFIG, PROBE, SCHEMA
 
-SCHEMA = {"name": "export_crash", "labels": ["click"], "layers": [
-    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"}]},
-    {"name": "sample", "key": ["sid"], "features": [{"name": "sid", "kind": "id"}]}]}
-CONFIG = {"batch_size": 100, "seed": 7, "threads": 1,
-          "embedding": {"dim": 2, "optimizer": {"name": "adagrad", "lr": 0.3}}}
-PROBE = [{"uid": u, "sid": 30 * u + 1} for u in range(20)]
 # a full export after 100 samples, then a version after each further 100
 _CHILD = f"""
 import sys
 import pyarrow as pa
 import schemas
+from online_samples import sample_value
 from trainer import TrainConfig, Trainer, models
 from trainer.serving import export_increment
-samples = [{{"uid": i % 37, "sid": i, "click": float(i % 3 == 0)}} for i in range(400)]
+samples = [sample_value(i) for i in range(400)]
 trainer = Trainer(schemas.from_dict({SCHEMA!r}), models.MLP(hidden=(8,)),
                   TrainConfig.from_dict({CONFIG!r}))
 for k in range(4):
@@ -42,6 +39,8 @@ def test_an_export_to_s3_killed_after_a_version_is_followed_to_that_version(s3_s
     with s3_server.environment():
         export = f"{s3_server.create_bucket()}/export"
         env = {k: v for k, v in os.environ.items() if k != crash_points.ENV}
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(online_samples.__file__),
+                                             env.get("PYTHONPATH", "")])
         child = subprocess.run([sys.executable, "-c", _CHILD, export], capture_output=True,
                                text=True, timeout=300,
                                env={**env, crash_points.ENV: "export.published:2"})

@@ -12,22 +12,13 @@ import numpy as np
 import yaml
 
 from native import crash_points
+from online_samples import CONFIG, PROBE, SCHEMA
+from online_samples import sample_message as _sample
 from service import Service
 from trainer.checkpoints import CheckpointManager
 from trainer.serving import Predictor, published_versions, read_lineage
 
-SCHEMA = {"name": "serve_online", "labels": ["click"], "layers": [
-    {"name": "user", "key": ["uid"], "features": [{"name": "uid", "kind": "id"}]},
-    {"name": "sample", "key": ["sid"], "features": [{"name": "sid", "kind": "id"}]}]}
-CONFIG = {"batch_size": 100, "seed": 7, "threads": 1,
-          "embedding": {"dim": 2, "optimizer": {"name": "adagrad", "lr": 0.3}}}
 SAMPLES = 1200
-PROBE = [{"uid": u, "sid": 30 * u + 1} for u in range(20)]
-
-
-def _sample(sid):
-    value = {"uid": sid % 37, "sid": sid, "click": float(sid % 3 == 0)}
-    return str(sid % 37).encode(), json.dumps(value).encode()
 
 
 def test_a_trainer_killed_after_publishing_restarts_a_lineage_the_service_follows(
