@@ -786,13 +786,13 @@ def run(argv=None) -> dict:
                      "--shards for now; give the Ray run a local or shared --run-dir")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if fs.is_local(args.run_dir):
-        return _run(parser, args, args.run_dir)
+        return _run(parser, args, on_ray, args.run_dir)
     fs.check_bucket(args.run_dir)  # a working copy of the published run, published at each
     with fs.working_copy(args.run_dir) as local:  # checkpoint (CheckpointManager.publish_to)
-        return _run(parser, args, local, publish_to=args.run_dir.rstrip("/"))
+        return _run(parser, args, on_ray, local, publish_to=args.run_dir.rstrip("/"))
 
 
-def _run(parser, args, run_dir: str, publish_to: str | None = None) -> dict:
+def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None) -> dict:
     """The run, in the local run directory ``run_dir`` (a working copy of ``publish_to``)."""
     load_tensorflow(args.debug)
     from trainer.models import MODELS
