@@ -13,8 +13,9 @@ order).
 
 **Partitions.** The driver lists the topic's partitions at start and deals them to the workers
 in turn (the i-th partition in order to worker ``i % W``), by explicit assignment: no consumer
-group membership, no rebalances, so every worker knows exactly what it owns. (A worker added or
-lost, or partitions added to the topic, are taken into account at the next start.)
+group membership, so every worker knows exactly what it owns. At every checkpoint it lists
+them again and deals the partitions added since. (A worker added or lost counts at the next
+start: the checkpoint's offsets are per partition, whatever the assignment.)
 
 **Steps.** Each worker polls at most its share of the global batch (``worker_batch_size``) at a
 time; one poll is one batch. At every step each worker contributes the batch of its next poll,
@@ -37,7 +38,9 @@ partition's trained offset), fsyncs it, renames it into place and points ``LATES
 only then are the offsets committed to Kafka. A restart restores the latest checkpoint into
 the actors and every worker seeks its partitions to the manifest's offsets. So after a driver
 crash at any moment the restored model has trained exactly the messages before those offsets
-and the run goes on right after them.
+and the run goes on right after them. When a worker or a shard dies instead, the driver does
+the same without restarting: every actor goes back to the latest checkpoint
+(:meth:`OnlineRun.run`).
 """
 
 from __future__ import annotations
