@@ -1,6 +1,7 @@
 """Benchmark of online learning from Kafka: end-to-end samples/s and arrival-to-export delay.
 
     python -m benchmarks.online --samples 200000
+    python -m benchmarks.online --samples 200000 --workers 2 --shards 2   # on Ray
 
 Against a local Tansu broker (or ``--bootstrap-servers``), with the paper's MLP on the
 taobao_like schema (trainer/examples/mlp.yaml, batch 5000):
@@ -12,6 +13,10 @@ taobao_like schema (trainer/examples/mlp.yaml, batch 5000):
    export that holds its update (p50, p99).
 Prints a table and a final JSON line. Targets (ARCHITECTURE.md): at least 100k samples/s, p99
 delay under 10 s with exports every 5 s.
+
+With ``--workers W --shards S``, online learning on Ray instead (:mod:`benchmarks.online_ray`):
+the single-process command, 1 worker x 1 shard and W x S on the same backlog, CPU-s per sample
+of every process, and the per-step costs scaled on paper to 8, 32 and 128 workers.
 """
 
 from __future__ import annotations
@@ -246,7 +251,13 @@ def run(argv=None) -> dict:
     parser.add_argument("--trees", action="store_true",
                         help="also measure the throughput from a topic of tree messages (the "
                              "streaming job's output, --format trees) on the same samples")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="compare online learning on Ray (W workers x --shards S, and 1 x 1) "
+                             "with the single process instead")
+    parser.add_argument("--shards", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.workers is not None or args.shards is not None:
+        return _on_ray(args)
     options = {} if args.reader_nice is None else {"reader_nice": args.reader_nice}
     options["unit_samples"] = args.unit_samples
     options["threads"] = args.threads
@@ -335,6 +346,52 @@ def run(argv=None) -> dict:
           f"{delay['delay_s']['p50']} / {delay['delay_s']['p99']} s; arrived after the first "
           f"trained unit (steady state): {delay['steady_delay_s']['p50']} / "
           f"{delay['steady_delay_s']['p99']} s   target p99 < 10 s")
+    print(json.dumps(result, sort_keys=True))
+    return result
+
+
+def _on_ray(args) -> dict:
+    import yaml
+
+    from benchmarks import online_ray
+
+    workers, shards = args.workers or 1, args.shards or 1
+    schema = schemas.load(SCHEMA)
+    with open(CONFIG) as f:
+        batch_size = yaml.safe_load(f)["batch_size"]
+    work = tempfile.mkdtemp(prefix="bench-online-ray-")
+    broker = (contextlib.nullcontext((args.bootstrap_servers, None, None))
+              if args.bootstrap_servers else local_broker.tansu())
+    try:
+        with broker as (bootstrap, _, _):
+            topic = create_topic(bootstrap, max(args.partitions, workers))
+            _produce(bootstrap, topic, _messages(schema, args.samples, args.seed))
+            result = online_ray.compare(bootstrap, topic, work, args.samples, workers, shards,
+                                        batch_size)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"benchmark": "online_ray", "samples": args.samples, "workers": workers,
+              "shards": shards, "batch_size": batch_size, **result, "machine": machine(),
+              "load_average": os.getloadavg()}
+    print(f"online learning on Ray, taobao_like JSON samples, paper's MLP, batch {batch_size}, "
+          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
+    for name in ("single", "ray_1x1", f"ray_{workers}x{shards}"):
+        steady = result[name]["steady"]
+        print(f"  {name:<10} {steady['samples_per_sec']:>10,.0f} samples/s  "
+              f"{steady['cpu_s_per_100k']:6.2f} CPU-s per 100k samples (driver "
+              f"{steady['driver_cpu_s_per_100k']:.2f}; {steady['cpu_counted_by']})")
+    print(f"  1 x 1 on Ray / single process, CPU-s per sample: "
+          f"{result['cpu_ratio_1x1_vs_single']:.2f} (target <= 1.3)")
+    print(f"  arrival-to-export p99: {result['arrival_to_export_p99']}")
+    paper = result["on_paper"]
+    print(f"  on paper ({json.dumps(paper['inputs'])}):")
+    for row in paper["rows"]:
+        print(f"    {row['workers']:>4} workers x {row['shards']} shards: "
+              f"{row['samples_per_sec']:>12,} samples/s (compute alone "
+              f"{row['compute_bound_samples_per_sec']:,}), limited by {row['limited_by']}; "
+              f"{row['network_bytes_per_sec_per_node'] / 1e6:,.0f} MB/s per node, "
+              f"{row['network_bytes_per_sec_total'] / 1e9:,.1f} GB/s in all; 1B rows: "
+              f"{row['shard_memory_gib_at_1b']} GiB per shard")
     print(json.dumps(result, sort_keys=True))
     return result
 

@@ -1,9 +1,11 @@
 """Online learning on Ray against a real broker and a real local Ray cluster: 2 workers x 2
 shards equal a single process replaying the same steps, every message trains exactly once, and
-a SIGKILL of the driver loses and repeats nothing."""
+a SIGKILL of a worker, of a shard or of the driver loses and repeats nothing."""
 
+import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,12 +60,13 @@ def ray_address(cluster):
     return ray.get_runtime_context().gcs_address
 
 
-def command(files, broker, topic, group, run_dir, ray_address, *extra) -> list[str]:
+def command(files, broker, topic, group, run_dir, ray_address, *extra, workers=2,
+            shards=2) -> list[str]:
     schema_path, config_path = files
     return ["--schema", schema_path, "--config", config_path, "--bootstrap-servers",
             broker.bootstrap, "--topic", topic, "--group", group, "--run-dir", run_dir,
-            "--workers", "2", "--shards", "2", "--ray-address", ray_address, "--step-log",
-            *extra]
+            "--workers", str(workers), "--shards", str(shards), "--ray-address", ray_address,
+            "--step-log", *extra]
 
 
 class Messages:
@@ -241,23 +244,63 @@ def wait_for_checkpoint(process, run_dir, condition, timeout=180) -> dict:
     raise TimeoutError("no checkpoint of the kind awaited")
 
 
-def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing_sigterm_ends_cleanly(
+ROLLED_BACK = r"rolled back to the checkpoint of step (\d+)"
+
+
+def wait_for_log(process, log_path, find, timeout=180):
+    """The first value ``find(the run's log so far)`` returns that is not None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended before the log line awaited"
+        found = find(log_path.read_text())
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError("no log line of the kind awaited")
+
+
+def actor_pids(process, log_path, rollbacks: int) -> dict:
+    """The actors' process ids, once the run rolled back ``rollbacks`` times (it logs them
+    at start and after every rollback)."""
+    def find(text):
+        logged = re.findall(r"actor processes (\{.*\})", text)
+        return ast.literal_eval(logged[rollbacks]) if len(logged) > rollbacks else None
+    return wait_for_log(process, log_path, find)
+
+
+def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
         kafka_broker, files, ray_address, tmp_path):
+    """One run: a worker's process killed (the driver rolls every actor back to the last
+    checkpoint and goes on), then a shard's, then the driver's; the rerun, with 1 worker and 3
+    shards, takes every partition's offset from the checkpoint and SIGTERM ends it cleanly."""
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
     messages.produce(kafka_broker, topic, range(1000))
     run_dir = str(tmp_path / "run")
     argv = [sys.executable, "-m", "trainer.online",
             *command(files, kafka_broker, topic, "g-kill", run_dir, ray_address,
-                     "--checkpoint-every", "0.3")]
-    with open(tmp_path / "killed.log", "w") as log:
+                     "--checkpoint-every", "0.5", "--report-every", "0.05")]
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=log)
         try:
             first = wait_for_checkpoint(process, run_dir, lambda s: s["step"] > 0)["step"]
             producer = Streaming(messages, kafka_broker, topic, 1000)  # while it trains on
             try:
-                killed_at = wait_for_checkpoint(process, run_dir,
-                                                lambda s: s["step"] > first + 2)["step"]
+                # a worker, then a shard, each killed once the run trained past its latest
+                # checkpoint (as reported): the run rolls every actor back to it, trains on
+                for rollback, (kind, index) in enumerate([("workers", 0), ("shards", 1)]):
+                    pids = actor_pids(process, log_path, rollback)
+                    step = wait_for_checkpoint(process, run_dir, lambda s: True)["step"]
+                    wait_for_log(process, log_path, lambda text: any(  # since the rollback
+                        int(k) > step for k in re.findall(r"samples/s\), step (\d+)",
+                                                          text[text.rfind("actor processes"):]))
+                        or None)
+                    os.kill(pids[kind][index], signal.SIGKILL)
+                actor_pids(process, log_path, 2)
+                rolled_back_to = int(re.findall(ROLLED_BACK, log_path.read_text())[-1])
+                killed_at = wait_for_checkpoint(
+                    process, run_dir, lambda s: s["step"] > max(first, rolled_back_to) + 2)["step"]
                 process.send_signal(signal.SIGKILL)  # no chance to checkpoint or commit
                 process.wait()
             finally:
@@ -269,9 +312,16 @@ def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing_sigterm_ends_
     # the checkpoint the restart finds is the kill's or a later one it wrote meanwhile
     restored = CheckpointManager(run_dir).latest()
     assert restored.step >= killed_at
+    # read now: the restarted run prunes old checkpoints
+    restored_samples = read_manifest(os.path.join(restored.path, "model"))["samples"]
+    assert len(re.findall(ROLLED_BACK, log_path.read_text())) == 2
     messages.produce(kafka_broker, topic, range(total, total + 100))  # after the kill
     total += 100
-    # the restart trains the rest; SIGTERM then finishes the step, checkpoints, commits, exit 0
+    # the restart, with another assignment (every partition on one worker) and resharded,
+    # trains the rest; SIGTERM then finishes the step, checkpoints, commits, exit 0
+    argv = [sys.executable, "-m", "trainer.online",
+            *command(files, kafka_broker, topic, "g-kill", run_dir, ray_address,
+                     "--checkpoint-every", "0.3", workers=1, shards=3)]
     with open(tmp_path / "restarted.log", "w") as log:
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
@@ -284,8 +334,8 @@ def test_a_sigkill_of_the_driver_mid_run_loses_and_repeats_nothing_sigterm_ends_
                 process.wait()
     assert process.returncode == 0, (tmp_path / "restarted.log").read_text()[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["samples"] == total - read_manifest(
-        os.path.join(restored.path, "model"))["samples"]
+    assert summary["samples"] == total - restored_samples
+    assert summary["assignment"] == [list(range(PARTITIONS))] and summary["shards"] == 3
     assert_equals_replay(run_dir, messages, total, kafka_broker, topic, "g-kill")
 
 

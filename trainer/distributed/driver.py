@@ -54,6 +54,13 @@ def is_actor_failure(error: BaseException) -> bool:
     return isinstance(error, ray.exceptions.RayActorError) or RESTARTED in str(error)
 
 
+def failure_summary(error: BaseException) -> str:
+    """One line naming an actor's death: the error's type and the first line of its text."""
+    cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the death
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 def _refs(value, n: int) -> list:
     """``num_returns=n`` gives a single ref for n == 1, a list otherwise."""
     return [value] if n == 1 else list(value)
@@ -404,18 +411,15 @@ class DistributedTrainer:
                 self._recover(error, progress, pass_index)
 
     def _recover(self, error, progress, pass_index: int | None) -> None:
-        cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the death
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).strip()
-        summary = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
+        summary = failure_summary(error)
         if self._rollback is None:
             raise RuntimeError(
                 f"an actor of the distributed run died ({summary}) and there is no checkpoint "
                 "of this fit to roll back to; pass checkpoint_dir= (and checkpoint_every=) to "
                 "fit") from error
         failed_step = self.step
-        self._await_actors(error)
         rollback = self._rollback
-        self.load(rollback["directory"])
+        self.roll_back(rollback["directory"], error)
         del self.losses[rollback["losses"]:]
         self.ids_fed, self.leaf_ids = rollback["ids_fed"], rollback["leaf_ids"]
         self.bytes = defaultdict(int, rollback["bytes"])
@@ -434,7 +438,15 @@ class DistributedTrainer:
               f"the run rolled back to the checkpoint of step {self.step} "
               f"({rollback['directory']})", file=sys.stderr, flush=True)
 
-    def _await_actors(self, error, timeout: float = 120.0) -> None:
+    def roll_back(self, directory, error: BaseException) -> None:
+        """After an actor's death (``error``): wait until Ray restarted it and every actor
+        answers, then load the checkpoint ``directory`` into all of them, so every shard and
+        worker is back at its step. Raises ``RuntimeError`` when an actor does not come back
+        (Ray restarted it ``max_restarts`` times already, or it did not start in time)."""
+        self._await_actors(error, os.fspath(directory))
+        self.load(directory)
+
+    def _await_actors(self, error, checkpoint: str, timeout: float = 120.0) -> None:
         """Wait until every actor answers again (Ray restarts a dead one); raise when one
         is gone for good (restarted ``max_restarts`` times already) or does not come back."""
         deadline = time.monotonic() + timeout
@@ -453,7 +465,7 @@ class DistributedTrainer:
                 except ray.exceptions.RayActorError as e:
                     raise RuntimeError(f"{name} died and Ray restarts it no more (max_restarts="
                                        f"{self.max_restarts}); the last checkpoint is "
-                                       f"{self._rollback['directory']}") from e
+                                       f"{checkpoint}") from e
                 except ray.exceptions.GetTimeoutError:
                     raise RuntimeError(f"{name} did not come back within {timeout:g} s after "
                                        "an actor died") from error

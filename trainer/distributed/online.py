@@ -13,8 +13,9 @@ order).
 
 **Partitions.** The driver lists the topic's partitions at start and deals them to the workers
 in turn (the i-th partition in order to worker ``i % W``), by explicit assignment: no consumer
-group membership, no rebalances, so every worker knows exactly what it owns. (A worker added or
-lost, or partitions added to the topic, are taken into account at the next start.)
+group membership, so every worker knows exactly what it owns. At every checkpoint it lists
+them again and deals the partitions added since. (A worker added or lost counts at the next
+start: the checkpoint's offsets are per partition, whatever the assignment.)
 
 **Steps.** Each worker polls at most its share of the global batch (``worker_batch_size``) at a
 time; one poll is one batch. At every step each worker contributes the batch of its next poll,
@@ -37,11 +38,14 @@ partition's trained offset), fsyncs it, renames it into place and points ``LATES
 only then are the offsets committed to Kafka. A restart restores the latest checkpoint into
 the actors and every worker seeks its partitions to the manifest's offsets. So after a driver
 crash at any moment the restored model has trained exactly the messages before those offsets
-and the run goes on right after them.
+and the run goes on right after them. When a worker or a shard dies instead, the driver does
+the same without restarting: every actor goes back to the latest checkpoint
+(:meth:`OnlineRun.run`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -53,7 +57,7 @@ import schemas
 from compression import kafka
 from trainer.checkpoints import CheckpointManager
 from trainer.config import TrainConfig
-from trainer.distributed.driver import DistributedTrainer, is_actor_failure
+from trainer.distributed.driver import DistributedTrainer, failure_summary, is_actor_failure
 from trainer.distributed.manifest import read_manifest
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
@@ -173,20 +177,48 @@ class OnlineRun:
         self.last_step: float | None = None
         self.first_step_samples = 0
         self.started = time.monotonic()
-        self._checkpointed = (engine.step, dict(self.positions))
+        self.recoveries: list[dict] = []  # one per rollback after an actor died
+        # what the latest checkpoint holds (step, offsets, this run's counters and progressive
+        # validation): where an actor's death rolls back to. None: the run has no checkpoint
+        # yet (one is written before the first step)
+        self._checkpointed: dict | None = (
+            None if checkpoints.latest() is None else self._state(engine.step, self.positions))
         self._pending_log: list[str] = []
         self._idle_since: float | None = None
         self._finish = False  # max_samples reached or idle for idle_exit s
 
     def run(self, should_stop) -> dict:
         """Train until ``should_stop()``, ``max_samples`` or ``idle_exit``; then the final
-        checkpoint and commit. Returns the summary."""
+        checkpoint and commit. Returns the summary.
+
+        When an actor's process dies, Ray restarts it and every actor goes back to the latest
+        checkpoint (the shards' rows, the dense weights, the step) and every partition to its
+        offset there; the steps since are dropped (their offsets were never committed) and
+        trained again from Kafka. The run ends with a ``RuntimeError`` only when an actor
+        does not come back."""
         engine = self.engine
         partitions = kafka.list_partitions(self.settings, self.kafka_spec["topic"])
         self.assignment = assign_partitions(partitions, engine.workers)
-        log.info("%d workers x %d shards, partitions per worker %s, from offsets %s",
-                 engine.workers, engine.shards, self.assignment, self.positions)
-        engine.open_sources(self.kafka_spec, self.assignment, self.positions)
+        log.info("%d workers x %d shards, partitions per worker %s, from offsets %s, actor "
+                 "processes %s", engine.workers, engine.shards, self.assignment,
+                 self.positions, engine.actor_pids())
+        while True:
+            try:
+                if self._checkpointed is None:
+                    self.checkpoint()  # what a death before the first checkpoint goes back to
+                engine.open_sources(self.kafka_spec, self.assignment, self.positions)
+                if self._train(should_stop):
+                    continue  # the topic has new partitions: deal them, read on
+                return self.finish()
+            except ray.exceptions.RayError as error:
+                if not is_actor_failure(error):
+                    raise
+                self._roll_back(error)
+
+    def _train(self, should_stop) -> bool:
+        """Steps until the run should finish (False) or the topic's partitions changed at a
+        checkpoint (True: the workers' sources must be opened again)."""
+        engine = self.engine
         last_checkpoint = last_report = time.monotonic()
 
         def due() -> bool:
@@ -203,11 +235,79 @@ class OnlineRun:
             if not paused:
                 continue
             if self._finish or should_stop():
-                break
+                return False
             if due():
-                self.checkpoint()  # postponed (False) while dead letters wait: retried later
+                # postponed (False) while dead letters wait: retried later
+                written = self.checkpoint()
                 last_checkpoint = time.monotonic()
-        return self.finish()
+                if written and self._deal_new_partitions():
+                    return True
+        raise AssertionError("online_steps never ends")
+
+    def _deal_new_partitions(self) -> bool:
+        """Whether partitions were added to the topic since they were dealt; if so they are
+        dealt now (the i-th partition to worker ``i % W``: partitions are numbered on, so
+        those already dealt stay with their worker) and start at the group's committed
+        offset, else at their beginning. Asked at checkpoints, when the actors are between
+        steps and the offsets trained are durable."""
+        try:
+            partitions = kafka.list_partitions(self.settings, self.kafka_spec["topic"],
+                                               timeout=5.0)
+        except kafka.BrokerUnreachable as e:  # asked again at the next checkpoint
+            log.warning("listing the topic's partitions: %s", e)
+            return False
+        dealt = {p for parts in self.assignment for p in parts}
+        added = sorted(set(partitions) - dealt)
+        if not added:
+            return False
+        self.assignment = assign_partitions(sorted(dealt | set(added)), self.engine.workers)
+        log.info("partitions %s were added to topic %r: partitions per worker now %s", added,
+                 self.kafka_spec["topic"], self.assignment)
+        return True
+
+    def _state(self, step: int, positions: dict) -> dict:
+        return {"step": step, "positions": dict(positions), "samples": self.samples,
+                "messages": self.messages, "dead": self.dead, "steps": self.steps,
+                "pv": copy.deepcopy(self.pv), "bytes": dict(self.engine.bytes)}
+
+    def _roll_back(self, error: BaseException) -> None:
+        """Every actor and partition back to the latest checkpoint after an actor's death."""
+        engine = self.engine
+        latest = self.checkpoints.latest()
+        summary, failed_step = failure_summary(error), engine.step
+        try:
+            if latest is None:
+                raise RuntimeError("no checkpoint was written yet")
+            directory = os.path.join(latest.path, "model")
+            engine.roll_back(directory, error)
+            state = self._checkpointed
+            offsets = read_manifest(directory)["online"]["offsets"]
+            if (engine.step, {int(p): o for p, o in offsets.items()}) != (
+                    state["step"], state["positions"]):
+                raise RuntimeError(f"{latest.path} is not the checkpoint this run wrote last")
+        except Exception as e:  # noqa: BLE001 - one line naming where a rerun resumes
+            raise RuntimeError(
+                f"an actor of the run died ({summary}) and the run could not roll back ({e}); "
+                f"the steps since the last checkpoint are dropped and their offsets were not "
+                f"committed: run the same command again to resume from "
+                f"{latest.path if latest else 'the start'}") from e
+        self.positions = dict(state["positions"])
+        self.samples, self.messages, self.dead = (state["samples"], state["messages"],
+                                                  state["dead"])
+        self.steps, self.pv = state["steps"], copy.deepcopy(state["pv"])
+        engine.bytes.clear()
+        engine.bytes.update(state["bytes"])
+        engine.losses.clear()
+        self._pending_log = []  # steps after the checkpoint: trained again
+        if self.step_log:  # lines a checkpoint wrote before the actor died in it
+            truncate_step_log(self.step_log, engine.step)
+        self._finish, self._idle_since = False, None
+        self.recoveries.append({"error": summary, "failed_at_step": failed_step,
+                                "rolled_back_to_step": engine.step})
+        log.warning("an actor died at step %d (%s); Ray restarted it and every actor rolled "
+                    "back to the checkpoint of step %d (%s), every partition to its offset "
+                    "there %s; actor processes %s", failed_step, summary, engine.step,
+                    latest.path, self.positions, engine.actor_pids())
 
     def finish(self) -> dict:
         if not self.checkpoint(flush_timeout=60.0, final=True):
@@ -267,7 +367,8 @@ class OnlineRun:
         written when nothing changed since the latest one."""
         engine = self.engine
         positions = dict(self.positions)
-        if (engine.step, positions) == self._checkpointed:
+        if self._checkpointed is not None and (engine.step, positions) == (
+                self._checkpointed["step"], self._checkpointed["positions"]):
             if final:
                 self._commit(positions)
             return True
@@ -284,8 +385,8 @@ class OnlineRun:
             lambda d: engine.save(os.path.join(d, "model"), extra={"online": online}),
             {"step": engine.step, "samples": engine.samples, "kind": "ray-online",
              "time": time.time()})
-        self._checkpointed = (engine.step, positions)
         self.checkpoints_written += 1
+        self._checkpointed = self._state(engine.step, positions)
         self._commit(positions)
         return True
 
@@ -323,8 +424,16 @@ class OnlineRun:
                 "pv": {**self.pv.result(), "label": self.pv_label},
                 "checkpoints": self.checkpoints_written, "exports": 0,
                 "delay_s": {"p50": None, "p99": None},
-                "store_rows": stats.get("rows", 0), "admitted": stats.get("admitted", 0),
-                "expired": stats.get("expired", 0), "workers": self.engine.workers,
+                "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
+                "admitted": stats.get("admitted", 0),
+                "expired": stats.get("expired", 0), "recoveries": self.recoveries,
+                # what a step costs (the on-paper scaling of benchmarks.online): bytes moved
+                # between actors (trainer.distributed.driver counts them) and each actor's
+                # seconds per part of the steps, over this run
+                "bytes_per_step": {k: round(v / max(self.steps, 1)) for k, v in
+                                   sorted(self.engine.bytes.items())},
+                "timings": self.engine.timings(),
+                "workers": self.engine.workers,
                 "shards": self.engine.shards, "assignment": self.assignment,
                 "offsets": {str(p): o for p, o in sorted(self.positions.items())}}
 
@@ -399,14 +508,6 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                         step_log=step_log)
         with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
             summary = run.run(lambda: stop.signum is not None)
-    except ray.exceptions.RayError as e:
-        if not is_actor_failure(e):
-            raise
-        latest = checkpoints.latest()
-        raise RuntimeError(
-            f"an actor of the run died ({type(e).__name__}); the steps since the last "
-            f"checkpoint are dropped and their offsets were not committed: run the same "
-            f"command again to resume from {latest.path if latest else 'the start'}") from e
     finally:
         if run is not None:
             run.close()

@@ -1,0 +1,198 @@
+"""Online learning on Ray against one process: CPU per sample of every process, samples/s, and
+the per-step costs that scale it on paper (``python -m benchmarks.online --workers W --shards S``).
+
+Every run is the command a user runs, ``python -m trainer.online`` over the same preloaded
+backlog (one topic, a group per run), in a process tree of its own whose CPU is counted whole:
+the driver and, on Ray, the local cluster it starts (GCS, raylet, the actors). The count is a
+cgroup v1 ``cpuacct`` group when this machine lets the benchmark make one (exact, processes
+that ended included), else psutil over the live tree. Start-up (TensorFlow, Ray, the actors)
+and the final checkpoint are left out: CPU and samples are read at the run's report lines
+(every 0.5 s) and the rate is taken between the first line with trained samples and the last.
+The broker's CPU is in neither (it is the same broker for every run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from benchmarks.compression import cpu_seconds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")
+CGROUPS = "/sys/fs/cgroup/cpuacct"
+REPORT = re.compile(r"trainer\.online ([\d,]+) samples")
+NIC_BYTES_PER_SEC = 1.25e9  # a 10 Gb/s network interface per node
+
+
+class TreeCpu:
+    """CPU seconds of a process and every process it starts."""
+
+    def __init__(self, label: str):
+        self.group = os.path.join(CGROUPS, f"bench-online-{os.getpid()}-{label}")
+        try:
+            os.makedirs(self.group, exist_ok=True)
+            self.method = "cgroup v1 cpuacct"
+        except OSError:
+            self.group, self.method = None, "psutil over the process tree"
+        self.pid = None
+
+    def enter(self) -> None:
+        """In the child, before it runs the command: join the group (inherited by its
+        descendants)."""
+        if self.group is not None:
+            with open(os.path.join(self.group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+    def seconds(self) -> float:
+        if self.group is not None:
+            with open(os.path.join(self.group, "cpuacct.usage")) as f:
+                return int(f.read()) / 1e9
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            total = 0.0
+            for p in [root] + root.children(recursive=True):
+                try:
+                    times = p.cpu_times()
+                    total += times.user + times.system
+                except psutil.NoSuchProcess:
+                    pass
+            return total
+        except psutil.NoSuchProcess:
+            return float("nan")
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                os.rmdir(self.group)
+            except OSError:
+                pass
+
+
+def run_online(bootstrap: str, topic: str, run_dir: str, samples: int, label: str,
+               *extra: str) -> dict:
+    """``python -m trainer.online`` over ``samples`` samples of ``topic``: its summary plus
+    ``steady`` (samples/s, CPU-s per 100k samples of the whole tree and of the driver alone,
+    between the first and the last report line with trained samples)."""
+    argv = [sys.executable, "-m", "trainer.online", "--schema", SCHEMA, "--config", CONFIG,
+            "--bootstrap-servers", bootstrap, "--topic", topic, "--group",
+            f"bench-{label}-{uuid.uuid4().hex[:6]}", "--run-dir", run_dir,
+            "--max-samples", str(samples), "--idle-exit", "10", "--report-every", "0.5",
+            "--checkpoint-every", "1e9", "-X", "fetch.max.bytes=67108864", *extra]
+    cpu = TreeCpu(label)
+    points, log = [], []
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, preexec_fn=cpu.enter, cwd=ROOT)
+    cpu.pid = process.pid
+
+    def read_reports():
+        for line in process.stderr:
+            log.append(line)
+            found = REPORT.search(line)
+            if found:
+                n = int(found.group(1).replace(",", ""))
+                try:
+                    points.append((time.monotonic(), cpu.seconds(),
+                                   cpu_seconds(process.pid), n))
+                except (FileNotFoundError, ProcessLookupError):
+                    pass
+
+    reader = threading.Thread(target=read_reports, daemon=True)
+    reader.start()
+    stdout, _ = process.communicate()
+    reader.join()
+    cpu.close()
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {process.returncode}:\n"
+                           + "".join(log[-30:]))
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    steady = [p for p in points if p[3] > 0]
+    if len(steady) < 2 or steady[-1][3] == steady[0][3]:
+        raise RuntimeError(f"{label}: fewer than two report lines while training; use more "
+                           "--samples. Its log:\n" + "".join(log[-20:]))
+    (t0, c0, d0, n0), (t1, c1, d1, n1) = steady[0], steady[-1]
+    summary["steady"] = {"samples": n1 - n0, "seconds": round(t1 - t0, 3),
+                         "samples_per_sec": round((n1 - n0) / (t1 - t0), 1),
+                         "cpu_s_per_100k": round((c1 - c0) / (n1 - n0) * 1e5, 3),
+                         "driver_cpu_s_per_100k": round((d1 - d0) / (n1 - n0) * 1e5, 3),
+                         "cpu_counted_by": cpu.method}
+    return summary
+
+
+def on_paper(one: dict, many: dict, batch_size: int, workers=(8, 32, 128)) -> dict:
+    """Samples/s and network bytes/s at ``workers`` workers (as many shards, one worker and one
+    shard per node of this machine's cores, the worker batch of the W x S run kept, 1B rows),
+    from the measured per-step costs: the 1 x 1 run's CPU per sample (what a node trains),
+    and from the W x S run its bytes per sample (ids out, rows back, row gradients: grow
+    with the samples), its dense bytes per worker and step (each worker sends its dense
+    gradients to every other and receives theirs: grows with the workers) and the driver's
+    CPU per actor call."""
+    W = many["workers"]
+    cores = os.cpu_count() or 1
+    node_rate = cores / (one["steady"]["cpu_s_per_100k"] / 1e5)  # samples/s a node trains
+    moved = many["bytes_per_step"]
+    # ids out and rows back (shard_received also counts the row gradients): per sample
+    sparse_per_sample = (moved["shard_received"] + moved["shard_sent"]) / batch_size
+    worker_batch = batch_size / W
+    # the rest of what the workers send: W (W - 1) copies of one worker's dense gradients
+    dense = (moved["worker_sent"] - moved["shard_received"]) / (W * (W - 1)) if W > 1 else 0.0
+    steps_per_100k = 1e5 / batch_size
+    calls = 2 * W + many["shards"]  # train_step + apply_dense per worker, step per shard
+    per_call = many["steady"]["driver_cpu_s_per_100k"] / steps_per_100k / calls
+    row_bytes = many["store_bytes"] / max(many["store_rows"], 1)
+    rows = []
+    for w in workers:
+        compute = w * node_rate
+        step_rate = node_rate / worker_batch  # steps/s each worker could do
+        per_worker_dense = 2 * (w - 1) * dense  # sent + received per step
+        # the node's worker moves its batch's ids, rows and gradients, its shard as much
+        per_worker_sparse = 2 * sparse_per_sample * worker_batch
+        network_rate = NIC_BYTES_PER_SEC / (per_worker_dense + per_worker_sparse)  # steps/s
+        driver_rate = 1 / (per_call * (3 * w))  # steps/s: 2w worker calls + w shard calls
+        steps = min(step_rate, network_rate, driver_rate)
+        limit = {step_rate: "compute", network_rate: "network (dense all-to-all)",
+                 driver_rate: "driver (actor calls)"}[steps]
+        samples = steps * w * worker_batch
+        rows.append({"workers": w, "shards": w, "compute_bound_samples_per_sec": round(compute),
+                     "samples_per_sec": round(samples), "limited_by": limit,
+                     "network_bytes_per_sec_per_node": round(
+                         steps * (per_worker_dense + per_worker_sparse)),
+                     "network_bytes_per_sec_total": round(
+                         steps * w * (per_worker_dense + per_worker_sparse)),
+                     "rows_per_shard_at_1b": round(1e9 / w),
+                     "shard_memory_gib_at_1b": round(1e9 / w * row_bytes / 2**30, 1)})
+    return {"inputs": {"node_samples_per_sec": round(node_rate), "cores_per_node": cores,
+                       "sparse_bytes_per_sample": round(sparse_per_sample, 1),
+                       "dense_bytes_per_worker_step": round(dense),
+                       "worker_batch": worker_batch,
+                       "driver_cpu_s_per_call": round(per_call, 6),
+                       "store_bytes_per_row": round(row_bytes, 1),
+                       "nic_bytes_per_sec": NIC_BYTES_PER_SEC},
+            "rows": rows}
+
+
+def compare(bootstrap: str, topic: str, work: str, samples: int, workers: int,
+            shards: int, batch_size: int) -> dict:
+    """Single process, 1 x 1 on Ray and ``workers`` x ``shards`` on Ray over ``topic``."""
+    single = run_online(bootstrap, topic, os.path.join(work, "single"), samples, "single")
+    one = run_online(bootstrap, topic, os.path.join(work, "ray1x1"), samples, "ray1x1",
+                     "--workers", "1", "--shards", "1")
+    many = run_online(bootstrap, topic, os.path.join(work, "ray"), samples, "ray",
+                      "--workers", str(workers), "--shards", str(shards))
+    keep = ("samples", "steady", "rate", "bytes_per_step", "timings", "steps", "store_rows")
+    return {"single": {k: single[k] for k in keep if k in single},
+            "ray_1x1": {k: one[k] for k in keep if k in one},
+            f"ray_{workers}x{shards}": {k: many[k] for k in keep if k in many},
+            "cpu_ratio_1x1_vs_single": round(one["steady"]["cpu_s_per_100k"]
+                                             / single["steady"]["cpu_s_per_100k"], 3),
+            "arrival_to_export_p99": "not built on Ray (--export-dir is refused with --workers)",
+            "on_paper": on_paper(one, many, batch_size)}
