@@ -1,7 +1,14 @@
-"""The ``python -m`` commands as their users expect (issue 19), each driven in a child process:
-the output policy (refuse a non-empty output, ``--overwrite`` replaces it whole, a failure
-leaves nothing), interrupts of ``trainer.train``, one error path (one line, exit code 2, the
-traceback only under ``--debug``), quiet start-up and a ``--help`` without TensorFlow."""
+"""The ``python -m`` commands as their users expect (issue 19): the output policy (refuse a
+non-empty output, ``--overwrite`` replaces it whole, a failure leaves nothing), interrupts of
+``trainer.train``, one error path (one line, exit code 2, the traceback only under
+``--debug``), quiet start-up and a ``--help`` without TensorFlow.
+
+Each command runs in a child process where the process is what is checked (signals, the
+start-up lines native code writes to file descriptor 2, what a command imports) and for every
+command that does not load TensorFlow; ``trainer.train`` and ``trainer.evaluate`` run in this
+process (``train``, through the same ``main``) where only their results, files and messages
+are checked: a child loading TensorFlow costs 4-5 CPU-s before it starts (tests/support/
+commands.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from commands import in_child, in_process
 from processes import signal_when
 from sample_data import taobao_table
 
@@ -28,8 +36,14 @@ TF_NOISE = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONE
 
 
 def command(module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    """``python -m module args`` in a child process."""
+    return in_child(module, *args)
+
+
+def train(module: str, *args) -> subprocess.CompletedProcess:
+    """``trainer.train`` or ``trainer.evaluate`` in this process."""
+    assert module in ("trainer.train", "trainer.evaluate")
+    return in_process(module, *args)
 
 
 def one_error_line(out: subprocess.CompletedProcess, module: str, after_progress=False) -> str:
@@ -154,22 +168,22 @@ def test_trainer_train_output_policy(data, tmp_path):
     (run / "train" / "old-run.tfevents").write_text("another run's events")
     before = entries(run)
 
-    refused = command(*train)
+    refused = in_process(*train)
     assert one_error_line(refused, "trainer.train") == (
         f"python -m trainer.train: error: --out {run}: the directory is not empty (3 entries); "
         "pass --overwrite to replace it whole, or choose another directory")
     assert entries(run) == before
 
-    replaced = command(*train, "--overwrite")
+    replaced = in_process(*train, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     assert "train/old-run.tfevents" not in entries(run)  # replaced whole
     assert json.loads((run / "result.json").read_text())["run_dir"] == str(run)
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no temporary directory left
 
     # a failure midway (a bad row in the eval data, found at the first evaluation): no run dir
-    failed = command("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
-                     "--eval-data", data / "bad_row.parquet", "--batch-size", "200",
-                     "--no-progress", "--out", tmp_path / "failed")
+    failed = in_process("trainer.train", "--schema", SCHEMA, "--train-data",
+                        data / "raw.parquet", "--eval-data", data / "bad_row.parquet",
+                        "--batch-size", "200", "--no-progress", "--out", tmp_path / "failed")
     line = one_error_line(failed, "trainer.train")
     assert "bad_row.parquet" in line and "label 'click' row 8" in line
     assert sorted(os.listdir(tmp_path)) == ["run"]
@@ -231,36 +245,36 @@ def test_bad_inputs_give_one_line_and_exit_code_2(data, tmp_path):
     assert line == (f"python -m pipelines.compress: error: --input '{zero_rows}': the 1 input "
                     "file(s) hold no samples; nothing to do")
 
-    line = one_error_line(command("trainer.train", "--schema", SCHEMA, "--train-data",
-                                  data / "raw.parquet", "--eval-data", tmp_path / "nope*.parquet",
-                                  "--out", tmp_path / "c"), "trainer.train")
+    line = one_error_line(train("trainer.train", "--schema", SCHEMA, "--train-data",
+                                data / "raw.parquet", "--eval-data", tmp_path / "nope*.parquet",
+                                "--out", tmp_path / "c"), "trainer.train")
     assert line == (f"python -m trainer.train: error: --eval-data: no input files match "
                     f"'{tmp_path / 'nope*.parquet'}'")
 
-    line = one_error_line(command("trainer.train", "--schema", SCHEMA, "--train-data",
-                                  zero_rows, "--out", tmp_path / "d"), "trainer.train")
+    line = one_error_line(train("trainer.train", "--schema", SCHEMA, "--train-data",
+                                zero_rows, "--out", tmp_path / "d"), "trainer.train")
     assert "hold no samples" in line
 
     # a run directory for trainer.evaluate: a checkpoint written by an interrupted run would do,
     # a missing one is the usage error
-    out = command("trainer.evaluate", "--run", tmp_path / "e", "--data", zero_bytes)
+    out = train("trainer.evaluate", "--run", tmp_path / "e", "--data", zero_bytes)
     assert out.returncode == 2 and "no checkpoint in" in out.stderr
     assert "Traceback" not in out.stderr
     assert sorted(os.listdir(tmp_path)) == []  # nothing written by any of them
 
-    out = command("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
-                  "--epochs", "-1", "--out", tmp_path / "f")
+    out = train("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+                "--epochs", "-1", "--out", tmp_path / "f")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "argument --epochs: expected a number >= 1, got -1" in out.stderr
 
 
 def test_trainer_evaluate_checks_its_data_before_work(data, tmp_path):
     run = tmp_path / "run"
-    trained = command("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
-                      "--batch-size", "300", "--no-progress", "--out", run)
+    trained = train("trainer.train", "--schema", SCHEMA, "--train-data", data / "raw.parquet",
+                    "--batch-size", "300", "--no-progress", "--out", run)
     assert trained.returncode == 0, trained.stderr
-    line = one_error_line(command("trainer.evaluate", "--run", run, "--data",
-                                  data / "zero_bytes.parquet"), "trainer.evaluate")
+    line = one_error_line(train("trainer.evaluate", "--run", run, "--data",
+                                data / "zero_bytes.parquet"), "trainer.evaluate")
     assert f"{data / 'zero_bytes.parquet'}: cannot read the file as parquet" in line
     assert "Parquet file size is 0 bytes" in line
 
@@ -391,7 +405,8 @@ def test_overwrite_never_replaces_a_directory_holding_an_input(data, tmp_path):
     for module, args in (("compression.compress", ["--input", raw, "--output"]),
                          ("pipelines.compress", ["--input", raw, "--output"]),
                          ("trainer.train", ["--train-data", raw, "--out"])):
-        out = command(module, "--schema", SCHEMA, *args, tmp_path / "dir", "--overwrite")
+        run = train if module == "trainer.train" else command
+        out = run(module, "--schema", SCHEMA, *args, tmp_path / "dir", "--overwrite")
         assert one_error_line(out, module).endswith(
             f"{tmp_path / 'dir'}: holds the input {raw}, which writing the output there would "
             "replace; choose another directory")
@@ -420,8 +435,8 @@ def short_run(data, tmp_path_factory):
                                                     schemas.load(SCHEMA)), str(trees),
                             row_group_rows=16)  # several row groups
     run = base / "run"
-    out = command("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--batch-size",
-                  "200", "--epochs", "2", "--out", run)
+    out = train("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--batch-size",
+                "200", "--epochs", "2", "--out", run)
     assert out.returncode == 0, out.stderr
     return trees, run, json.loads(out.stdout), out.stderr
 
@@ -474,7 +489,7 @@ def test_tensorboard_reads_the_run_scalars(short_run):
 
 def test_trainer_evaluate_prints_a_summary_line(short_run):
     trees, run, result, _ = short_run
-    out = command("trainer.evaluate", "--run", run, "--data", trees)
+    out = train("trainer.evaluate", "--run", run, "--data", trees)
     assert out.returncode == 0, out.stderr
     evaluation = json.loads(out.stdout)
     assert evaluation["samples"] == 600 and evaluation["step"] == result["steps"]
@@ -495,9 +510,9 @@ def test_train_progress_bar_ends_cleanly_when_training_stops_early(data, short_r
     pq.write_table(table.set_column(column, "click", pa.array([0.0] * table.num_rows,
                                                                pa.float32())),
                    tmp_path / "no_clicks.parquet")
-    out = command("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--eval-data",
-                  tmp_path / "no_clicks.parquet", "--batch-size", "200", "--epochs", "4",
-                  "--patience", "1", "--out", tmp_path / "run")
+    out = train("trainer.train", "--schema", SCHEMA, "--train-data", trees, "--eval-data",
+                tmp_path / "no_clicks.parquet", "--batch-size", "200", "--epochs", "4",
+                "--patience", "1", "--out", tmp_path / "run")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["stopped_early"] and result["samples"] == 1200 and result["auc"] is None

@@ -4,22 +4,23 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from commands import in_process
 from processes import python_child, signal_when
-from trainer_data import ROOT, SCHEMA_PATH, generated
+from trainer_data import SCHEMA_PATH, generated
 
 TIMINGS = ("samples_per_sec", "train_seconds")
 
 
 def command(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.train", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    """``python -m trainer.train args`` in this process (the runs interrupted by a signal are
+    real children: :func:`interrupt`)."""
+    return in_process("trainer.train", *args)
 
 
 def interrupt(args, after: bytes, signum=signal.SIGINT) -> tuple[int, str]:
@@ -244,6 +245,8 @@ def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, fil
     (in the middle of its first pass), then the same command plus --resume (here in this
     process, on the test's Ray cluster, as the uninterrupted run) ends with the uninterrupted
     run's result, checkpoint and evaluations. A command that differs is refused."""
+    import ray
+
     from compression import cli
     from trainer import train
 
@@ -252,13 +255,16 @@ def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, fil
 
     run = tmp_path / "run"
     args = [*map(str, train_args(files, run)), *RAY]
-    code, stderr = interrupt(args, b"eval after epoch 1 (step 7)")
+    # the command joins the test's cluster (--ray-address) rather than starting one of its own
+    # (test_distributed.py's SIGINT test does that)
+    address = ray.get_runtime_context().gcs_address
+    code, stderr = interrupt([*args, "--ray-address", address], b"eval after epoch 1 (step 7)")
     assert code == 130, stderr
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
     assert "Continue the run where it stopped with the same command plus --resume: " \
            "python -m trainer.train --schema" in last and last.endswith(
-               f"--out {run} --workers 2 --shards 2 --resume")
+               f"--out {run} --workers 2 --shards 2 --ray-address {address} --resume")
     state = json.loads((run / "interrupted.json").read_text())
     assert state["distributed"] == {"workers": 2, "shards": 2}
     assert 7 <= state["step"] < expected["steps"] and state["checkpoint"] == "latest"
