@@ -848,8 +848,6 @@ def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None
                            report_every=args.report_every, reader_nice=args.reader_nice,
                            unit_samples=args.unit_samples,
                            calibrate=latest is None and not args.init_from)
-    signal.signal(signal.SIGTERM, online.stop)
-    signal.signal(signal.SIGINT, online.stop)
     metrics = None
     if args.metrics_port is not None:
         try:
@@ -860,10 +858,17 @@ def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None
                                  f"{args.metrics_host}: {e.strerror}") from None
         online.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
         log.info("metrics on %s", online.metrics_url)
+    # SIGTERM and SIGINT stop the run at the next step; the caller's handlers come back after
+    # it (run() is also called in process, by tests and scripts)
+    previous = ({signum: signal.signal(signum, online.stop)
+                 for signum in (signal.SIGTERM, signal.SIGINT)}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         summary = online.run()
         checkpoints.publish()  # on a store: the final status and logs too
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         source.close()
         if metrics is not None:
             metrics.shutdown()

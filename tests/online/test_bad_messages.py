@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
+from commands import in_process
 
 import compression
 import native
@@ -117,13 +118,12 @@ def test_the_online_command_dead_letters_every_kind_and_trains_the_rest(kafka_br
     kinds = sorted(BAD)
     offsets = _produce_with_bad(kafka_broker, topic, kinds, 420)
     run_dir = str(tmp_path / "run")
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer.online", "--schema", str(schema_path), "--config",
-         str(config_path), "--bootstrap-servers", kafka_broker.bootstrap, "--topic", topic,
-         "--group", group_id(), "--run-dir", run_dir, "--max-samples", "420",
-         "--max-message-bytes", str(LIMIT), "--dead-letter-topic", dlq,
-         "-X", "kafka.client.id=bad-messages-test", "-X", "fetch.wait.max.ms=100"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = in_process(
+        "trainer.online", "--schema", schema_path, "--config", config_path,
+        "--bootstrap-servers", kafka_broker.bootstrap, "--topic", topic, "--group", group_id(),
+        "--run-dir", run_dir, "--max-samples", "420", "--max-message-bytes", LIMIT,
+        "--dead-letter-topic", dlq, "-X", "kafka.client.id=bad-messages-test",
+        "-X", "fetch.wait.max.ms=100")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 420 and summary["dead_letters"] == len(kinds)
@@ -214,12 +214,10 @@ def test_online_training_from_json_with_carried_columns(kafka_broker, tmp_path):
            (b"b2", messages[0].replace(b'"2024-01-01 00:00:00.000000Z"', b'"yesterday"'))]
     topic = kafka_broker.create_topic()
     kafka_broker.produce(topic, good[:150] + bad + good[150:])
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer.online", "--schema", str(schema_path), "--config",
-         str(config_path), "--bootstrap-servers", kafka_broker.bootstrap, "--topic", topic,
-         "--group", "g-carried", "--run-dir", str(tmp_path / "run"), "--model", "mlp",
-         "--max-samples", "300"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = in_process(
+        "trainer.online", "--schema", schema_path, "--config", config_path,
+        "--bootstrap-servers", kafka_broker.bootstrap, "--topic", topic, "--group", "g-carried",
+        "--run-dir", tmp_path / "run", "--model", "mlp", "--max-samples", "300")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 300 and summary["dead_letters"] == 2

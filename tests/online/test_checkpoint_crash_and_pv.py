@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
+from commands import in_process
 from confluent_kafka import Consumer, TopicPartition
 
 import compression
@@ -190,8 +191,7 @@ def test_online_checkpoints_only_changes_and_resumes_from_a_crash_in_a_same_step
     assert latest.step == first.step and latest.state["offsets"] == {"0": 403}
 
     kafka_broker.produce(topic, [_json_sample(i) for i in range(400, 600)])
-    final = subprocess.run(command + ["--idle-exit", "3"], capture_output=True, text=True,
-                           timeout=300)
+    final = in_process("trainer.online", *command[3:], "--idle-exit", "3")
     assert final.returncode == 0, final.stderr[-3000:]
     summary = json.loads(final.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 200 and summary["dead_letters"] == 0  # nothing twice

@@ -15,6 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 import yaml
+from commands import in_process
 from confluent_kafka import Consumer, TopicPartition
 
 import native
@@ -91,8 +92,7 @@ def test_kill_9_at_random_moments_trains_every_sample_exactly_once(kafka_broker,
             steps_seen.append(latest.step if latest else 0)
     finally:
         total = producer.stop()
-    final = subprocess.run(command + ["--idle-exit", "5"], capture_output=True, text=True,
-                           timeout=300)
+    final = in_process("trainer.online", *command[3:], "--idle-exit", "5")  # no kill now
     assert final.returncode == 0, final.stderr[-3000:]
     assert steps_seen[-1] > 0, "no kill happened after a checkpoint had been written"
     _assert_trained_exactly_once(kafka_broker, topic, "g-kill", run_dir, final.stdout, total)
@@ -307,7 +307,8 @@ def test_restored_store_equals_the_checkpointed_one_bit_for_bit(kafka_broker, fi
     run_dir = str(tmp_path / "run")
     command = _online(schema_path, config_path, kafka_broker, topic, "g-restore", run_dir,
                       "--max-samples", "700")
-    subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
+    done = in_process("trainer.online", *command[3:])
+    assert done.returncode == 0, done.stderr[-3000:]
     latest = CheckpointManager(run_dir).latest()
     restored = Trainer.restore(os.path.join(latest.path, "model"))
     for table, store in restored.stores.items():
@@ -360,9 +361,9 @@ def test_malformed_messages_go_to_the_dead_letter_topic_while_good_ones_train(
            (b"b3", json.dumps({"uid": 1, "age": 2, "sid": 5, "click": 9}).encode())]
     kafka_broker.produce(topic, good[:200] + bad + good[200:])
     run_dir = str(tmp_path / "run")
-    result = subprocess.run(_online(schema_path, config_path, kafka_broker, topic, "g-dlq",
-                                    run_dir, "--max-samples", "400"),
-                            capture_output=True, text=True, timeout=300)
+    result = in_process("trainer.online", *_online(
+        schema_path, config_path, kafka_broker, topic, "g-dlq", run_dir, "--max-samples",
+        "400")[3:])
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 400 and summary["dead_letters"] == 3
