@@ -83,10 +83,19 @@ SLOW_FIRST = (
     "tests/pipelines/test_compress_dask.py",
     "tests/trainer/test_export_s3.py",
 )
-# Tests that share an expensive module-scoped fixture go to one worker together: the `runs`
-# fixture of test_distributed_faults.py is a 2 x 2 Ray run killed twice and a single-process
-# run (~35 CPU-s, built again by every worker that got one of its tests).
-ONE_WORKER = ("tests/trainer/test_distributed_faults.py",)
+# Tests that share an expensive module-scoped fixture go to one worker together (a node id
+# prefix -> the name of its group): the `runs` fixture of test_distributed_faults.py is a 2 x 2
+# Ray run killed twice and a single-process run (~35 CPU-s, built again by every worker that
+# got one of its tests); every module's `cluster` is a Ray cluster (~7 CPU-s to start and stop,
+# and 4 CPUs' worth of actors on 2 cores: a few side by side slow each other down).
+# test_distributed.py's tests on its cluster form two groups, so two workers share them.
+ONE_WORKER = {
+    "tests/trainer/test_distributed_faults.py": "faults",
+    "tests/trainer/test_online_ray.py": "online-ray",
+    "tests/trainer/test_distributed.py::test_cli_": "distributed-cli",
+    "tests/trainer/test_distributed.py::test_two_shards_two_workers": "distributed-fit",
+    "tests/trainer/test_distributed.py::test_resharding": "distributed-fit",
+}
 
 
 def _slow_rank(item) -> int:
@@ -105,16 +114,16 @@ class _XdistScheduling:
 
     @staticmethod
     def pytest_xdist_make_scheduler(config, log):
-        """``--dist load`` (what ``-n`` means) with the ONE_WORKER modules as single work
-        units: xdist's loadscope scheduler, every other test a unit of its own."""
+        """``--dist load`` (what ``-n`` means) with each ONE_WORKER group as a single work
+        unit: xdist's loadscope scheduler, every other test a unit of its own."""
         if config.getvalue("dist") != "load":
             return None
         from xdist.scheduler import LoadScopeScheduling
 
         class Scheduling(LoadScopeScheduling):
             def _split_scope(self, nodeid):
-                module = nodeid.split("::", 1)[0]
-                return module if module in ONE_WORKER else nodeid
+                return next((group for prefix, group in ONE_WORKER.items()
+                             if nodeid.startswith(prefix)), nodeid)
 
         return Scheduling(config, log)
 

@@ -1,21 +1,20 @@
-"""python -m trainer.train and python -m trainer.evaluate, end to end on tiny data."""
+"""python -m trainer.train and python -m trainer.evaluate, end to end on tiny data (their
+``main`` in this process: what a child process adds is checked in tests/test_commands.py)."""
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
+from commands import in_process
 
 import compression
 
-from trainer_data import ROOT, SCHEMA_PATH
+from trainer_data import SCHEMA_PATH
 
 
 def run(args):
-    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    out = in_process(*args)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -87,11 +86,9 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
     # a directory holding something else is refused before any work
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    refused = subprocess.run([sys.executable, "-m", "trainer.train", "--schema", SCHEMA_PATH,
-                              "--train-data", str(tmp_path / "eval.parquet"),
-                              "--out", str(tmp_path / "run2"),
-                              "--export-dir", str(tmp_path / "other")],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    refused = in_process("trainer.train", "--schema", SCHEMA_PATH,
+                         "--train-data", tmp_path / "eval.parquet", "--out", tmp_path / "run2",
+                         "--export-dir", tmp_path / "other")
     assert refused.returncode == 2
     assert "--export-dir" in refused.stderr and "no export.json" in refused.stderr
     assert not (tmp_path / "run2").exists()
@@ -100,10 +97,8 @@ def test_train_then_evaluate(schema, raw_small, trees_small, tmp_path):
 def test_bad_config_is_a_usage_error(tmp_path):
     config = tmp_path / "trainer.yaml"
     config.write_text("features: {nope: {pooling: sum}}\n")
-    out = subprocess.run([sys.executable, "-m", "trainer.train", "--schema", SCHEMA_PATH,
-                          "--train-data", str(tmp_path), "--config", str(config),
-                          "--out", str(tmp_path / "run")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = in_process("trainer.train", "--schema", SCHEMA_PATH, "--train-data", tmp_path,
+                     "--config", config, "--out", tmp_path / "run")
     assert out.returncode == 2
     assert "features.nope: the schema 'taobao_like' has no feature 'nope'" in out.stderr
     assert not os.path.exists(tmp_path / "run")
