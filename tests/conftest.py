@@ -60,6 +60,7 @@ if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
 # in the wrong place costs time, never correctness.)
 SLOW_FIRST = (
     "tests/trainer/test_distributed_faults.py",
+    "tests/trainer/test_online_ray.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_quality_benchmark_tiny",
     "tests/benchmarks/test_tiny_benchmarks.py::test_distributed_benchmark_tiny",
     "tests/trainer/test_distributed.py::test_resharding_keeps_the_counter_filters_pending",
@@ -82,6 +83,8 @@ SLOW_FIRST = (
     "tests/trainer/test_train_out_s3.py",
     "tests/pipelines/test_compress_dask.py",
     "tests/trainer/test_export_s3.py",
+    "tests/online/test_online_s3.py",
+    "tests/serve/test_serve_s3.py",
 )
 # Tests that share an expensive module-scoped fixture go to one worker together (a node id
 # prefix -> the name of its group): the `runs` fixture of test_distributed_faults.py is a 2 x 2
