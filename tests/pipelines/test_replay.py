@@ -111,3 +111,25 @@ def test_a_malformed_x_option_is_a_usage_error(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == (
         "python -m pipelines.replay: error: argument -X: -X '=5': expected key=value (or "
         "kafka.key=value), e.g. -X security.protocol=SASL_SSL")
+
+
+def test_replay_reads_a_glob_on_s3_as_local_files(kafka_broker, s3_bucket, tmp_path):
+    """--input on an object store (through compression/fs.py, as every reader): the same
+    messages as the same files on disk."""
+    from compression import fs
+
+    schema = schemas.load(EXAMPLE)
+    table = taobao_table(600, seed=8)
+    for i, part in enumerate((table.slice(0, 250), table.slice(250))):
+        pq.write_table(part, tmp_path / f"part-{i}.parquet")
+        fs.write_bytes(f"{s3_bucket}/raw/part-{i}.parquet",
+                       (tmp_path / f"part-{i}.parquet").read_bytes())
+    topics = {}
+    for where, inputs in (("local", str(tmp_path / "part-*.parquet")),
+                          ("s3", f"{s3_bucket}/raw/part-*.parquet")):
+        topics[where] = kafka_broker.create_topic()
+        result = replay(schema, inputs, kafka_broker.bootstrap, topics[where])
+        assert result["samples"] == 600
+    local, remote = (sorted((m.key(), m.value()) for m in kafka_broker.consume_all(topics[w]))
+                     for w in ("local", "s3"))
+    assert remote == local and len(remote) == 600
