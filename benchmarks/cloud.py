@@ -37,7 +37,7 @@ import tempfile
 import time
 
 import schemas
-from benchmarks.compression import cpu_seconds, machine
+from benchmarks.compression import cpu_seconds, machine, tree_cpu_seconds
 from compression import fs
 
 SCHEMA = "schemas/examples/taobao_like.yaml"
@@ -56,16 +56,7 @@ def _support(name: str):
 
 def _descendants_cpu() -> float:
     """CPU seconds of every live descendant process (Dask workers and nannies, the server)."""
-    import psutil
-
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            times = child.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return tree_cpu_seconds(include_root=False)
 
 
 def _timed(fn, others=None) -> tuple[float, float, float, object]:

@@ -51,6 +51,23 @@ def machine() -> dict:
             "pyarrow": pa.__version__, "numpy": np.__version__}
 
 
+def tree_cpu_seconds(pid: int | None = None, include_root: bool = True) -> float:
+    """CPU seconds of process ``pid`` (default: this one) and every live descendant (a
+    command's children, Dask workers, a local server); processes that exit meanwhile are
+    skipped. Raises psutil.NoSuchProcess when ``pid`` itself is gone."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in ([root] if include_root else []) + root.children(recursive=True):
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def cpu_seconds(pid: int | None = None) -> float:
     """CPU seconds (user + system, all threads) of this process, or of process ``pid``. This
     process's comes from the process CPU clock (nanoseconds): os.times counts 10 ms ticks, and

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 
-from benchmarks.compression import cpu_seconds
+from benchmarks.compression import cpu_seconds, tree_cpu_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
@@ -58,15 +58,7 @@ class TreeCpu:
         import psutil
 
         try:
-            root = psutil.Process(self.pid)
-            total = 0.0
-            for p in [root] + root.children(recursive=True):
-                try:
-                    times = p.cpu_times()
-                    total += times.user + times.system
-                except psutil.NoSuchProcess:
-                    pass
-            return total
+            return tree_cpu_seconds(self.pid)
         except psutil.NoSuchProcess:
             return float("nan")
 
