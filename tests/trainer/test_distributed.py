@@ -152,7 +152,9 @@ def check_manifest(checkpoint, step):
     assert sorted(os.listdir(checkpoint / "shard-0000")) == sorted(manifest["tables"])
     assert not [p for p in os.listdir(checkpoint.parent) if ".tmp-" in p]
 
-def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_path, capsys):
+def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_path, capsys,
+                                                   s3_bucket):
+    from compression import fs
     from trainer import train
 
     compression.write_trees(trees, str(tmp_path / "trees" / "part-00000.parquet"))
@@ -191,7 +193,7 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     result = train.run(base + ["--out", str(tmp_path / "run"), "--workers", "2",
                                "--shards", "2", "--eval-data", str(tmp_path / "trees"),
                                "--epochs", "2", "--eval-every", "3", "--patience", "1",
-                               "--export-dir", str(tmp_path / "export")])
+                               "--export-dir", f"{s3_bucket}/export"])
     evaluations = result["evaluations"]
     cfg800 = TrainConfig.from_dict({"embedding": {"dim": 4}, "batch_size": 800})
     per_pass = max(len(list(distributed.worker_batches(trees, schema, cfg800, w, W, 1, True)))
@@ -211,14 +213,17 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     assert result["id_compression"] > 1.5  # (its AUC is the best evaluation's: above)
     assert (tmp_path / "run" / "result.json").exists()
     assert [p for p in os.listdir(tmp_path / "run" / "train") if p.startswith("events.")]
-    # --export-dir: the kept (best) model, sharded, scores the eval data as it did
+    # --export-dir on an object store: the kept (best) model, sharded (its shards written by
+    # the shard actors, then published), scores the eval data as it did, read from there
     from trainer.metrics import auc
     from trainer.serving import Predictor
+
+    assert fs.download_published(f"{s3_bucket}/export", str(tmp_path / "export"))
 
     export = __import__("json").loads((tmp_path / "export" / "export.json").read_text())
     assert export["step"] == best["step"] and export["shards"] == 2
     flat = compression.flatten(trees, schema)
-    scores = Predictor(tmp_path / "export").predict(flat)
+    scores = Predictor(f"{s3_bucket}/export").predict(flat)
     assert auc(scores, flat.column("click").to_numpy()) == pytest.approx(result["auc"], abs=1e-6)
     # the run as one in-process Trainer (what trainer.online --init-from starts from): its
     # shards merged, it scores as the export does
