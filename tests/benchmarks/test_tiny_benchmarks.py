@@ -138,10 +138,9 @@ def test_baseline_next_to_a_run(tmp_path):
     """benchmarks.baseline (what make demo ends with) on tiny files, next to a trained run."""
     import json
     import os
-    import subprocess
-    import sys
 
     import pyarrow.parquet as pq
+    from commands import in_process
 
     import schemas
     from pipelines.generate import generate_tables
@@ -152,9 +151,8 @@ def test_baseline_next_to_a_run(tmp_path):
     pq.write_table(table.slice(0, 3200), tmp_path / "train.parquet")
     pq.write_table(table.slice(3200), tmp_path / "eval.parquet")
 
-    def run(*args):
-        out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                             cwd=root, timeout=600)
+    def run(*args):  # the commands' main in this process (what make demo runs in children)
+        out = in_process(*args)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
