@@ -154,8 +154,10 @@ class CheckpointManager:
         self.keep = keep
         self.publish_to = publish_to
         os.makedirs(self.directory, exist_ok=True)
+        # leftovers of a writer that died mid-save; a live writer's (a manager of another
+        # process saving right now, or of this one) are its own to finish or remove
         for name in os.listdir(self.directory):
-            if name.startswith(".tmp-"):
+            if name.startswith(".tmp-") and not _writer_alive(name):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _names(self) -> list[str]:
@@ -187,6 +189,12 @@ class CheckpointManager:
             # Checkpoints are complete when named: one that cannot be read was damaged after.
             try:
                 state = unsealed(state_path, read_json(state_path), required=False)
+            except FileNotFoundError:
+                if not os.path.isdir(path):
+                    continue  # pruned by the writer since it was listed
+                raise CheckpointDamagedError(
+                    f"{state_path}: damaged checkpoint, its state is missing; remove {path} "
+                    "to resume from the previous checkpoint") from None
             except OSError as e:
                 raise CheckpointDamagedError(
                     f"{state_path}: damaged checkpoint, cannot read its state ({e}); remove "
@@ -206,7 +214,7 @@ class CheckpointManager:
         again = bool(revisions)
         name = f"ckpt-{step:010d}" + (f"-{max(revisions) + 1}" if again else "")
         final = os.path.join(self.directory, name)
-        tmp = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(self.directory, _tmp_name())
         os.makedirs(tmp)
         try:
             write(tmp)
@@ -220,7 +228,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         _crash_point("renamed", again)
-        pointer = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
+        pointer = os.path.join(self.directory, _tmp_name())
         with open(pointer, "w") as f:
             f.write(name + "\n")
             f.flush()
@@ -248,13 +256,33 @@ class CheckpointManager:
         kept = sorted(others + [keep_name], key=_order)[-self.keep:]
         for name in superseded + [n for n in others if n not in kept]:
             # rename first: a crash mid-removal leaves a temporary directory, not a checkpoint
-            doomed = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
+            doomed = os.path.join(self.directory, _tmp_name())
             try:
                 os.rename(os.path.join(self.directory, name), doomed)
             except OSError:
                 continue
             _crash_point("removing", again)
             shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _tmp_name() -> str:
+    """A temporary name in the checkpoints directory: ``.tmp-PID-RANDOM`` (the writer's pid)."""
+    return f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that made the temporary ``name`` still runs (names without a pid,
+    from older versions, count as a dead writer's)."""
+    parts = name.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except PermissionError:
+        return True  # another user's process
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 def _fsync_tree(root: str):

@@ -161,3 +161,28 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
         manager.save(crash, {"step": 40})
     assert manager.latest().step == 30  # the half-written checkpoint never became LATEST
     assert not any(n.startswith(".tmp-") for n in os.listdir(manager.directory))
+
+
+def test_a_reader_removes_a_dead_writers_leftovers_never_a_live_writers(tmp_path):
+    """A manager made while another one saves (a reader, or a second process on the run
+    directory) leaves that save's temporary directory alone; a dead writer's is cleaned."""
+    import subprocess
+    import sys
+
+    manager = CheckpointManager(str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    for name in (f".tmp-{int(dead.stdout)}-0ab", ".tmp-0123abcd"):  # a dead pid; no pid
+        os.makedirs(os.path.join(manager.directory, name, "model"))
+    seen = []
+
+    def write(directory):
+        open(os.path.join(directory, "w"), "w").write("1")
+        reader = CheckpointManager(str(tmp_path))  # while this save is under way
+        seen.append((reader.latest(), sorted(os.listdir(reader.directory))))
+
+    saved = manager.save(write, {"step": 1})
+    assert open(os.path.join(saved.path, "w")).read() == "1"
+    (latest, names), = seen
+    assert latest is None and len(names) == 1 and names[0].startswith(f".tmp-{os.getpid()}-")
+    assert [c.step for c in CheckpointManager(str(tmp_path)).all()] == [1]
