@@ -12,10 +12,7 @@ import pytest
 
 from commands import in_process
 from processes import python_child, signal_when
-from trainer_data import SCHEMA_PATH, generated
-
-TIMINGS = ("samples_per_sec", "train_seconds")
-
+from trainer_data import SCHEMA_PATH, assert_same_result, generated
 
 def command(*args) -> subprocess.CompletedProcess:
     """``python -m trainer.train args`` in this process (the runs interrupted by a signal are
@@ -49,25 +46,6 @@ def train_args(files, out):
             files / "eval.parquet", "--config", files / "trainer.yaml", "--hidden", "8",
             "--batch-size", "100", "--epochs", "3", "--eval-every", "7", "--patience", "2",
             "--seed", "3", "--out", out]
-
-
-def assert_same_result(result: dict, expected: dict, run) -> None:
-    """A resumed run's result line equals the uninterrupted run's (timings aside; floats and
-    evaluation AUCs to float rounding; its own run directory)."""
-    for key in set(expected) | set(result):
-        if key in TIMINGS:
-            continue
-        if key == "run_dir":
-            assert result[key] == str(run)
-        elif key == "evaluations":
-            assert [(e["epoch"], e["step"]) for e in result[key]] == [
-                (e["epoch"], e["step"]) for e in expected[key]]
-            np.testing.assert_allclose([e["auc"] for e in result[key]],
-                                       [e["auc"] for e in expected[key]], rtol=1e-5)
-        elif isinstance(expected[key], float):
-            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
-        else:
-            assert result[key] == expected[key], key
 
 
 def assert_same_model(got, want, step: int) -> None:

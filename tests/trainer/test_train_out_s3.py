@@ -4,16 +4,12 @@ signal and resumed from s3://, ends with the result of the same run on local dis
 import json
 import signal
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from compression import cli, fs
 from processes import signal_when
-from trainer_data import SCHEMA_PATH, generated
-
-TIMINGS = ("samples_per_sec", "train_seconds", "run_dir")
-
+from trainer_data import SCHEMA_PATH, assert_same_result, generated
 
 def train_args(base, out):
     # 2,000 samples, 20 steps a pass, 2 passes, evaluated every 7 steps (as test_resume.py)
@@ -50,16 +46,7 @@ def test_a_run_on_s3_interrupted_and_resumed_equals_the_local_run(schema, raw_sm
         train.run(train_args(tmp_path, out))
     result = train.run([*train_args(tmp_path, out), "--resume", "--no-progress"])
     assert result["run_dir"] == out
-    for key in set(expected) | set(result):
-        if key in TIMINGS:
-            continue
-        if key == "evaluations":
-            np.testing.assert_allclose([e["auc"] for e in result[key]],
-                                       [e["auc"] for e in expected[key]], rtol=1e-5)
-        elif isinstance(expected[key], float):
-            assert result[key] == pytest.approx(expected[key], rel=1e-5), key
-        else:
-            assert result[key] == expected[key], key
+    assert_same_result(result, expected, out)
     published = fs.published_manifest(out)["files"]
     assert "interrupted.json" not in published
     stored = json.loads(fs.read_text(fs.resolve_published(f"{out}/result.json")))
