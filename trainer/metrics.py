@@ -1,4 +1,5 @@
-"""Metrics of predicted probabilities: exact AUC, log loss, and a streaming AUC for progress."""
+"""Metrics of predicted probabilities (exact AUC, log loss, a streaming AUC for progress) and
+of online runs (rates, arrival-to-export delays)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,27 @@ def run_rates(samples: int, seconds: float, units: int, first_unit: float | None
     return {"samples_per_sec": round(whole, 1), "steady_samples_per_sec": round(steady, 1),
             "rate": {"samples_per_sec": round(steady if meaningful else whole, 1),
                      "over": "steady" if meaningful else "whole run"}}
+
+
+class DelayHistogram:
+    """Arrival-to-export delays of every sample of a run in constant memory: 10 ms buckets up
+    to 10 minutes (longer delays count in the last bucket), percentiles to within 10 ms."""
+
+    BUCKET_MS = 10
+    BUCKETS = 60_000
+
+    def __init__(self):
+        self.counts = np.zeros(self.BUCKETS, np.int64)
+
+    def add(self, delays_ms: np.ndarray) -> None:
+        buckets = np.clip(np.asarray(delays_ms) // self.BUCKET_MS, 0, self.BUCKETS - 1)
+        self.counts += np.bincount(buckets.astype(np.int64), minlength=self.BUCKETS)
+
+    def percentiles(self) -> dict:
+        """``{"p50": s, "p99": s}`` (upper bucket edges, in seconds); None before any sample."""
+        total = int(self.counts.sum())
+        if total == 0:
+            return {"p50": None, "p99": None}
+        cumulative = np.cumsum(self.counts)
+        return {name: float(np.searchsorted(cumulative, q * total) + 1) * self.BUCKET_MS / 1000
+                for name, q in (("p50", 0.5), ("p99", 0.99))}

@@ -74,7 +74,7 @@ from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
-from trainer.metrics import ProgressiveValidation, run_rates
+from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
 from trainer.ray_address import check_ray_address
 from trainer.runs import MODEL_NAMES, load_tensorflow
 
@@ -112,30 +112,6 @@ class Unit:
     timestamps_ms: np.ndarray
     dead: int
     messages: int
-
-
-class DelayHistogram:
-    """Arrival-to-export delays of every sample of a run in constant memory: 10 ms buckets up
-    to 10 minutes (longer delays count in the last bucket), percentiles to within 10 ms."""
-
-    BUCKET_MS = 10
-    BUCKETS = 60_000
-
-    def __init__(self):
-        self.counts = np.zeros(self.BUCKETS, np.int64)
-
-    def add(self, delays_ms: np.ndarray) -> None:
-        buckets = np.clip(np.asarray(delays_ms) // self.BUCKET_MS, 0, self.BUCKETS - 1)
-        self.counts += np.bincount(buckets.astype(np.int64), minlength=self.BUCKETS)
-
-    def percentiles(self) -> dict:
-        """``{"p50": s, "p99": s}`` (upper bucket edges, in seconds); None before any sample."""
-        total = int(self.counts.sum())
-        if total == 0:
-            return {"p50": None, "p99": None}
-        cumulative = np.cumsum(self.counts)
-        return {name: float(np.searchsorted(cumulative, q * total) + 1) * self.BUCKET_MS / 1000
-                for name, q in (("p50", 0.5), ("p99", 0.99))}
 
 
 @dataclass
