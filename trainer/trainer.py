@@ -403,19 +403,13 @@ class Trainer(ModelCore):
         """The trainer saved in ``directory``; training continues exactly where it stopped.
         Built-in models are rebuilt from the checkpoint; pass ``model`` for your own."""
         directory = os.fspath(directory)
-        state = _read_checkpoint(directory)
+        state = checkpoint_state(directory)
         if model is None:
             if state["model"] is None:
                 raise ValueError(f"{directory}: the checkpoint's model is not built in; pass "
                                  "model= (a fresh instance of the same DenseNet)")
             model = models_lib.from_spec(state["model"])
-        try:
-            schema = schemas.from_dict(state["schema"])
-        except schemas.SchemaError as e:
-            raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the "
-                                         f"schema it holds is not valid: {e}") from None
-        if state["version"] == 1:
-            state["config"] = _config_v1(state["config"], schema)
+        schema = schemas.from_dict(state["schema"])
         config = _checkpoint_config(directory, state)
         trainer = cls(schema, model, config)
         trainer._load_state(directory, state)
@@ -492,6 +486,24 @@ class Trainer(ModelCore):
         self.stores.update(stores)
         self.step, self.samples = state["step"], state["samples"]
         self.expired = state.get("expired", 0)
+
+
+def checkpoint_state(directory: str) -> dict:
+    """The state (``trainer.json``) of the checkpoint in ``directory``, checked as
+    :meth:`Trainer.restore` checks it (CheckpointDamagedError naming what is damaged), its
+    config in this version's form: what :meth:`Trainer.restore` and a distributed run
+    starting from a single-process one (``trainer.distributed.driver.run_checkpoint``)
+    read."""
+    state = _read_checkpoint(directory)
+    try:
+        schema = schemas.from_dict(state["schema"])
+    except schemas.SchemaError as e:
+        raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the "
+                                     f"schema it holds is not valid: {e}") from None
+    if state["version"] == 1:
+        state["config"] = _config_v1(state["config"], schema)
+    _checkpoint_config(directory, state)
+    return state
 
 
 def _read_checkpoint(directory: str) -> dict:

@@ -28,7 +28,8 @@ from trainer.checkpoints import config_before_l2, dense_name
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import count_samples
 from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
-                                          shard_snapshot_spec, read_manifest)
+                                          shard_snapshot_spec, single_process_manifest,
+                                          read_manifest)
 from trainer.distributed.placement import shard_of
 from trainer.distributed.shard import RESTARTED, Shard, table_specs
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
@@ -64,6 +65,24 @@ def failure_summary(error: BaseException) -> str:
 def _refs(value, n: int) -> list:
     """``num_returns=n`` gives a single ref for n == 1, a list otherwise."""
     return [value] if n == 1 else list(value)
+
+
+def run_checkpoint(run_dir) -> tuple[str, dict]:
+    """The checkpoint a ``trainer.train`` run kept (``RUN_DIR/checkpoint``) and its manifest:
+    a Ray run's own, or a single-process run's state read as a one-shard distributed
+    checkpoint (:func:`~trainer.distributed.manifest.single_process_manifest`), so that
+    :meth:`DistributedTrainer.restore` takes either into any number of shards. What
+    ``trainer.online --init-from RUN_DIR --workers W --shards S`` starts from."""
+    checkpoint = os.path.join(os.fspath(run_dir), "checkpoint")
+    if os.path.isfile(os.path.join(checkpoint, "trainer.json")):
+        from trainer.trainer import checkpoint_state
+
+        return checkpoint, single_process_manifest(checkpoint_state(checkpoint))
+    if not os.path.isfile(os.path.join(checkpoint, "manifest.json")):
+        raise FileNotFoundError(
+            f"{run_dir}: not a trainer.train run directory (no checkpoint/trainer.json or "
+            "checkpoint/manifest.json); an interrupted run keeps its model there too")
+    return checkpoint, read_manifest(checkpoint)
 
 
 class DistributedTrainer:
@@ -611,14 +630,15 @@ class DistributedTrainer:
 
     @classmethod
     def restore(cls, directory, model=None, *, workers: int | None = None,
-                shards: int | None = None, **kwargs) -> "DistributedTrainer":
+                shards: int | None = None, manifest: dict | None = None,
+                **kwargs) -> "DistributedTrainer":
         """The run saved in ``directory`` (read from its manifest only), continuing where it
         stopped. ``workers`` may differ from the checkpoint's; so may ``shards``
         (resharding: every id then looks up the same row, a counter filter's pending counts
         move with their ids; see ``Shard._reshard`` for the other filters). A checkpoint
         taken in the middle of a pass needs its own number of workers (the pass deals trees
-        by worker)."""
-        manifest = read_manifest(directory)
+        by worker). ``manifest``: the checkpoint's, already read (:func:`run_checkpoint`)."""
+        manifest = read_manifest(directory) if manifest is None else manifest
         shards = manifest["shards"] if shards is None else _check_count("shards", shards)
         if model is None:
             if manifest["model"] is None:
@@ -630,19 +650,19 @@ class DistributedTrainer:
         trainer = cls(schema, model, config, workers=workers or manifest["workers"],
                       shards=shards, **kwargs)
         try:
-            trainer.load(directory)
+            trainer.load(directory, manifest)
         except BaseException:
             trainer.close()
             raise
         return trainer
 
-    def load(self, directory) -> None:
+    def load(self, directory, manifest: dict | None = None) -> None:
         """Load a checkpoint of this trainer's schema, tables and model into the running
         actors (any number of shards: resharded), with its step, counters and input
         position. A checkpoint of another schema, config or model is refused, naming what
-        differs."""
+        differs. ``manifest``: the checkpoint's, already read."""
         directory = os.path.abspath(os.fspath(directory))
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory) if manifest is None else manifest
         path = os.path.join(directory, "manifest.json")
         if manifest["schema"] != self.schema.to_dict():
             raise ValueError(f"{path}: the checkpoint is of another schema than this trainer's "

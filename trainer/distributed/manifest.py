@@ -15,6 +15,21 @@ def shard_snapshot_spec(directory: str, manifest: dict, shard: int, shards: int)
     return (dirs[shard],) if manifest["shards"] == shards else dirs
 
 
+def single_process_manifest(state: dict) -> dict:
+    """A single-process checkpoint's state (its checked ``trainer.json``) as the manifest of a
+    one-shard distributed checkpoint in the same directory: its ``stores/`` holds every
+    table's snapshot as a shard's directory does and its ``dense.npz`` the same arrays, so a
+    distributed run loads it (resharded into any number of shards) as its own."""
+    expired = state.get("expired", 0)
+    return {"version": MANIFEST_VERSION, "kind": "prefixrec-distributed",
+            "step": state["step"], "samples": state["samples"], "expired": expired,
+            "shards": 1, "passes": 0, "positions": None, "workers": 1,
+            "placement": "mix64(id) % shards", "shard_dirs": ["stores"],
+            "shard_expired": [expired], "tables": state.get("tables"),
+            "variables": state["variables"], "model": state["model"],
+            "config": state["config"], "schema": state["schema"]}
+
+
 def read_manifest(directory) -> dict:
     """A distributed checkpoint's ``manifest.json``, with clear errors for what is not one."""
     directory = os.path.abspath(os.fspath(directory))
