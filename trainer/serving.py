@@ -136,6 +136,14 @@ def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None
 _PUBLISHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def restart_lineage(trainer) -> None:
+    """The next :func:`export_increment` of ``trainer`` (to any directory) writes a full
+    export, a new lineage: for a trainer whose stores went back to a checkpoint (a
+    distributed run rolled back after an actor died), whose next deltas would not follow
+    what was published."""
+    _PUBLISHED.pop(trainer, None)
+
+
 def version_path(directory: str, version: int) -> str:
     """``directory/versions/vNNNNNNNN``: version ``version``'s files (+ ``.json``: manifest)."""
     return fs.join(os.fspath(directory), "versions", f"v{version:08d}")

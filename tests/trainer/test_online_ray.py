@@ -1,6 +1,7 @@
 """Online learning on Ray against a real broker and a real local Ray cluster: 2 workers x 2
-shards equal a single process replaying the same steps, every message trains exactly once, and
-a SIGKILL of a worker, of a shard or of the driver loses and repeats nothing."""
+shards started from a single-process batch run equal a single process replaying the same steps
+from it, every message trains exactly once, the serving export follows the shards, and a
+SIGKILL of a worker, of a shard or of the driver loses and repeats nothing."""
 
 import ast
 import json
@@ -21,7 +22,7 @@ import compression
 import native
 import schemas
 from compression.messages import decode_json_samples
-from trainer.checkpoints import CheckpointManager
+from trainer.checkpoints import CheckpointManager, dense_name
 from trainer.distributed.manifest import read_manifest
 
 ray = pytest.importorskip("ray")
@@ -36,6 +37,7 @@ CONFIG = {"batch_size": 200, "seed": 3, "threads": 1,
           "embedding": {"dim": 4, "optimizer": {"name": "adagrad", "lr": 0.1},
                         "initializer": {"name": "normal", "stddev": 0.01}}}
 PARTITIONS = 4
+BATCH_SIDS = 10**6  # sample ids of the batch run a test starts from: above every online one
 
 
 def sample(sid: int) -> tuple[bytes, bytes, None, None, int]:
@@ -61,12 +63,37 @@ def ray_address(cluster):
 
 
 def command(files, broker, topic, group, run_dir, ray_address, *extra, workers=2,
-            shards=2) -> list[str]:
+            shards=2, config=True) -> list[str]:
+    """``config``: False with ``--init-from`` (the batch run's config is taken)."""
     schema_path, config_path = files
-    return ["--schema", schema_path, "--config", config_path, "--bootstrap-servers",
-            broker.bootstrap, "--topic", topic, "--group", group, "--run-dir", run_dir,
-            "--workers", str(workers), "--shards", str(shards), "--ray-address", ray_address,
-            "--step-log", *extra]
+    return ["--schema", schema_path, *(["--config", config_path] if config else []),
+            "--bootstrap-servers", broker.bootstrap, "--topic", topic, "--group", group,
+            "--run-dir", run_dir, "--workers", str(workers), "--shards", str(shards),
+            "--ray-address", ray_address, "--step-log", *extra]
+
+
+def batch_run(run_dir, sids, shards=None) -> str:
+    """A batch run (``RUN_DIR/checkpoint``, as ``trainer.train`` keeps it) that trained the
+    samples ``sids`` in batches of 200: in process, or with ``shards`` on the module's Ray
+    cluster (1 worker). What ``--init-from`` starts from."""
+    from trainer import Trainer, models
+    from trainer.config import TrainConfig
+    from trainer.distributed import DistributedTrainer
+
+    schema = schemas.from_dict(SCHEMA)
+    table, _ = decode_json_samples([sample(s)[1] for s in sids], schema)
+    if shards:
+        with DistributedTrainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG),
+                                workers=1, shards=shards) as trainer:
+            trainer.fit(table, shuffle=False)
+            trainer.save(os.path.join(run_dir, "checkpoint"))
+        return run_dir
+    trainer = Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG))
+    for batch in compression.iter_batches(compression.build_trees(table, schema), schema,
+                                          CONFIG["batch_size"]):
+        trainer.train_batch(batch)
+    trainer.save(os.path.join(run_dir, "checkpoint"))
+    return run_dir
 
 
 class Messages:
@@ -87,21 +114,24 @@ class Messages:
         return len(self.by_offset)
 
 
-def replay(run_dir, messages: Messages):
+def replay(run_dir, messages: Messages, init_from=None):
     """A single-process Trainer that trained, step by step, the union batches the step log
-    of ``run_dir`` records (every worker's messages side by side, in worker order)."""
+    of ``run_dir`` records (every worker's messages side by side, in worker order), from the
+    batch run ``init_from`` (else a new model)."""
     from trainer import Trainer, models
     from trainer.config import TrainConfig
 
     schema = schemas.from_dict(SCHEMA)
-    single = Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG))
+    single = (Trainer.restore_run(init_from) if init_from else
+              Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG)))
+    first_step, first_samples = single.step, single.samples
     trained = []
     with open(os.path.join(run_dir, "steps.jsonl")) as f:
         steps = [json.loads(line) for line in f]
     # the union is what is checked: steps in which both workers trained
     assert any(all(w["samples"] for w in step["workers"]) for step in steps)
     for number, step in enumerate(steps, 1):
-        assert step["step"] == number
+        assert step["step"] == first_step + number
         values = [messages.by_offset[int(p), offset] for worker in step["workers"]
                   for p, (first, end) in worker["ranges"].items()
                   for offset in range(first, end)]
@@ -114,7 +144,7 @@ def replay(run_dir, messages: Messages):
                                                 CONFIG["batch_size"]))
         assert len(batches) == 1
         single.train_batch(batches[0])
-    return single, trained
+    return single, trained, first_samples
 
 
 def checkpointed_rows(model_dir: str, table: str) -> dict:
@@ -128,22 +158,27 @@ def checkpointed_rows(model_dir: str, table: str) -> dict:
 
 
 def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic, group,
-                         malformed: int = 0):
+                         malformed: int = 0, init_from=None):
+    """Returns the replay's Trainer."""
     latest = CheckpointManager(run_dir).latest()
     model_dir = os.path.join(latest.path, "model")
     manifest = read_manifest(model_dir)
-    single, trained = replay(run_dir, messages)
+    single, trained, before = replay(run_dir, messages, init_from)
     # every message produced trained once, in exactly one step of the model's lineage
     assert len(trained) == len(set(trained)) == total + malformed == len(messages)
     assert set(trained) == set(messages.by_offset)
-    assert manifest["step"] == single.step and manifest["samples"] == single.samples == total
+    assert manifest["step"] == single.step
+    assert manifest["samples"] == single.samples == before + total
     offsets = manifest["online"]["offsets"]
     assert offsets == {str(p): 1 + max(o for q, o in messages.by_offset if q == p)
                        for p in range(PARTITIONS)}
-    # count per key: every sample's own id has a row, updated exactly once
+    # count per key: every sample's own id has a row, updated exactly once (those of the
+    # batch run started from: once, by it)
     rows = checkpointed_rows(model_dir, "sid")
-    assert rows["ids"].tolist() == list(range(total))
+    online = rows["ids"] < BATCH_SIDS
+    assert rows["ids"][online].tolist() == list(range(total))
     assert set(rows["update_counts"].tolist()) == {1}
+    assert len(rows["ids"]) - total == (before if init_from else 0)
     # the model equals the single-process replay: rows, optimizer state, counters, dense
     for table, store in single.stores.items():
         got = checkpointed_rows(model_dir, table)
@@ -169,21 +204,30 @@ def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic,
                                    timeout=10)
     consumer.close()
     assert {str(tp.partition): tp.offset for tp in committed} == offsets
+    return single
 
 
-def test_two_workers_two_shards_equal_a_single_process_replay_of_their_steps(
+def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_step(
         kafka_broker, files, ray_address, tmp_path):
+    """A 2 x 2 run initialised from a single-process batch run (its one store per table
+    resharded into 2 shards) equals the replay from the same model, and its serving export,
+    a version published after every step, holds the final model."""
     from trainer import online
+    from trainer.serving import Predictor, one_node_per_sample, published_versions, \
+        request_table
 
+    batch = batch_run(str(tmp_path / "batch"), range(BATCH_SIDS, BATCH_SIDS + 400))
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
     messages.produce(kafka_broker, topic, range(2000))
     # malformed messages on a partition of each worker, the last ones after every good one
     bad = [(b"k", b"not json %d" % i, None, None, 1 + i % 2) for i in range(120)]
     messages.produce(kafka_broker, topic, None, bad)
-    run_dir = str(tmp_path / "run")
+    run_dir, export_dir = str(tmp_path / "run"), str(tmp_path / "export")
     summary = online.run(command(files, kafka_broker, topic, "g-ray", run_dir, ray_address,
-                                 "--idle-exit", "2", "--checkpoint-every", "0.5"))
+                                 "--idle-exit", "2", "--checkpoint-every", "0.5",
+                                 "--init-from", batch, "--export-dir", export_dir,
+                                 "--export-every", "0", config=False))
     assert summary["samples"] == 2000 and summary["messages"] == 2000 + len(bad)
     assert summary["assignment"] == [[0, 2], [1, 3]]
     assert summary["pv"]["samples"] == 2000
@@ -192,7 +236,38 @@ def test_two_workers_two_shards_equal_a_single_process_replay_of_their_steps(
     letters = kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)
     assert sorted(m.value() for m in letters) == sorted(value for _, value, *_ in bad)
     assert {dict(m.headers())["source.partition"] for m in letters} == {b"1", b"2"}
-    assert_equals_replay(run_dir, messages, 2000, kafka_broker, topic, "g-ray", len(bad))
+    single = assert_equals_replay(run_dir, messages, 2000, kafka_broker, topic, "g-ray",
+                                  len(bad), init_from=batch)
+    # --export-every 0: after every step of the run (the batch run's 2 came before), the
+    # first a full export, each later one a version of every shard's deltas
+    steps = summary["steps"] - 2
+    assert summary["exports"] == steps >= 2
+    assert published_versions(export_dir) == list(range(1, steps))
+    delay = summary["delay_s"]
+    assert 0 < delay["p50"] <= delay["p99"] < 60
+    predictor = Predictor(export_dir)
+    assert predictor.shards == 2
+    predictor.update()
+    assert predictor.version == steps - 1 and predictor.dense_step == summary["steps"]
+    # serving holds the run's final model: every shard's rows, the dense weights
+    model_dir = os.path.join(CheckpointManager(run_dir).latest().path, "model")
+    for table, store in predictor.stores.items():
+        for i, served in enumerate(store.shards):
+            got = served.to_numpy()
+            want = native.EmbeddingStore.load(
+                os.path.join(model_dir, f"shard-{i:04d}", table)).to_numpy()
+            got_order, want_order = np.argsort(got["ids"]), np.argsort(want["ids"])
+            np.testing.assert_array_equal(got["ids"][got_order], want["ids"][want_order])
+            np.testing.assert_array_equal(got["values"][got_order],
+                                          want["values"][want_order], err_msg=table)
+    with np.load(os.path.join(model_dir, "dense.npz")) as dense:
+        for i, variable in enumerate(predictor.model.variables_):
+            np.testing.assert_array_equal(variable.numpy(), dense[dense_name("model", i)])
+    # and it predicts what the replay's model predicts
+    rows = [json.loads(sample(s)[1]) for s in range(0, 2000, 40)]
+    schema = schemas.from_dict(SCHEMA)
+    want = single.predict([one_node_per_sample(request_table(rows, schema), schema)])
+    np.testing.assert_allclose(predictor.predict(rows), want, rtol=1e-4, atol=1e-6)
 
 
 class Streaming:
@@ -270,21 +345,30 @@ def actor_pids(process, log_path, rollbacks: int) -> dict:
 
 def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
         kafka_broker, files, ray_address, tmp_path):
-    """One run: a worker's process killed (the driver rolls every actor back to the last
-    checkpoint and goes on), then a shard's, then the driver's; the rerun, with 1 worker and 3
-    shards, takes every partition's offset from the checkpoint and SIGTERM ends it cleanly."""
+    """One run, started from a Ray batch run (1 worker x 2 shards): a worker's process killed
+    (the driver rolls every actor back to the last checkpoint and goes on), then a shard's,
+    then the driver's; the rerun, with 1 worker and 3 shards, takes every partition's offset
+    from the checkpoint (not the batch run's model: --init-from is ignored) and SIGTERM ends
+    it cleanly. (Not resharded at the start: a store resharded once holds a delta sequence,
+    which Shard._reshard refuses, and this run is resharded at its restart.)"""
+    batch = batch_run(str(tmp_path / "batch"), range(BATCH_SIDS, BATCH_SIDS + 400), shards=2)
+    kept = read_manifest(os.path.join(batch, "checkpoint"))
+    batch_steps, batch_samples = kept["step"], kept["samples"]
+    assert (kept["shards"], batch_samples) == (2, 400)
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
     messages.produce(kafka_broker, topic, range(1000))
     run_dir = str(tmp_path / "run")
     argv = [sys.executable, "-m", "trainer.online",
             *command(files, kafka_broker, topic, "g-kill", run_dir, ray_address,
-                     "--checkpoint-every", "0.5", "--report-every", "0.05")]
+                     "--checkpoint-every", "0.5", "--report-every", "0.05",
+                     "--init-from", batch, config=False)]
     log_path = tmp_path / "killed.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=log)
         try:
-            first = wait_for_checkpoint(process, run_dir, lambda s: s["step"] > 0)["step"]
+            first = wait_for_checkpoint(process, run_dir,
+                                        lambda s: s["step"] > batch_steps)["step"]
             producer = Streaming(messages, kafka_broker, topic, 1000)  # while it trains on
             try:
                 # a worker, then a shard, each killed once the run trained past its latest
@@ -321,11 +405,13 @@ def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
     # trains the rest; SIGTERM then finishes the step, checkpoints, commits, exit 0
     argv = [sys.executable, "-m", "trainer.online",
             *command(files, kafka_broker, topic, "g-kill", run_dir, ray_address,
-                     "--checkpoint-every", "0.3", workers=1, shards=3)]
+                     "--checkpoint-every", "0.3", "--init-from", batch, workers=1, shards=3,
+                     config=False)]
     with open(tmp_path / "restarted.log", "w") as log:
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
-            wait_for_checkpoint(process, run_dir, lambda s: s["samples"] == total)
+            wait_for_checkpoint(process, run_dir,
+                                lambda s: s["samples"] == batch_samples + total)
             process.send_signal(signal.SIGTERM)
             stdout, _ = process.communicate(timeout=120)
         finally:
@@ -334,9 +420,11 @@ def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
                 process.wait()
     assert process.returncode == 0, (tmp_path / "restarted.log").read_text()[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["samples"] == total - restored_samples
+    assert summary["samples"] == batch_samples + total - restored_samples
     assert summary["assignment"] == [list(range(PARTITIONS))] and summary["shards"] == 3
-    assert_equals_replay(run_dir, messages, total, kafka_broker, topic, "g-kill")
+    assert f"--init-from {batch} ignored" in (tmp_path / "restarted.log").read_text()
+    assert_equals_replay(run_dir, messages, total, kafka_broker, topic, "g-kill",
+                         init_from=batch)
 
 
 def test_a_worker_takes_the_first_batch_that_arrives_and_reports_dead_letters(

@@ -41,6 +41,16 @@ crash at any moment the restored model has trained exactly the messages before t
 and the run goes on right after them. When a worker or a shard dies instead, the driver does
 the same without restarting: every actor goes back to the latest checkpoint
 (:meth:`OnlineRun.run`).
+
+**Warm start and serving.** ``--init-from RUN_DIR`` starts a new run from the model a batch
+run kept, in process or on Ray (:func:`~trainer.distributed.driver.run_checkpoint`), its
+stores resharded into the S shards. ``--export-dir`` publishes, between steps as a
+checkpoint is taken, a full export and then every ``--export-every`` s a version holding
+every shard's delta and the dense weights (:func:`trainer.serving.export_increment`), which
+``Predictor``, ``LiveModel`` and ``trainer.serve`` follow; every sample's delay from its
+Kafka arrival to the export holding it goes to the summary (``delay_s``). After a rollback
+the next export is a full one: the shards' deltas then follow the checkpoint, not what was
+published.
 """
 
 from __future__ import annotations
@@ -51,18 +61,20 @@ import logging
 import os
 import time
 
+import numpy as np
 import ray
 
 import schemas
-from compression import kafka
+from compression import fs, kafka
 from trainer.checkpoints import CheckpointManager
 from trainer.config import TrainConfig
-from trainer.distributed.driver import DistributedTrainer, failure_summary, is_actor_failure
-from trainer.distributed.manifest import read_manifest
+from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_actor_failure,
+                                        run_checkpoint)
+from trainer.distributed.manifest import read_manifest, schema_difference
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
 from trainer.kafka_source import commit_offsets
-from trainer.metrics import ProgressiveValidation, run_rates
+from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
 from trainer.runs import StopOnSignal
 
 log = logging.getLogger("trainer.online")
@@ -154,7 +166,8 @@ class OnlineRun:
     def __init__(self, engine: OnlineDistributedTrainer, checkpoints: CheckpointManager,
                  kafka_spec: dict, offsets: dict, *, checkpoint_every: float = 30.0,
                  max_samples: int | None = None, idle_exit: float | None = None,
-                 report_every: float = 10.0, step_log: str | None = None):
+                 report_every: float = 10.0, step_log: str | None = None,
+                 export_dir: str | None = None, export_every: float = 10.0):
         self.engine = engine
         self.checkpoints = checkpoints
         self.kafka_spec = kafka_spec
@@ -163,6 +176,8 @@ class OnlineRun:
         self.idle_exit = idle_exit
         self.report_every = report_every
         self.step_log = step_log
+        self.export_dir = export_dir
+        self.export_every = export_every
         self.positions = {int(p): int(o) for p, o in offsets.items()}  # next offset to train
         self.assignment: list[list[int]] = []
         self.settings = kafka.consumer_settings(kafka_spec["bootstrap_servers"],
@@ -176,6 +191,16 @@ class OnlineRun:
         self.first_step: float | None = None  # when this run's first and latest step ended
         self.last_step: float | None = None
         self.first_step_samples = 0
+        self.first_step_wall_ms: float | None = None
+        # serving exports: the arrival times (Unix ms) of the samples trained since the last
+        # one, with their step; every sample's delay to the export holding it, the run's and
+        # that of samples arrived after the first step (the steady state, without the
+        # backlog of the start-up)
+        self.exports = 0
+        self._pending_arrivals: list[tuple[int, np.ndarray]] = []
+        self._trained_since_export = False
+        self.newest_arrival: float | None = None  # Unix s, of the latest export's newest
+        self.delays, self.steady_delays = DelayHistogram(), DelayHistogram()
         self.started = time.monotonic()
         self.recoveries: list[dict] = []  # one per rollback after an actor died
         # what the latest checkpoint holds (step, offsets, this run's counters and progressive
@@ -219,13 +244,17 @@ class OnlineRun:
         """Steps until the run should finish (False) or the topic's partitions changed at a
         checkpoint (True: the workers' sources must be opened again)."""
         engine = self.engine
-        last_checkpoint = last_report = time.monotonic()
+        last_checkpoint = last_export = last_report = time.monotonic()
 
         def due() -> bool:
             return time.monotonic() - last_checkpoint >= self.checkpoint_every
 
+        def export_due() -> bool:
+            return (self.export_dir is not None
+                    and time.monotonic() - last_export >= self.export_every)
+
         def pause() -> bool:
-            return self._finish or should_stop() or due()
+            return self._finish or should_stop() or due() or export_due()
 
         for results, paused in engine.online_steps(pause):
             self._account(results)
@@ -236,6 +265,9 @@ class OnlineRun:
                 continue
             if self._finish or should_stop():
                 return False
+            if export_due():  # between steps, nothing looked up ahead: as a checkpoint
+                self.export()
+                last_export = time.monotonic()
             if due():
                 # postponed (False) while dead letters wait: retried later
                 written = self.checkpoint()
@@ -299,6 +331,15 @@ class OnlineRun:
         engine.bytes.update(state["bytes"])
         engine.losses.clear()
         self._pending_log = []  # steps after the checkpoint: trained again
+        self._pending_arrivals = [(step, stamps) for step, stamps in self._pending_arrivals
+                                  if step <= engine.step]
+        if self.export_dir is not None:
+            # the shards' deltas now follow the checkpoint, not what was published: the next
+            # export is a full one (a new lineage), of the model rolled back to
+            from trainer.serving import restart_lineage
+
+            restart_lineage(engine)
+            self._trained_since_export = True
         if self.step_log:  # lines a checkpoint wrote before the actor died in it
             truncate_step_log(self.step_log, engine.step)
         self._finish, self._idle_since = False, None
@@ -310,6 +351,8 @@ class OnlineRun:
                     latest.path, self.positions, engine.actor_pids())
 
     def finish(self) -> dict:
+        if self.export_dir is not None:
+            self.export()
         if not self.checkpoint(flush_timeout=60.0, final=True):
             raise RuntimeError("the final checkpoint was not written: dead letters could not be "
                                "delivered within 60 s (is the broker reachable?); the run "
@@ -322,6 +365,8 @@ class OnlineRun:
         consumed_any = False
         step_record = []
         for r in results:
+            if r["n"] and r.get("arrivals_ms") is not None:
+                self._pending_arrivals.append((self.engine.step, r["arrivals_ms"]))
             consumed = r.get("consumed")
             step_record.append({"ranges": {} if consumed is None else consumed["ranges"],
                                 "samples": r["n"]})
@@ -343,6 +388,8 @@ class OnlineRun:
             self.last_step = time.monotonic()
             if self.first_step is None:
                 self.first_step, self.first_step_samples = self.last_step, trained
+                self.first_step_wall_ms = time.time() * 1000
+            self._trained_since_export = True
             if self.step_log:
                 self._pending_log.append(json.dumps({"step": self.engine.step,
                                                      "workers": step_record}))
@@ -396,6 +443,28 @@ class OnlineRun:
         resumes)."""
         commit_offsets(self.committer, self.kafka_spec["topic"], positions)
 
+    def export(self) -> None:
+        """Publish a version for serving when a step was trained since the last one
+        (:meth:`DistributedTrainer.export_increment`: a full export first, then every shard's
+        delta of every table and the dense weights), the actors between steps with nothing
+        looked up ahead. Every sample trained into it counts its delay from its Kafka arrival
+        to now, when the version is published."""
+        if not self._trained_since_export:
+            return
+        pending = [stamps for _, stamps in self._pending_arrivals]
+        stamps = np.concatenate(pending) if pending else np.zeros(0, np.int64)
+        if len(stamps):
+            self.newest_arrival = max(self.newest_arrival or 0.0, float(stamps.max()) / 1000)
+        self.engine.export_increment(self.export_dir, newest_sample_time=self.newest_arrival)
+        published_ms = time.time() * 1000
+        self._trained_since_export = False
+        self._pending_arrivals = []
+        self.exports += 1
+        if len(stamps):
+            delays = published_ms - stamps
+            self.delays.add(delays)
+            self.steady_delays.add(delays[stamps >= self.first_step_wall_ms])
+
     def _write_step_log(self) -> None:
         if not self.step_log or not self._pending_log:
             return
@@ -422,8 +491,9 @@ class OnlineRun:
                 **run_rates(self.samples, seconds, self.steps, self.first_step,
                             self.last_step, self.first_step_samples),
                 "pv": {**self.pv.result(), "label": self.pv_label},
-                "checkpoints": self.checkpoints_written, "exports": 0,
-                "delay_s": {"p50": None, "p99": None},
+                "checkpoints": self.checkpoints_written, "exports": self.exports,
+                "delay_s": self.delays.percentiles(),
+                "steady_delay_s": self.steady_delays.percentiles(),
                 "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
                 "admitted": stats.get("admitted", 0),
                 "expired": stats.get("expired", 0), "recoveries": self.recoveries,
@@ -458,24 +528,30 @@ def truncate_step_log(path: str, step: int) -> None:
 
 def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) -> dict:
     """``python -m trainer.online ... --workers W --shards S``: restore the latest checkpoint
-    of ``--run-dir`` (or start ``model`` with ``config``), train, checkpoint, commit; returns
-    the run's summary (the keys of the single-process one that apply, plus workers, shards
-    and the assignment)."""
+    of ``--run-dir`` (or start from the batch run ``--init-from``, resharded, or a new
+    ``model`` with ``config``), train, checkpoint, commit, and with ``--export-dir`` publish
+    a version for serving every ``--export-every`` s; returns the run's summary (the keys of
+    the single-process one that apply, plus workers, shards and the assignment)."""
     unsupported = [flag for flag, given in (
-        ("--format trees", args.format != "json"), ("--init-from", args.init_from),
-        ("--export-dir", args.export_dir), ("--metrics-port", args.metrics_port is not None),
+        ("--format trees", args.format != "json"),
+        ("--metrics-port", args.metrics_port is not None),
         ("--expire-every", args.expire_every is not None),
         ("--unit-samples", args.unit_samples is not None)) if given]
     if unsupported:
         parser.error(f"{', '.join(unsupported)}: not available with --workers/--shards yet "
                      "(see the README's online learning on Ray)")
+    if args.init_from and not fs.is_local(args.init_from):
+        parser.error(f"--init-from {args.init_from}: on an object store only without "
+                     "--workers/--shards for now; give the Ray run a local or shared copy")
     workers, shards = args.workers or 1, args.shards or 1
     checkpoints = CheckpointManager(args.run_dir)
     latest = checkpoints.latest()
     step_log = os.path.join(args.run_dir, STEP_LOG) if args.step_log else None
     offsets = {}
     try:
-        if latest is None:
+        if latest is None and args.init_from:
+            engine = _init_from(parser, args, schema, workers, shards)
+        elif latest is None:
             engine = OnlineDistributedTrainer(schema, model, config, workers=workers,
                                               shards=shards, ray_address=args.ray_address)
         else:
@@ -492,6 +568,9 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                                                       shards=shards,
                                                       ray_address=args.ray_address)
             log.info("restored %s: step %d, offsets %s", latest.path, engine.step, offsets)
+            if args.init_from:
+                log.info("--init-from %s ignored: %s holds a checkpoint of its own",
+                         args.init_from, args.run_dir)
     except (ConnectionError, ValueError) as e:
         parser.error(str(e))
     if step_log:
@@ -505,7 +584,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
         run = OnlineRun(engine, checkpoints, kafka_spec, offsets,
                         checkpoint_every=args.checkpoint_every, max_samples=args.max_samples,
                         idle_exit=args.idle_exit, report_every=args.report_every,
-                        step_log=step_log)
+                        step_log=step_log, export_dir=args.export_dir,
+                        export_every=args.export_every)
         with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
             summary = run.run(lambda: stop.signum is not None)
     finally:
@@ -513,3 +593,23 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
             run.close()
         engine.close()
     return summary
+
+
+def _init_from(parser, args, schema: schemas.Schema, workers: int,
+               shards: int) -> OnlineDistributedTrainer:
+    """The model the batch run ``--init-from`` kept (in process or on Ray), checked against
+    this run's schema, in ``workers`` x ``shards`` actors (its stores resharded)."""
+    from trainer.checkpoints import CheckpointDamagedError
+
+    try:
+        checkpoint, manifest = run_checkpoint(args.init_from)
+    except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
+        parser.error(f"--init-from {args.init_from}: {e}")
+    if manifest["schema"] != schema.to_dict():
+        parser.error(f"--init-from {args.init_from}: the batch run was trained on another "
+                     f"schema ({schema_difference(manifest['schema'], schema.to_dict())})")
+    engine = OnlineDistributedTrainer.restore(checkpoint, manifest=manifest, workers=workers,
+                                              shards=shards, ray_address=args.ray_address)
+    log.info("initialised from %s: step %d, %d store rows, %d workers x %d shards",
+             args.init_from, engine.step, engine.store_rows(), workers, shards)
+    return engine

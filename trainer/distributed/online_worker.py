@@ -15,6 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 import compression
 from compression import TreeBatch
 from trainer.distributed.worker import Worker, dense_sample, worker_batch_size
@@ -30,6 +32,8 @@ class Consumed:
     messages: int
     dead: int
     split: tuple | None = None  # prepared and split by shard (once the dense stats are known)
+    # the Kafka arrival time (Unix ms) of every sample of the batch: the run's export delay
+    arrivals_ms: np.ndarray | None = None
 
     def report(self) -> dict:
         """What the driver records of it: offsets, messages and dead letters."""
@@ -64,6 +68,7 @@ class OnlineWorker(Worker):
         self._stop_reading = threading.Event()
         self._held = None      # an item taken ahead for the next step (first_dense_sample)
         self._consumed = None  # what the batch of the current step consumed
+        self._arrivals = None  # and its samples' arrival times
         self._reader = threading.Thread(
             target=self._read_kafka, args=(self.source, self._stop_reading, self._items),
             daemon=True, name=f"online-worker{self.index}")
@@ -97,6 +102,7 @@ class OnlineWorker(Worker):
                                            f"{polled.num_samples} samples made {len(batches)} "
                                            f"batches of {ask}")
                     item.batch = batches[0]
+                    item.arrivals_ms = polled.timestamps_ms
                     if self.core.dense_resolved:  # else prepared once the driver resolved them
                         item.split = self._split(self.core.prepare_numpy(item.batch))
                 while not stop.is_set():
@@ -144,6 +150,7 @@ class OnlineWorker(Worker):
             self.apply_dense(*messages)
         item = self._take()
         self._consumed = None if item is None else item.report()
+        self._arrivals = None if item is None else item.arrivals_ms
         if item is None or item.batch is None:
             self._current["train"] = None
             return ({"n": 0},) + tuple({} for _ in range(self.shards))
@@ -155,11 +162,12 @@ class OnlineWorker(Worker):
 
     def train_step(self, *shard_rows):
         """As :meth:`Worker.train_step`; the result also holds ``consumed``: the offset
-        ranges, messages and dead letters of the batch just trained (None: nothing)."""
-        consumed = self._consumed
+        ranges, messages and dead letters of the batch just trained (None: nothing), and
+        ``arrivals_ms``: its samples' Kafka arrival times (Unix ms; None: no batch)."""
+        consumed, arrivals = self._consumed, self._arrivals
         result, dense, *to_shards = self._gradient_messages(shard_rows)
         _, *requests = self.next_step()
-        return ({**result, "consumed": consumed}, dense) + tuple(
+        return ({**result, "consumed": consumed, "arrivals_ms": arrivals}, dense) + tuple(
             (n, grads, request) for (n, grads), request in zip(to_shards, requests))
 
     def flush_dead_letters(self, timeout: float) -> bool:
