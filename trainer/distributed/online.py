@@ -66,7 +66,7 @@ import ray
 
 import schemas
 from compression import fs, kafka
-from trainer.checkpoints import CheckpointManager
+from trainer.checkpoints import CheckpointDamagedError, CheckpointManager
 from trainer.config import TrainConfig
 from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_actor_failure,
                                         run_checkpoint)
@@ -599,8 +599,6 @@ def _init_from(parser, args, schema: schemas.Schema, workers: int,
                shards: int) -> OnlineDistributedTrainer:
     """The model the batch run ``--init-from`` kept (in process or on Ray), checked against
     this run's schema, in ``workers`` x ``shards`` actors (its stores resharded)."""
-    from trainer.checkpoints import CheckpointDamagedError
-
     try:
         checkpoint, manifest = run_checkpoint(args.init_from)
     except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
