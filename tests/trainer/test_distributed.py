@@ -288,7 +288,9 @@ def test_resharding_keeps_the_counter_filters_pending_counts(cluster, schema, tr
 
 
 def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
-    """The shard class itself (no Ray): rows, optimizer state, counts and steps move."""
+    """The shard class itself (no Ray): rows, optimizer state, counts and steps move, from
+    stores that exported a delta for serving before the snapshot (their rows unchanged since
+    are not in any later delta), and again from a store resharded before."""
     from trainer.distributed.shard import Shard as shard_class
     store = native.StoreConfig(dim=3, optimizer=native.Adagrad(0.1),
                                entry_filter=native.CounterFilter(2))
@@ -302,10 +304,16 @@ def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
                 shard.stores[table].lookup_unique(own[:200 + 60 * step])
                 shard.stores[table].apply_gradients(
                     own, np.full((len(own), 3), 0.1 * step, np.float32), step)
+            if step == 2:
+                shard.export_delta(str(tmp_path / "deltas"))
     dirs = [str(tmp_path / f"shard-{s.index}") for s in old]
     for shard, directory in zip(old, dirs):
         shard.save(directory)
-    for shards in (1, 3):
+    for shards in (1, 3, 2):
+        if shards == 2:  # the 3 shards, resharded from the 2 old ones, into 2 again
+            dirs = [str(tmp_path / f"resharded-{s.index}") for s in new]
+            for shard, directory in zip(new, dirs):
+                shard.save(directory)
         new = [shard_class(j, shards, specs, dirs) for j in range(shards)]
         for table in specs:
             want = sorted_rows({k: np.concatenate([s.stores[table].to_numpy()[k] for s in old])

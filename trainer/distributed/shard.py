@@ -106,10 +106,12 @@ class Shard:
     def _reshard(self, table, config, directories):
         """A store of this shard's ids of ``table`` from the snapshots of another
         sharding, through the store's own delta format: each old snapshot is loaded, its
-        other ids removed, and its rows (all unexported since the snapshot: deltas carry
-        rows changed since the previous delta) moved over as one delta, numbered in
-        sequence with empty deltas. Rows, optimizer state, update counts, last steps and
-        times, and the global step move exactly.
+        other ids removed and the rest saved, and a store without rows writes the delta
+        that rebases it onto that part (``write_rebase_delta``: every row, whatever deltas
+        the old store exported before, and no tombstone), numbered next in the new store's
+        sequence (with empty deltas). Rows, optimizer state, update counts, last steps and
+        times, and the global step move exactly; so a store resharded or exported from
+        before reshards again.
 
         The entry filter's state moves too (``EmbeddingStore.filter_state``):
 
@@ -128,25 +130,22 @@ class Shard:
 
         The admitted/rejected counters start over."""
         store = native.EmbeddingStore(config)
-        scratch = native.EmbeddingStore(config)  # source of empty deltas 1, 2, ...
         tmp = tempfile.mkdtemp(prefix=f"reshard-{table}-")
-        empties = []
         try:
             for i, directory in enumerate(directories):
                 old = native.EmbeddingStore.load(os.path.join(directory, table), config)
-                if old.stats().delta_sequence != 0:
-                    raise ValueError(f"{directory}/{table}: this snapshot's store exported "
-                                     "deltas, so its delta would miss rows; resharding "
-                                     "needs snapshots of a run without delta exports")
-                while len(empties) < i:
-                    os.makedirs(os.path.join(tmp, f"empty-{len(empties)}"))
-                    empties.append(scratch.export_delta(
-                        os.path.join(tmp, f"empty-{len(empties)}")))
-                for path in empties[:i]:
-                    old.apply_delta(path)
                 old.expire_where(lambda ids, *rows: ~self._owned(ids))
-                os.makedirs(os.path.join(tmp, f"part-{i}"))
-                store.apply_delta(old.export_delta(os.path.join(tmp, f"part-{i}")))
+                part = os.path.join(tmp, f"part-{i}")
+                os.makedirs(part)
+                old.save(part)
+                blank = native.EmbeddingStore(config)  # at the new store's delta sequence
+                while blank.stats().delta_sequence < store.stats().delta_sequence:
+                    empty = os.path.join(tmp, f"empty-{i}-{blank.stats().delta_sequence}")
+                    os.makedirs(empty)
+                    blank.export_delta(empty)
+                rebase = os.path.join(tmp, f"rebase-{i}.bin")
+                blank.write_rebase_delta(part, rebase)
+                store.apply_delta(rebase)
                 state = old.filter_state()
                 own = self._owned(state["ids"])
                 try:
