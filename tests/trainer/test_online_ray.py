@@ -345,16 +345,15 @@ def actor_pids(process, log_path, rollbacks: int) -> dict:
 
 def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
         kafka_broker, files, ray_address, tmp_path):
-    """One run, started from a Ray batch run (1 worker x 2 shards): a worker's process killed
-    (the driver rolls every actor back to the last checkpoint and goes on), then a shard's,
-    then the driver's; the rerun, with 1 worker and 3 shards, takes every partition's offset
-    from the checkpoint (not the batch run's model: --init-from is ignored) and SIGTERM ends
-    it cleanly. (Not resharded at the start: a store resharded once holds a delta sequence,
-    which Shard._reshard refuses, and this run is resharded at its restart.)"""
-    batch = batch_run(str(tmp_path / "batch"), range(BATCH_SIDS, BATCH_SIDS + 400), shards=2)
+    """One run, started from a Ray batch run of 1 worker x 3 shards (resharded into 2): a
+    worker's process killed (the driver rolls every actor back to the last checkpoint and goes
+    on), then a shard's, then the driver's; the rerun, with 1 worker and 3 shards (resharded
+    again), takes every partition's offset from the checkpoint (not the batch run's model:
+    --init-from is ignored) and SIGTERM ends it cleanly."""
+    batch = batch_run(str(tmp_path / "batch"), range(BATCH_SIDS, BATCH_SIDS + 400), shards=3)
     kept = read_manifest(os.path.join(batch, "checkpoint"))
     batch_steps, batch_samples = kept["step"], kept["samples"]
-    assert (kept["shards"], batch_samples) == (2, 400)
+    assert (kept["shards"], batch_samples) == (3, 400)
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
     messages.produce(kafka_broker, topic, range(1000))
