@@ -186,5 +186,22 @@ def compare(bootstrap: str, topic: str, work: str, samples: int, workers: int,
             f"ray_{workers}x{shards}": {k: many[k] for k in keep if k in many},
             "cpu_ratio_1x1_vs_single": round(one["steady"]["cpu_s_per_100k"]
                                              / single["steady"]["cpu_s_per_100k"], 3),
-            "arrival_to_export_p99": "not built on Ray (--export-dir is refused with --workers)",
             "on_paper": on_paper(one, many, batch_size)}
+
+
+def export_delay(bootstrap: str, topic: str, work: str, samples: int, workers: int,
+                 shards: int, export_every: float) -> dict:
+    """The ``workers`` x ``shards`` run with ``--export-dir`` over ``samples`` samples of
+    ``topic`` while the caller's producer sends them at its rate: every sample's delay from
+    its Kafka arrival to the published export that holds it (the run's whole, and of the
+    samples that arrived after its first step: the steady state, without the backlog of
+    Ray's and the actors' start-up)."""
+    run = run_online(bootstrap, topic, os.path.join(work, "ray-delay"), samples, "ray-delay",
+                     "--workers", str(workers), "--shards", str(shards),
+                     "--export-dir", os.path.join(work, "ray-export"),
+                     "--export-every", str(export_every))
+    return {"samples": run["samples"], "export_every": export_every,
+            "exports": run["exports"], "samples_per_sec": run["steady"]["samples_per_sec"],
+            "delay_p50_s": run["delay_s"]["p50"], "delay_p99_s": run["delay_s"]["p99"],
+            "steady_delay_p50_s": run["steady_delay_s"]["p50"],
+            "steady_delay_p99_s": run["steady_delay_s"]["p99"]}
