@@ -309,6 +309,7 @@ def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
     dirs = [str(tmp_path / f"shard-{s.index}") for s in old]
     for shard, directory in zip(old, dirs):
         shard.save(directory)
+    new = []
     for shards in (1, 3, 2):
         if shards == 2:  # the 3 shards, resharded from the 2 old ones, into 2 again
             dirs = [str(tmp_path / f"resharded-{s.index}") for s in new]
