@@ -1,8 +1,11 @@
 """Online learning on Ray against a real broker and a real local Ray cluster: 2 workers x 2
-shards equal a single process replaying the same steps, every message trains exactly once, and
-a SIGKILL of a worker, of a shard or of the driver loses and repeats nothing."""
+shards equal a single process replaying the same steps (expiry included), every message trains
+exactly once, the driver reports as a single process does (status.json, Prometheus metrics,
+TensorBoard), and a SIGKILL of a worker, of a shard or of the driver loses and repeats
+nothing."""
 
 import ast
+import glob
 import json
 import os
 import re
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -87,14 +91,15 @@ class Messages:
         return len(self.by_offset)
 
 
-def replay(run_dir, messages: Messages):
-    """A single-process Trainer that trained, step by step, the union batches the step log
-    of ``run_dir`` records (every worker's messages side by side, in worker order)."""
+def replay(run_dir, messages: Messages, config=None):
+    """A single-process Trainer (``config``, default CONFIG's) that trained, step by step, the
+    union batches the step log of ``run_dir`` records (every worker's messages side by side,
+    in worker order)."""
     from trainer import Trainer, models
     from trainer.config import TrainConfig
 
     schema = schemas.from_dict(SCHEMA)
-    single = Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG))
+    single = Trainer(schema, models.MLP(), config or TrainConfig.from_dict(CONFIG))
     trained = []
     with open(os.path.join(run_dir, "steps.jsonl")) as f:
         steps = [json.loads(line) for line in f]
@@ -128,11 +133,12 @@ def checkpointed_rows(model_dir: str, table: str) -> dict:
 
 
 def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic, group,
-                         malformed: int = 0):
+                         malformed: int = 0, config=None):
+    """Returns the single-process replay (see :func:`replay`)."""
     latest = CheckpointManager(run_dir).latest()
     model_dir = os.path.join(latest.path, "model")
     manifest = read_manifest(model_dir)
-    single, trained = replay(run_dir, messages)
+    single, trained = replay(run_dir, messages, config)
     # every message produced trained once, in exactly one step of the model's lineage
     assert len(trained) == len(set(trained)) == total + malformed == len(messages)
     assert set(trained) == set(messages.by_offset)
@@ -169,12 +175,42 @@ def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic,
                                    timeout=10)
     consumer.close()
     assert {str(tp.partition): tp.offset for tp in committed} == offsets
+    return single
+
+
+def scrape(url: str) -> dict:
+    """A Prometheus endpoint's samples, by name."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return {line.split(" ")[0]: float(line.split(" ")[1])
+                for line in response.read().decode().splitlines()
+                if line and not line.startswith("#")}
+
+
+def scalars(log_dir: str) -> dict:
+    """TensorBoard scalars of ``log_dir``'s event files: tag -> [(step, value), ...]."""
+    import tensorflow as tf
+
+    out: dict = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor))))
+    return out
 
 
 def test_two_workers_two_shards_equal_a_single_process_replay_of_their_steps(
         kafka_broker, files, ray_address, tmp_path):
+    """With dead letters, expiry every step (``--expire-every 1``: the rows of users a step
+    did not train are removed), and the driver's reports: status.json, /metrics while it
+    runs and TensorBoard scalars, aggregated over the workers and the shards."""
     from trainer import online
+    from trainer.config import TrainConfig
 
+    expiring = {**CONFIG, "tables": {"uid": {"expire": {"every_steps": 1000,
+                                                        "max_idle_steps": 0}}}}
+    config_path = tmp_path / "expiring.yaml"
+    config_path.write_text(yaml.safe_dump(expiring))
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
     messages.produce(kafka_broker, topic, range(2000))
@@ -182,8 +218,34 @@ def test_two_workers_two_shards_equal_a_single_process_replay_of_their_steps(
     bad = [(b"k", b"not json %d" % i, None, None, 1 + i % 2) for i in range(120)]
     messages.produce(kafka_broker, topic, None, bad)
     run_dir = str(tmp_path / "run")
-    summary = online.run(command(files, kafka_broker, topic, "g-ray", run_dir, ray_address,
-                                 "--idle-exit", "2", "--checkpoint-every", "0.5"))
+    scraped: list = []
+
+    def scrape_while_it_trains():
+        """/metrics once status.json shows a trained step (the run then lives on for at
+        least --idle-exit s after its last message)."""
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not done.is_set():
+            try:
+                with open(os.path.join(run_dir, "status.json")) as f:
+                    status = json.load(f)
+            except FileNotFoundError:
+                status = None
+            if status is not None and status["samples"] > 0:
+                scraped.append(scrape(status["metrics_url"]))
+                return
+            time.sleep(0.05)
+
+    done = threading.Event()
+    scraper = threading.Thread(target=scrape_while_it_trains, daemon=True)
+    scraper.start()
+    try:
+        summary = online.run(command(
+            (files[0], str(config_path)), kafka_broker, topic, "g-ray", run_dir, ray_address,
+            "--idle-exit", "2", "--checkpoint-every", "0.5", "--expire-every", "1",
+            "--metrics-port", "0", "--report-every", "0.2"))
+    finally:
+        done.set()
+        scraper.join()
     assert summary["samples"] == 2000 and summary["messages"] == 2000 + len(bad)
     assert summary["assignment"] == [[0, 2], [1, 3]]
     assert summary["pv"]["samples"] == 2000
@@ -192,7 +254,48 @@ def test_two_workers_two_shards_equal_a_single_process_replay_of_their_steps(
     letters = kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)
     assert sorted(m.value() for m in letters) == sorted(value for _, value, *_ in bad)
     assert {dict(m.headers())["source.partition"] for m in letters} == {b"1", b"2"}
-    assert_equals_replay(run_dir, messages, 2000, kafka_broker, topic, "g-ray", len(bad))
+    single = assert_equals_replay(
+        run_dir, messages, 2000, kafka_broker, topic, "g-ray", len(bad),
+        TrainConfig.from_dict(expiring).with_expire_every(1))
+    # the shards expired what one process expires on the same steps (rows compared above)
+    assert summary["expired"] == single.store_stats()["expired"] > 0
+    # the Prometheus endpoint reported the run while it trained, summed over the actors
+    assert len(scraped) == 1, "status.json never showed a trained step"
+    metrics = scraped[0]
+    assert 0 < metrics["prefixrec_online_samples_total"] <= 2000
+    assert metrics["prefixrec_online_store_rows"] > 0 and "prefixrec_online_pv_auc" in metrics
+    assert metrics["prefixrec_online_broker_reachable"] == 1.0
+    # the final status.json is the summary
+    with open(os.path.join(run_dir, "status.json")) as f:
+        status = json.load(f)
+    assert status["metrics_url"] == summary["metrics_url"] and status["metrics_url"]
+    for key in ("samples", "messages", "dead_letters", "steps", "pv", "expired", "store_rows",
+                "checkpoints", "offsets", "workers", "shards", "assignment"):
+        assert status[key] == summary[key], key
+    assert status["assigned"] == [0, 1, 2, 3] and status["lag"] == 0
+    assert status["broker_reachable"] is True and status["idle_s"] >= 0
+    # TensorBoard: the single process's tags, from the driver; the last point is the end
+    points = scalars(os.path.join(run_dir, "online"))
+    assert {"samples_per_sec", "waited_for_input", "lag_messages", "dead_letters",
+            "store/rows", "store/admitted", "store/rejected", "store/expired", "pv/auc",
+            "pv/logloss"} <= set(points)
+    assert points["store/expired"][-1] == (summary["steps"], summary["expired"])
+    assert points["dead_letters"][-1][1] == len(bad)
+
+
+def test_flags_without_a_meaning_on_ray_are_refused_with_the_reason(kafka_broker, files,
+                                                                      tmp_path, capsys):
+    """Before any actor starts: --unit-samples (a unit is one step's batch on Ray) and
+    --expire-every with no expiry in the config."""
+    from trainer import online
+
+    argv = command(files, kafka_broker, "t-refused", "g-refused", str(tmp_path / "run"),
+                   "auto")
+    for flag, reason in ((["--unit-samples", "100"], "a unit is one step's batch"),
+                         (["--expire-every", "5"], "no table has an expiry to schedule")):
+        with pytest.raises(SystemExit) as exit:
+            online.run([*argv, *flag])
+        assert exit.value.code == 2 and reason in capsys.readouterr().err, flag
 
 
 class Streaming:

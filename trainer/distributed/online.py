@@ -41,6 +41,14 @@ crash at any moment the restored model has trained exactly the messages before t
 and the run goes on right after them. When a worker or a shard dies instead, the driver does
 the same without restarting: every actor goes back to the latest checkpoint
 (:meth:`OnlineRun.run`).
+
+**Reports.** The driver reports what a single process reports, aggregated over the actors:
+``RUN_DIR/status.json`` every second, Prometheus metrics (``--metrics-port``) and TensorBoard
+scalars (``RUN_DIR/online``) with the same names (:mod:`trainer.online_report`); samples,
+dead letters and progressive validation summed from every worker's step results, store
+counters from every shard, the consumer lag over every partition dealt. **Expiry** runs on
+the shards after a step's update, as in batch training; ``--expire-every N`` reschedules it
+as in a single process (and the checkpoints keep that config).
 """
 
 from __future__ import annotations
@@ -54,15 +62,17 @@ import time
 import ray
 
 import schemas
-from compression import kafka
+from compression import cli, kafka
 from trainer.checkpoints import CheckpointManager
 from trainer.config import TrainConfig
 from trainer.distributed.driver import DistributedTrainer, failure_summary, is_actor_failure
 from trainer.distributed.manifest import read_manifest
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
-from trainer.kafka_source import commit_offsets
+from trainer.kafka_source import commit_offsets, consumer_lag
 from trainer.metrics import ProgressiveValidation, run_rates
+from trainer.online_report import (STATUS_EVERY, STATUS_FILE, TENSORBOARD_DIR, report_scalars,
+                                   serve_metrics, write_status)
 from trainer.runs import StopOnSignal
 
 log = logging.getLogger("trainer.online")
@@ -84,6 +94,20 @@ class OnlineDistributedTrainer(DistributedTrainer):
     same actors, step and checkpoints, an open-ended stream of steps instead of passes."""
 
     worker_class = OnlineWorker
+
+    def __init__(self, schema, model=None, config: TrainConfig | None = None, *,
+                 expire_every: int | None = None, **kwargs):
+        """``expire_every``: run every table's configured expiry every that many steps
+        instead of its ``every_steps`` (``--expire-every``; a ConfigError when no table has
+        one), in this run and in the config its checkpoints keep, as a single process does.
+        The other arguments are :class:`DistributedTrainer`'s."""
+        self.expire_every = expire_every
+        super().__init__(schema, model, self.run_config(config or TrainConfig()), **kwargs)
+
+    def run_config(self, saved: TrainConfig) -> TrainConfig:
+        if self.expire_every is None:
+            return saved
+        return saved.with_expire_every(self.expire_every)
 
     def open_sources(self, kafka_spec: dict, assignment: list[list[int]], offsets: dict,
                      poll_timeout: float = POLL_TIMEOUT) -> None:
@@ -154,7 +178,11 @@ class OnlineRun:
     def __init__(self, engine: OnlineDistributedTrainer, checkpoints: CheckpointManager,
                  kafka_spec: dict, offsets: dict, *, checkpoint_every: float = 30.0,
                  max_samples: int | None = None, idle_exit: float | None = None,
-                 report_every: float = 10.0, step_log: str | None = None):
+                 report_every: float = 10.0, step_log: str | None = None,
+                 status_path: str | None = None, log_dir: str | None = None):
+        """``status_path``: the status file, rewritten every ``STATUS_EVERY`` s with the
+        summary so far (None: none); ``log_dir``: TensorBoard scalars at every report (None:
+        none). Both as the single process writes them (:mod:`trainer.online_report`)."""
         self.engine = engine
         self.checkpoints = checkpoints
         self.kafka_spec = kafka_spec
@@ -170,13 +198,28 @@ class OnlineRun:
         # commits offsets for the whole group (the workers never commit): it never subscribes
         self.committer = kafka.consumer(self.settings)
         self.pv = ProgressiveValidation()
+        self.pv_window = ProgressiveValidation()  # since the latest report
         self.pv_label: str | None = None
+        self.last_pv_window: dict | None = None  # the window of the latest report
+        self.status_path = status_path
+        self.log_dir = log_dir
+        self._writer = None  # TensorBoard's, opened by run()
+        self._last_status = float("-inf")
+        self.snapshot: dict | None = None  # the latest summary (status.json, /metrics)
+        self.metrics_url: str | None = None
+        self.timing_observers: list = []  # called with ("checkpoint", seconds)
+        self.lag: int | None = None  # messages behind the partitions' ends, at the latest report
+        self.broker_reachable: bool | None = None
+        # seconds in rounds after the first step in which no worker had a sample (each
+        # waited the poll timeout): the driver waited for input, not for training
+        self.waited = 0.0
         self.samples = self.messages = self.dead = self.checkpoints_written = 0
         self.steps = 0  # trained by this run
         self.first_step: float | None = None  # when this run's first and latest step ended
         self.last_step: float | None = None
         self.first_step_samples = 0
         self.started = time.monotonic()
+        self._last_report = (self.started, 0, 0.0)  # (when, samples, waited then)
         self.recoveries: list[dict] = []  # one per rollback after an actor died
         # what the latest checkpoint holds (step, offsets, this run's counters and progressive
         # validation): where an actor's death rolls back to. None: the run has no checkpoint
@@ -202,6 +245,10 @@ class OnlineRun:
         log.info("%d workers x %d shards, partitions per worker %s, from offsets %s, actor "
                  "processes %s", engine.workers, engine.shards, self.assignment,
                  self.positions, engine.actor_pids())
+        if self.log_dir and self._writer is None:
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(self.log_dir)
         while True:
             try:
                 if self._checkpointed is None:
@@ -227,21 +274,26 @@ class OnlineRun:
         def pause() -> bool:
             return self._finish or should_stop() or due()
 
+        resumed = time.monotonic()  # when the driver last asked for a step
         for results, paused in engine.online_steps(pause):
+            if self.first_step is not None and not any(r["n"] for r in results):
+                self.waited += time.monotonic() - resumed
             self._account(results)
             if time.monotonic() - last_report >= self.report_every:
                 self.report()
                 last_report = time.monotonic()
-            if not paused:
-                continue
-            if self._finish or should_stop():
-                return False
-            if due():
-                # postponed (False) while dead letters wait: retried later
-                written = self.checkpoint()
-                last_checkpoint = time.monotonic()
-                if written and self._deal_new_partitions():
-                    return True
+            if self.status_path and time.monotonic() - self._last_status >= STATUS_EVERY:
+                self.write_status()  # also while idle: operators see that it is
+            if paused:
+                if self._finish or should_stop():
+                    return False
+                if due():
+                    # postponed (False) while dead letters wait: retried later
+                    written = self.checkpoint()
+                    last_checkpoint = time.monotonic()
+                    if written and self._deal_new_partitions():
+                        return True
+            resumed = time.monotonic()
         raise AssertionError("online_steps never ends")
 
     def _deal_new_partitions(self) -> bool:
@@ -295,6 +347,8 @@ class OnlineRun:
         self.samples, self.messages, self.dead = (state["samples"], state["messages"],
                                                   state["dead"])
         self.steps, self.pv = state["steps"], copy.deepcopy(state["pv"])
+        self.pv_window.reset()
+        self._last_report = (time.monotonic(), self.samples, self.waited)
         engine.bytes.clear()
         engine.bytes.update(state["bytes"])
         engine.losses.clear()
@@ -315,7 +369,20 @@ class OnlineRun:
                                "delivered within 60 s (is the broker reachable?); the run "
                                "resumes from the previous checkpoint")
         self.report()
-        return self.summary()
+        summary = self.summary()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self.status_path:
+            self.write_status(summary)  # the final state, for scripts that read it after
+        return summary
+
+    def write_status(self, summary: dict | None = None) -> None:
+        """Replace the status file with ``summary`` (default: the summary now, without the
+        actors' timings: asking every worker would wait for its poll)."""
+        self.snapshot = summary if summary is not None else self.summary(timings=False)
+        write_status(self.status_path, self.snapshot)
+        self._last_status = time.monotonic()
 
     def _account(self, results) -> None:
         """The offsets, counts and predictions of a step's ``results``; the idle clock."""
@@ -328,6 +395,7 @@ class OnlineRun:
             if consumed is None:
                 continue
             consumed_any = True
+            self.broker_reachable = True  # the worker read from it
             self.messages += consumed["messages"]
             self.dead += consumed["dead"]
             for p, (_, end) in consumed["ranges"].items():
@@ -335,7 +403,9 @@ class OnlineRun:
             if r["n"]:
                 if self.pv_label is None:
                     self.pv_label = next(iter(r["probabilities"]))  # the model's first head
-                self.pv.add(r["probabilities"][self.pv_label], r["labels"][self.pv_label])
+                p, y = r["probabilities"][self.pv_label], r["labels"][self.pv_label]
+                self.pv.add(p, y)
+                self.pv_window.add(p, y)
         trained = sum(r["n"] for r in results)
         if trained:
             self.samples += trained
@@ -351,15 +421,14 @@ class OnlineRun:
         now = time.monotonic()
         if consumed_any:
             self._idle_since = None
-        elif self.idle_exit is not None:
-            if self._idle_since is None:
-                self._idle_since = now
-            elif now - self._idle_since >= self.idle_exit:
-                try:  # an empty poll cannot tell "nothing new" from "no broker": ask it
-                    kafka.check_reachable(self.settings, timeout=2.0)
-                    self._finish = True
-                except kafka.BrokerUnreachable:
-                    self._idle_since = None  # an outage is not idle time
+        elif self._idle_since is None:  # kept without idle_exit too: status.json's idle_s
+            self._idle_since = now
+        elif self.idle_exit is not None and now - self._idle_since >= self.idle_exit:
+            try:  # an empty poll cannot tell "nothing new" from "no broker": ask it
+                kafka.check_reachable(self.settings, timeout=2.0)
+                self._finish = True
+            except kafka.BrokerUnreachable:
+                self._idle_since = None  # an outage is not idle time
 
     def checkpoint(self, flush_timeout: float = 5.0, final: bool = False) -> bool:
         """Write a checkpoint holding every partition's trained offset (the actors must be
@@ -381,10 +450,13 @@ class OnlineRun:
                   "assignment": self.assignment,
                   "previous": None if latest is None else os.path.basename(latest.path)}
         self._write_step_log()
+        started = time.monotonic()
         self.checkpoints.save(
             lambda d: engine.save(os.path.join(d, "model"), extra={"online": online}),
             {"step": engine.step, "samples": engine.samples, "kind": "ray-online",
              "time": time.time()})
+        for observe in self.timing_observers:
+            observe("checkpoint", time.monotonic() - started)
         self.checkpoints_written += 1
         self._checkpointed = self._state(engine.step, positions)
         self._commit(positions)
@@ -406,38 +478,82 @@ class OnlineRun:
         self._pending_log = []
 
     def report(self) -> None:
-        seconds = max(time.monotonic() - self.started, 1e-9)
-        pv = self.pv.result()
+        """One console line and TensorBoard scalars (the single process's tags): samples/s
+        since the previous report, the share of that time no worker had input, consumer lag
+        over every partition dealt, store counters summed over the shards, dead letters and
+        progressive validation over every worker's predictions."""
+        now = time.monotonic()
+        then, samples_then, waited_then = self._last_report
+        interval = max(now - then, 1e-9)
+        rate = (self.samples - samples_then) / interval
+        waited = (self.waited - waited_then) / interval
+        self._last_report = (now, self.samples, self.waited)
+        self.lag = consumer_lag(self.committer, self.kafka_spec["topic"],
+                                [p for parts in self.assignment for p in parts], self.positions)
+        self.broker_reachable = self.lag is not None  # every partition's leader answered
+        store = self.engine.store_stats()
+        pv, window = self.pv.result(), self.pv_window.result()
+        self.pv_window.reset()
+        self.last_pv_window = window
         log.info("%s samples (%s samples/s), step %d, %d dead letters, %d checkpoints, "
-                 "progressive validation AUC %s, offsets %s", f"{self.samples:,}",
-                 f"{self.samples / seconds:,.0f}", self.engine.step, self.dead,
-                 self.checkpoints_written, pv["auc"], self.positions)
+                 "progressive validation AUC %s (since the last line: %s), offsets %s, lag %s "
+                 "messages, %s store rows (expired %s)", f"{self.samples:,}", f"{rate:,.0f}",
+                 self.engine.step, self.dead, self.checkpoints_written, pv["auc"],
+                 window["auc"], self.positions, "n/a" if self.lag is None else f"{self.lag:,}",
+                 f"{store.get('rows', 0):,}", f"{store.get('expired', 0):,}")
+        if self._writer is not None:
+            from trainer.fitting import write_scalars
 
-    def summary(self) -> dict:
-        seconds = time.monotonic() - self.started
+            write_scalars(self._writer, self.engine.step, report_scalars(
+                rate=rate, dead_letters=self.dead, store=store, lag=self.lag, pv=pv,
+                window=window, waited=waited))
+
+    def summary(self, timings: bool = True) -> dict:
+        """The single process's summary keys (``units`` are steps here; its reader's
+        ``busy_seconds`` are the actors' ``timings``, left out with ``timings=False``), plus
+        workers, shards, the assignment and what a step moves."""
+        now = time.monotonic()
+        seconds = now - self.started
         stats = self.engine.store_stats()
-        return {"samples": self.samples, "messages": self.messages, "dead_letters": self.dead,
-                "steps": self.engine.step, "seconds": round(seconds, 3),
-                # a step is the unit: the steady rate leaves the actors' start-up out
-                **run_rates(self.samples, seconds, self.steps, self.first_step,
-                            self.last_step, self.first_step_samples),
-                "pv": {**self.pv.result(), "label": self.pv_label},
-                "checkpoints": self.checkpoints_written, "exports": 0,
-                "delay_s": {"p50": None, "p99": None},
-                "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
-                "admitted": stats.get("admitted", 0),
-                "expired": stats.get("expired", 0), "recoveries": self.recoveries,
-                # what a step costs (the on-paper scaling of benchmarks.online): bytes moved
-                # between actors (trainer.distributed.driver counts them) and each actor's
-                # seconds per part of the steps, over this run
-                "bytes_per_step": {k: round(v / max(self.steps, 1)) for k, v in
-                                   sorted(self.engine.bytes.items())},
-                "timings": self.engine.timings(),
-                "workers": self.engine.workers,
-                "shards": self.engine.shards, "assignment": self.assignment,
-                "offsets": {str(p): o for p, o in sorted(self.positions.items())}}
+        summary = {
+            "samples": self.samples, "messages": self.messages, "units": self.steps,
+            "dead_letters": self.dead, "steps": self.engine.step, "seconds": round(seconds, 3),
+            # a step is the unit: the steady rate leaves the actors' start-up out
+            **run_rates(self.samples, seconds, self.steps, self.first_step,
+                        self.last_step, self.first_step_samples),
+            # the whole run, and the window the latest report covered
+            "pv": {**self.pv.result(), "label": self.pv_label,
+                   "window": self.last_pv_window},
+            "broker_reachable": self.broker_reachable,
+            "idle_s": round(0.0 if self._idle_since is None
+                            else max(0.0, now - self._idle_since), 3),
+            "assigned": sorted(p for parts in self.assignment for p in parts),
+            "since_last_unit_s": (round(now - self.last_step, 3) if self.last_step
+                                  else None),
+            "checkpoints": self.checkpoints_written, "exports": 0,
+            "delay_s": {"p50": None, "p99": None},
+            "steady_delay_s": {"p50": None, "p99": None}, "lag": self.lag,
+            "trainer_waited_s": round(self.waited, 3),
+            "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
+            "admitted": stats.get("admitted", 0), "rejected": stats.get("rejected", 0),
+            "expired": stats.get("expired", 0), "recoveries": self.recoveries,
+            # what a step costs (the on-paper scaling of benchmarks.online): bytes moved
+            # between actors (trainer.distributed.driver counts them) and each actor's
+            # seconds per part of the steps, over this run
+            "bytes_per_step": {k: round(v / max(self.steps, 1)) for k, v in
+                               sorted(self.engine.bytes.items())},
+            "workers": self.engine.workers,
+            "shards": self.engine.shards, "assignment": self.assignment,
+            "offsets": {str(p): o for p, o in sorted(self.positions.items())},
+            "metrics_url": self.metrics_url}
+        if timings:
+            summary["timings"] = self.engine.timings()
+        return summary
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self.committer.close()
 
 
@@ -461,11 +577,13 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
     of ``--run-dir`` (or start ``model`` with ``config``), train, checkpoint, commit; returns
     the run's summary (the keys of the single-process one that apply, plus workers, shards
     and the assignment)."""
+    if args.unit_samples is not None:
+        parser.error("--unit-samples: not used with --workers/--shards: each worker polls at "
+                     "most its share of the global batch (batch_size / W), so a unit is one "
+                     "step's batch; set batch_size in the --config instead")
     unsupported = [flag for flag, given in (
         ("--format trees", args.format != "json"), ("--init-from", args.init_from),
-        ("--export-dir", args.export_dir), ("--metrics-port", args.metrics_port is not None),
-        ("--expire-every", args.expire_every is not None),
-        ("--unit-samples", args.unit_samples is not None)) if given]
+        ("--export-dir", args.export_dir)) if given]
     if unsupported:
         parser.error(f"{', '.join(unsupported)}: not available with --workers/--shards yet "
                      "(see the README's online learning on Ray)")
@@ -477,7 +595,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
     try:
         if latest is None:
             engine = OnlineDistributedTrainer(schema, model, config, workers=workers,
-                                              shards=shards, ray_address=args.ray_address)
+                                              shards=shards, ray_address=args.ray_address,
+                                              expire_every=args.expire_every)
         else:
             directory = os.path.join(latest.path, "model")
             online = read_manifest(directory).get("online")
@@ -490,7 +609,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
             offsets = {int(p): o for p, o in online["offsets"].items()}
             engine = OnlineDistributedTrainer.restore(directory, workers=workers,
                                                       shards=shards,
-                                                      ray_address=args.ray_address)
+                                                      ray_address=args.ray_address,
+                                                      expire_every=args.expire_every)
             log.info("restored %s: step %d, offsets %s", latest.path, engine.step, offsets)
     except (ConnectionError, ValueError) as e:
         parser.error(str(e))
@@ -500,15 +620,26 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                   "group": args.group, "options": dict(args.kafka_options),
                   "dlq_topic": args.dead_letter_topic,
                   "max_message_bytes": args.max_message_bytes}
-    run = None
+    run = metrics = None
     try:
         run = OnlineRun(engine, checkpoints, kafka_spec, offsets,
                         checkpoint_every=args.checkpoint_every, max_samples=args.max_samples,
                         idle_exit=args.idle_exit, report_every=args.report_every,
-                        step_log=step_log)
+                        step_log=step_log, status_path=os.path.join(args.run_dir, STATUS_FILE),
+                        log_dir=os.path.join(args.run_dir, TENSORBOARD_DIR))
+        if args.metrics_port is not None:
+            try:  # served by the driver, from the summary it aggregates over the actors
+                metrics = serve_metrics(run, args.metrics_host, args.metrics_port)
+            except OSError as e:
+                raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                     f"{args.metrics_host}: {e.strerror}") from None
+            run.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
+            log.info("metrics on %s", run.metrics_url)
         with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
             summary = run.run(lambda: stop.signum is not None)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if run is not None:
             run.close()
         engine.close()
