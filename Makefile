@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# uv (from PyPI, pinned) installs the pinned wheels in parallel: ~15 s here where pip took ~2 min
+# of make test's time on a fresh clone; pip still builds the project's own native extension.
+UV_VERSION := 0.13.9
+UV     := $(PY) -m uv pip install --python $(PY)
 NATIVE_SOURCES := $(shell find native/src native/include -name '*.cc' -o -name '*.h' 2>/dev/null)
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 500000
@@ -15,8 +19,9 @@ install: $(STAMP)
 $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt requirements-bench.txt \
           $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-bench.txt
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(UV) -q --compile-bytecode -r requirements.txt -r requirements-test.txt
+	$(UV) -q --compile-bytecode --no-deps -r requirements-bench.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 

@@ -14,7 +14,9 @@ shuffling). Models:
 - ``config/<model>``: every built-in model of ``trainer.models.MODELS`` with the ``--config``
   YAML (default ``trainer/examples/mlp.yaml``; its ``dense``/``features`` entries that name no
   feature of the data set's schema are dropped). A model with a ``behaviour`` and a ``query``
-  feature (DIN) gets the two in one shared table, as DIN wants;
+  feature (DIN) gets the two in one shared table, as DIN wants. A row whose model and config
+  equal an earlier row's (``config/mlp`` while the example config writes the defaults out) is
+  not trained again (training is deterministic): it shows that row's result, ``same_as`` it;
 - ``lr``: hashed one-hot logistic regression (scikit-learn, L2, lbfgs to a gradient tolerance
   of 1e-6): one token per (feature, value) and per (feature, list item) hashed into
   2^``--lr-bits`` columns (only the columns the train part uses are kept), list items weighted
@@ -209,6 +211,43 @@ def config_for(path: str, schema) -> tuple[dict, list[str]]:
     return data, dropped
 
 
+def trainer_setup(data: DataSet, model_name: str | None, seed: int, config_path: str):
+    """A trainer row's ``(make_model, config)``: ``model_name`` None: the defaults; else
+    MODELS[model_name] with the config file (a model with a ``behaviour`` and a ``query``
+    feature gets the two in one shared table)."""
+    from trainer import TrainConfig, models
+
+    if model_name is None:
+        return models.MLP, TrainConfig().replace(seed=seed)
+    kwargs = data.model_kwargs.get(model_name, {})
+
+    def make_model():
+        return models.MODELS[model_name](**kwargs)
+
+    model = make_model()
+    raw, _ = config_for(config_path, data.schema)
+    raw["seed"] = seed
+    behaviour, query = getattr(model, "behaviour", None), getattr(model, "query", None)
+    if isinstance(behaviour, str) and isinstance(query, str):
+        features = dict(raw.get("features") or {})
+        table = f"shared_{query}"
+        for name in (behaviour, query):
+            features.setdefault(name, {})
+            features[name] = {**features[name], "table": table}
+        raw["features"] = features
+    return make_model, TrainConfig.from_dict(raw)
+
+
+def same_run_key(data: DataSet, model_name: str | None, config_path: str) -> str:
+    """What decides a trainer row's result (the model's class and arguments, the config):
+    two rows with one key train the same model the same way (``default`` and ``config/mlp``
+    while the example config writes the defaults out)."""
+    make_model, config = trainer_setup(data, model_name, 0, config_path)
+    model = make_model()
+    return json.dumps([type(model).__name__, data.model_kwargs.get(model_name or "", {}),
+                       config.to_dict()], sort_keys=True, default=str)
+
+
 def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: str,
                 epochs: int = 1, patience: int = 1) -> dict:
     """``model_name`` None: the defaults; else MODELS[model_name] with the config file.
@@ -217,23 +256,12 @@ def run_trainer(data: DataSet, model_name: str | None, seed: int, config_path: s
     (an evaluation after every pass, stop after ``patience`` without a better AUC), but on the
     validation slice of the train part; the model is then retrained on the whole train part for
     that many passes (the protocol of the baselines' choices)."""
-    from trainer import TrainConfig, Trainer, models
+    from trainer import Trainer
+
+    make_model, config = trainer_setup(data, model_name, seed, config_path)
 
     def fresh() -> "Trainer":
-        if model_name is None:
-            return Trainer(data.schema, models.MLP(), TrainConfig().replace(seed=seed))
-        model = models.MODELS[model_name](**data.model_kwargs.get(model_name, {}))
-        raw, _ = config_for(config_path, data.schema)
-        raw["seed"] = seed
-        behaviour, query = getattr(model, "behaviour", None), getattr(model, "query", None)
-        if isinstance(behaviour, str) and isinstance(query, str):
-            features = dict(raw.get("features") or {})
-            table = f"shared_{query}"
-            for name in (behaviour, query):
-                features.setdefault(name, {})
-                features[name] = {**features[name], "table": table}
-            raw["features"] = features
-        return Trainer(data.schema, model, TrainConfig.from_dict(raw))
+        return Trainer(data.schema, make_model(), config)
 
     started = time.perf_counter()
     chosen, validation = 1, None
@@ -826,6 +854,7 @@ def run(argv=None) -> dict:
                f"{data.taste['history']['auc']:.4f} / {data.taste['prior']['auc']:.4f}"
                if data.taste else ""))
         entry = {"info": data.info, "bayes": data.bayes, "models": {}}
+        trained = {}  # same_run_key -> the row that trained it
         _, dropped = config_for(args.config, data.schema)
         if dropped:
             entry["config_dropped"] = dropped
@@ -835,6 +864,15 @@ def run(argv=None) -> dict:
                 continue  # generated data only
             if args.tiny and not data.hidden and name in TINY_GENERATED_ONLY:
                 continue  # CI size: these rows run the same code on both data sets
+            if name not in BASELINES:
+                key = same_run_key(data, None if name == "default" else
+                                   name.split("/", 1)[1], args.config)
+                if key in trained:  # deterministic: the same runs again would say the same
+                    entry["models"][name] = {**entry["models"][trained[key]],
+                                             "same_as": trained[key]}
+                    log(f"  {name}: the same model and config as {trained[key]}: its result")
+                    continue
+                trained[key] = name
             seeds = [0] if name in ("lr", ORACLE) else range(args.seeds)
             runs = []
             for seed in seeds:

@@ -284,21 +284,30 @@ class KafkaSampleSource:
         """Messages behind the end of the assigned partitions (None when unknown).
 
         Uses the broker's high watermark, which some brokers under-report; a metric only."""
-        total = 0
-        for p in sorted(self.assigned):
-            try:
-                _, high = self.consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, p), timeout=1.0, cached=False)
-            except KafkaException:
-                return None
-            total += max(0, high - self.positions.get(p, 0))
-        return total
+        return consumer_lag(self.consumer, self.topic, self.assigned, self.positions)
 
     def close(self):
         try:
             self.producer.flush(10)
         finally:
             self.consumer.close()
+
+
+def consumer_lag(consumer, topic: str, partitions, positions: dict,
+                 timeout: float = 1.0) -> int | None:
+    """Messages of ``topic``'s ``partitions`` at or after ``positions`` (partition -> next
+    offset to read; 0 when absent), from the leaders' high watermarks as ``consumer`` gets
+    them; None when a leader does not answer within ``timeout`` s. Some brokers under-report
+    the watermark (ARCHITECTURE.md): a metric only."""
+    total = 0
+    for p in sorted(partitions):
+        try:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
+                                                     cached=False)
+        except KafkaException:
+            return None
+        total += max(0, high - positions.get(p, 0))
+    return total
 
 
 def commit_offsets(consumer, topic: str, offsets: dict[int, int],

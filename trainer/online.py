@@ -75,6 +75,8 @@ from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import KafkaSampleSource
 from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
+from trainer.online_report import (STATUS_EVERY, STATUS_FILE, TENSORBOARD_DIR, report_scalars,
+                                   serve_metrics, write_status)
 from trainer.ray_address import check_ray_address
 from trainer.runs import MODEL_NAMES, load_tensorflow
 
@@ -351,7 +353,7 @@ class OnlineTrainer:
                 if now - last_report >= self.report_every:
                     self.report()
                     last_report = time.monotonic()
-                if self.status_path and time.monotonic() - self._last_status >= 1.0:
+                if self.status_path and time.monotonic() - self._last_status >= STATUS_EVERY:
                     self.write_status()  # also while idle or cut off: operators see why
                 if self.max_samples is not None and self.stats.samples >= self.max_samples:
                     break
@@ -414,11 +416,8 @@ class OnlineTrainer:
     def write_status(self):
         """Replace ``status.json`` in the run dir with the current summary (for operators and
         scripts: how far the run is, without reading logs)."""
-        tmp = f"{self.status_path}.tmp"
         self.snapshot = self.summary()  # what the metrics endpoint reports
-        with open(tmp, "w") as f:
-            json.dump(self.snapshot, f, sort_keys=True)
-        os.replace(tmp, self.status_path)
+        write_status(self.status_path, self.snapshot)
         self._last_status = time.monotonic()
 
     def checkpoint(self, flush_timeout: float = 5.0, final: bool = False) -> bool:
@@ -533,20 +532,11 @@ class OnlineTrainer:
                  self.stats.dead, delay["p50"], delay["p99"], _metric(pv["auc"]),
                  _metric(pv["logloss"]), _metric(window["auc"]), _metric(window["logloss"]))
         if self._writer is not None:
-            scalars = {"samples_per_sec": rate, "dead_letters": self.stats.dead,
-                       "waited_for_input": waited,
-                       **{f"store/{k}": store.get(k, 0)
-                          for k in ("rows", "admitted", "rejected", "expired")}}
-            if self.last_lag is not None:
-                scalars["lag_messages"] = self.last_lag
-            for name, value in (("pv/auc", pv["auc"]), ("pv/logloss", pv["logloss"]),
-                                ("pv/window_auc", window["auc"]),
-                                ("pv/window_logloss", window["logloss"])):
-                if value is not None:
-                    scalars[name] = value
             from trainer.fitting import write_scalars
 
-            write_scalars(self._writer, self.trainer.step, scalars)
+            write_scalars(self._writer, self.trainer.step, report_scalars(
+                rate=rate, dead_letters=self.stats.dead, store=store, lag=self.last_lag,
+                pv=pv, window=window, waited=waited))
 
     def summary(self) -> dict:
         now = time.monotonic()
@@ -579,66 +569,6 @@ class OnlineTrainer:
                 "trainer_waited_s": round(self.stats.trainer_waited, 3),
                 "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())},
                 "metrics_url": self.metrics_url}
-
-
-def serve_metrics(online: OnlineTrainer, host: str, port: int):
-    """Prometheus metrics of ``online`` on ``http://host:port/metrics`` (a daemon thread);
-    values come from the summary the run refreshes every second (its status.json), timings
-    from every checkpoint and export. Returns the HTTP server (``.server_port``)."""
-    from prometheus_client import CollectorRegistry, Histogram, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    def family(kind, name, text, value):
-        metric = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-            f"prefixrec_online_{name}", text)
-        metric.add_metric([], float("nan") if value is None else float(value))
-        return metric
-
-    class Collector:
-        def collect(self):
-            s = online.snapshot
-            if s is None:
-                return
-            pv, window = s["pv"], s["pv"].get("window") or {}
-            delay = s["delay_s"]
-            yield from (
-                family("counter", "samples", "samples trained", s["samples"]),
-                family("counter", "steps", "training steps", s["steps"]),
-                family("gauge", "samples_per_second", "training rate (steady once measured)",
-                       s["rate"]["samples_per_sec"]),
-                family("gauge", "consumer_lag_messages", "messages behind the partitions' "
-                       "ends at the latest report (NaN: unknown)", s["lag"]),
-                family("gauge", "pv_auc", "progressive-validation AUC, whole run", pv["auc"]),
-                family("gauge", "pv_logloss", "progressive-validation log loss, whole run",
-                       pv["logloss"]),
-                family("gauge", "pv_window_auc", "progressive-validation AUC since the "
-                       "previous report", window.get("auc")),
-                family("gauge", "pv_window_logloss", "progressive-validation log loss since "
-                       "the previous report", window.get("logloss")),
-                family("gauge", "store_rows", "embedding rows held", s["store_rows"]),
-                family("counter", "store_admitted", "ids given a row", s["admitted"]),
-                family("counter", "store_rejected", "sightings the entry filters turned "
-                       "down", s["rejected"]),
-                family("counter", "store_expired", "rows removed by expiry", s["expired"]),
-                family("counter", "dead_letters", "messages sent to the dead-letter topic",
-                       s["dead_letters"]),
-                family("counter", "checkpoints", "checkpoints written", s["checkpoints"]),
-                family("counter", "exports", "serving exports published", s["exports"]),
-                family("gauge", "arrival_to_export_p50_seconds", "a sample's Kafka arrival "
-                       "to the export holding it, median over the run", delay.get("p50")),
-                family("gauge", "arrival_to_export_p99_seconds", "the same, 99th percentile",
-                       delay.get("p99")),
-                family("gauge", "broker_reachable", "1 while the broker answers",
-                       s["broker_reachable"]))
-
-    registry = CollectorRegistry()
-    registry.register(Collector())
-    seconds = Histogram("prefixrec_online_write_seconds", "time to write a checkpoint or "
-                        "publish an export", ["what"], registry=registry,
-                        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-    online.timing_observers.append(lambda what, s: seconds.labels(what).observe(s))
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return server
 
 
 def _metric(value) -> str:
@@ -819,8 +749,8 @@ def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None
                            checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
                            export_every=args.export_every, max_samples=args.max_samples,
                            idle_exit=args.idle_exit,
-                           status_path=os.path.join(run_dir, "status.json"),
-                           log_dir=os.path.join(run_dir, "online"),
+                           status_path=os.path.join(run_dir, STATUS_FILE),
+                           log_dir=os.path.join(run_dir, TENSORBOARD_DIR),
                            report_every=args.report_every, reader_nice=args.reader_nice,
                            unit_samples=args.unit_samples,
                            calibrate=latest is None and not args.init_from)

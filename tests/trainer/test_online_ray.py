@@ -1,9 +1,11 @@
 """Online learning on Ray against a real broker and a real local Ray cluster: 2 workers x 2
-shards started from a single-process batch run equal a single process replaying the same steps
-from it, every message trains exactly once, the serving export follows the shards, and a
-SIGKILL of a worker, of a shard or of the driver loses and repeats nothing."""
+shards started from a batch run equal a single process replaying the same steps from it
+(expiry included), every message trains exactly once, the driver reports as a single process
+does (status.json, Prometheus metrics, TensorBoard), the serving export follows the shards, and
+a SIGKILL of a worker, of a shard or of the driver loses and repeats nothing."""
 
 import ast
+import glob
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -72,23 +75,24 @@ def command(files, broker, topic, group, run_dir, ray_address, *extra, workers=2
             "--ray-address", ray_address, "--step-log", *extra]
 
 
-def batch_run(run_dir, sids, shards=None) -> str:
+def batch_run(run_dir, sids, shards=None, config=None) -> str:
     """A batch run (``RUN_DIR/checkpoint``, as ``trainer.train`` keeps it) that trained the
-    samples ``sids`` in batches of 200: in process, or with ``shards`` on the module's Ray
-    cluster (1 worker). What ``--init-from`` starts from."""
+    samples ``sids`` in batches of 200 with ``config`` (default CONFIG): in process, or with
+    ``shards`` on the module's Ray cluster (1 worker). What ``--init-from`` starts from."""
     from trainer import Trainer, models
     from trainer.config import TrainConfig
     from trainer.distributed import DistributedTrainer
 
     schema = schemas.from_dict(SCHEMA)
+    config = TrainConfig.from_dict(config or CONFIG)
     table, _ = decode_json_samples([sample(s)[1] for s in sids], schema)
     if shards:
-        with DistributedTrainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG),
-                                workers=1, shards=shards) as trainer:
+        with DistributedTrainer(schema, models.MLP(), config, workers=1,
+                                shards=shards) as trainer:
             trainer.fit(table, shuffle=False)
             trainer.save(os.path.join(run_dir, "checkpoint"))
         return run_dir
-    trainer = Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG))
+    trainer = Trainer(schema, models.MLP(), config)
     for batch in compression.iter_batches(compression.build_trees(table, schema), schema,
                                           CONFIG["batch_size"]):
         trainer.train_batch(batch)
@@ -114,16 +118,19 @@ class Messages:
         return len(self.by_offset)
 
 
-def replay(run_dir, messages: Messages, init_from=None):
+def replay(run_dir, messages: Messages, init_from=None, expire_every=None):
     """A single-process Trainer that trained, step by step, the union batches the step log
     of ``run_dir`` records (every worker's messages side by side, in worker order), from the
-    batch run ``init_from`` (else a new model)."""
+    batch run ``init_from`` (else a new model with CONFIG), its expiry every ``expire_every``
+    steps when given (``--expire-every``)."""
     from trainer import Trainer, models
     from trainer.config import TrainConfig
 
     schema = schemas.from_dict(SCHEMA)
     single = (Trainer.restore_run(init_from) if init_from else
               Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG)))
+    if expire_every is not None:
+        single.config = single.config.with_expire_every(expire_every)
     first_step, first_samples = single.step, single.samples
     trained = []
     with open(os.path.join(run_dir, "steps.jsonl")) as f:
@@ -158,12 +165,12 @@ def checkpointed_rows(model_dir: str, table: str) -> dict:
 
 
 def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic, group,
-                         malformed: int = 0, init_from=None):
-    """Returns the replay's Trainer."""
+                         malformed: int = 0, init_from=None, expire_every=None):
+    """Returns the single-process replay (see :func:`replay`)."""
     latest = CheckpointManager(run_dir).latest()
     model_dir = os.path.join(latest.path, "model")
     manifest = read_manifest(model_dir)
-    single, trained, before = replay(run_dir, messages, init_from)
+    single, trained, before = replay(run_dir, messages, init_from, expire_every)
     # every message produced trained once, in exactly one step of the model's lineage
     assert len(trained) == len(set(trained)) == total + malformed == len(messages)
     assert set(trained) == set(messages.by_offset)
@@ -207,16 +214,45 @@ def assert_equals_replay(run_dir, messages: Messages, total: int, broker, topic,
     return single
 
 
+def scrape(url: str) -> dict:
+    """A Prometheus endpoint's samples, by name."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return {line.split(" ")[0]: float(line.split(" ")[1])
+                for line in response.read().decode().splitlines()
+                if line and not line.startswith("#")}
+
+
+def scalars(log_dir: str) -> dict:
+    """TensorBoard scalars of ``log_dir``'s event files: tag -> [(step, value), ...]."""
+    import tensorflow as tf
+
+    out: dict = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor))))
+    return out
+
+
 def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_step(
         kafka_broker, files, ray_address, tmp_path):
     """A 2 x 2 run initialised from a single-process batch run (its one store per table
-    resharded into 2 shards) equals the replay from the same model, and its serving export,
-    a version published after every step, holds the final model."""
+    resharded into 2 shards) equals the replay from the same model, with dead letters, expiry
+    every step (``--expire-every 1``: the rows of users a step did not train are removed) and
+    the driver's reports: status.json, /metrics while it runs and TensorBoard scalars,
+    aggregated over the workers and the shards. Its serving export, a version published after
+    every step, holds the final model."""
     from trainer import online
     from trainer.serving import Predictor, one_node_per_sample, published_versions, \
         request_table
 
-    batch = batch_run(str(tmp_path / "batch"), range(BATCH_SIDS, BATCH_SIDS + 400))
+    # the batch run's config is the online run's (--init-from): its expiry is due every 1000
+    # steps, so the batch run's 2 steps expire nothing; --expire-every 1 reschedules it
+    expiring = {**CONFIG, "tables": {"uid": {"expire": {"every_steps": 1000,
+                                                        "max_idle_steps": 0}}}}
+    batch = batch_run(str(tmp_path / "batch"), range(BATCH_SIDS, BATCH_SIDS + 400),
+                      config=expiring)
     topic = kafka_broker.create_topic(partitions=PARTITIONS)
     messages = Messages()
     messages.produce(kafka_broker, topic, range(2000))
@@ -224,10 +260,35 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
     bad = [(b"k", b"not json %d" % i, None, None, 1 + i % 2) for i in range(120)]
     messages.produce(kafka_broker, topic, None, bad)
     run_dir, export_dir = str(tmp_path / "run"), str(tmp_path / "export")
-    summary = online.run(command(files, kafka_broker, topic, "g-ray", run_dir, ray_address,
-                                 "--idle-exit", "2", "--checkpoint-every", "0.5",
-                                 "--init-from", batch, "--export-dir", export_dir,
-                                 "--export-every", "0", config=False))
+    scraped: list = []
+
+    def scrape_while_it_trains():
+        """/metrics once status.json shows a trained step (the run then lives on for at
+        least --idle-exit s after its last message)."""
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not done.is_set():
+            try:
+                with open(os.path.join(run_dir, "status.json")) as f:
+                    status = json.load(f)
+            except FileNotFoundError:
+                status = None
+            if status is not None and status["samples"] > 0:
+                scraped.append(scrape(status["metrics_url"]))
+                return
+            time.sleep(0.05)
+
+    done = threading.Event()
+    scraper = threading.Thread(target=scrape_while_it_trains, daemon=True)
+    scraper.start()
+    try:
+        summary = online.run(command(
+            files, kafka_broker, topic, "g-ray", run_dir, ray_address,
+            "--idle-exit", "2", "--checkpoint-every", "0.5", "--expire-every", "1",
+            "--metrics-port", "0", "--report-every", "0.2", "--init-from", batch,
+            "--export-dir", export_dir, "--export-every", "0", config=False))
+    finally:
+        done.set()
+        scraper.join()
     assert summary["samples"] == 2000 and summary["messages"] == 2000 + len(bad)
     assert summary["assignment"] == [[0, 2], [1, 3]]
     assert summary["pv"]["samples"] == 2000
@@ -237,7 +298,32 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
     assert sorted(m.value() for m in letters) == sorted(value for _, value, *_ in bad)
     assert {dict(m.headers())["source.partition"] for m in letters} == {b"1", b"2"}
     single = assert_equals_replay(run_dir, messages, 2000, kafka_broker, topic, "g-ray",
-                                  len(bad), init_from=batch)
+                                  len(bad), init_from=batch, expire_every=1)
+    # the shards expired what one process expires on the same steps (rows compared above)
+    assert summary["expired"] == single.store_stats()["expired"] > 0
+    # the Prometheus endpoint reported the run while it trained, summed over the actors
+    assert len(scraped) == 1, "status.json never showed a trained step"
+    metrics = scraped[0]
+    assert 0 < metrics["prefixrec_online_samples_total"] <= 2000
+    assert metrics["prefixrec_online_store_rows"] > 0 and "prefixrec_online_pv_auc" in metrics
+    assert metrics["prefixrec_online_broker_reachable"] == 1.0
+    # the final status.json is the summary
+    with open(os.path.join(run_dir, "status.json")) as f:
+        status = json.load(f)
+    assert status["metrics_url"] == summary["metrics_url"] and status["metrics_url"]
+    for key in ("samples", "messages", "dead_letters", "steps", "pv", "expired", "store_rows",
+                "checkpoints", "offsets", "workers", "shards", "assignment", "exports",
+                "delay_s"):
+        assert status[key] == summary[key], key
+    assert status["assigned"] == [0, 1, 2, 3] and status["lag"] == 0
+    assert status["broker_reachable"] is True and status["idle_s"] >= 0
+    # TensorBoard: the single process's tags, from the driver; the last point is the end
+    points = scalars(os.path.join(run_dir, "online"))
+    assert {"samples_per_sec", "waited_for_input", "lag_messages", "dead_letters",
+            "store/rows", "store/admitted", "store/rejected", "store/expired", "pv/auc",
+            "pv/logloss"} <= set(points)
+    assert points["store/expired"][-1] == (summary["steps"], summary["expired"])
+    assert points["dead_letters"][-1][1] == len(bad)
     # --export-every 0: after every step of the run (the batch run's 2 came before), the
     # first a full export, each later one a version of every shard's deltas
     steps = summary["steps"] - 2
@@ -268,6 +354,21 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
     schema = schemas.from_dict(SCHEMA)
     want = single.predict([one_node_per_sample(request_table(rows, schema), schema)])
     np.testing.assert_allclose(predictor.predict(rows), want, rtol=1e-4, atol=1e-6)
+
+
+def test_flags_without_a_meaning_on_ray_are_refused_with_the_reason(kafka_broker, files,
+                                                                      tmp_path, capsys):
+    """Before any actor starts: --unit-samples (a unit is one step's batch on Ray) and
+    --expire-every with no expiry in the config."""
+    from trainer import online
+
+    argv = command(files, kafka_broker, "t-refused", "g-refused", str(tmp_path / "run"),
+                   "auto")
+    for flag, reason in ((["--unit-samples", "100"], "a unit is one step's batch"),
+                         (["--expire-every", "5"], "no table has an expiry to schedule")):
+        with pytest.raises(SystemExit) as exit:
+            online.run([*argv, *flag])
+        assert exit.value.code == 2 and reason in capsys.readouterr().err, flag
 
 
 class Streaming:

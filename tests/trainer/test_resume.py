@@ -220,11 +220,11 @@ def ray_checkpoint(run):
 
 def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, files, tmp_path):
     """The same for --workers 2 --shards 2: a real SIGINT to the command once it evaluated
-    (in the middle of its first pass), then the same command plus --resume (here in this
-    process, on the test's Ray cluster, as the uninterrupted run) ends with the uninterrupted
-    run's result, checkpoint and evaluations. A command that differs is refused."""
-    import ray
-
+    (in the middle of its first pass): the pipeline drains, RUN/latest (every shard and the
+    workers at one step) and interrupted.json are put in place, exit 130 with one line saying
+    how to go on; then the same command plus --resume (here in this process, on the test's Ray
+    cluster, as the uninterrupted run) ends with the uninterrupted run's result, checkpoint
+    and evaluations. A command that differs is refused."""
     from compression import cli
     from trainer import train
 
@@ -233,20 +233,25 @@ def test_an_interrupted_ray_run_resumes_to_the_uninterrupted_result(cluster, fil
 
     run = tmp_path / "run"
     args = [*map(str, train_args(files, run)), *RAY]
-    # the command joins the test's cluster (--ray-address) rather than starting one of its own
-    # (test_distributed.py's SIGINT test does that)
-    address = ray.get_runtime_context().gcs_address
-    code, stderr = interrupt([*args, "--ray-address", address], b"eval after epoch 1 (step 7)")
+    # the command starts a Ray cluster of its own, as a user's first run does (the online
+    # tests' commands join the test's cluster with --ray-address)
+    code, stderr = interrupt(args, b"eval after epoch 1 (step 7)")
     assert code == 130, stderr
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
+    state = json.loads((run / "interrupted.json").read_text())
+    assert last.startswith(f"SIGINT: stopped after step {state['step']:,} (") and \
+        f"checkpoint written to {run / 'checkpoint'} (the best evaluation so far" in last and \
+        f"where training stopped is in {run / 'latest'})" in last, last
     assert "Continue the run where it stopped with the same command plus --resume: " \
            "python -m trainer.train --schema" in last and last.endswith(
-               f"--out {run} --workers 2 --shards 2 --ray-address {address} --resume")
-    state = json.loads((run / "interrupted.json").read_text())
-    assert state["distributed"] == {"workers": 2, "shards": 2}
+               f"--out {run} --workers 2 --shards 2 --resume")
+    assert state["signal"] == "SIGINT" and state["distributed"] == {"workers": 2, "shards": 2}
     assert 7 <= state["step"] < expected["steps"] and state["checkpoint"] == "latest"
     assert sorted(os.listdir(run)) == ["checkpoint", "interrupted.json", "latest", "train"]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p]
+    manifest = json.loads((run / "latest" / "manifest.json").read_text())
+    assert manifest["step"] == state["step"] and manifest["samples"] == state["samples"]
 
     before = sorted(p.name for p in run.iterdir())
     for changed, said in (([*args[:-4], "--workers", "1", "--shards", "2"],

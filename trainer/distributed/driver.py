@@ -656,6 +656,11 @@ class DistributedTrainer:
             raise
         return trainer
 
+    def run_config(self, saved: TrainConfig) -> TrainConfig:
+        """The config a checkpoint saved with ``saved`` goes on with (the same here; online
+        learning's ``--expire-every`` reschedules its expiry)."""
+        return saved
+
     def load(self, directory, manifest: dict | None = None) -> None:
         """Load a checkpoint of this trainer's schema, tables and model into the running
         actors (any number of shards: resharded), with its step, counters and input
@@ -667,7 +672,8 @@ class DistributedTrainer:
         if manifest["schema"] != self.schema.to_dict():
             raise ValueError(f"{path}: the checkpoint is of another schema than this trainer's "
                              f"({schema_difference(manifest['schema'], self.schema.to_dict())})")
-        saved_config, config = dict(manifest["config"]), self.config.to_dict()
+        run_config = self.run_config(TrainConfig.from_dict(config_before_l2(manifest["config"])))
+        saved_config, config = run_config.to_dict(), self.config.to_dict()
         saved_config.pop("dense", None)  # resolved statistics: the checkpoint's are taken
         differs = sorted(k for k in set(saved_config) | set(config)
                          if k != "dense" and saved_config.get(k) != config.get(k))
@@ -698,7 +704,7 @@ class DistributedTrainer:
         expired = manifest["shard_expired"]
         if self.shards != manifest["shards"]:  # resharded: the total on shard 0
             expired = [sum(expired)] + [0] * (self.shards - 1)
-        self.config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
+        self.config = run_config
         ray.get([s.load.remote(shard_snapshot_spec(directory, manifest, i, self.shards), e)
                  for i, (s, e) in enumerate(zip(self._shards, expired))]
                 + [w.reset.remote(self.config.to_dict(), arrays) for w in self._workers])

@@ -42,6 +42,14 @@ and the run goes on right after them. When a worker or a shard dies instead, the
 the same without restarting: every actor goes back to the latest checkpoint
 (:meth:`OnlineRun.run`).
 
+**Reports.** The driver reports what a single process reports, aggregated over the actors:
+``RUN_DIR/status.json`` every second, Prometheus metrics (``--metrics-port``) and TensorBoard
+scalars (``RUN_DIR/online``) with the same names (:mod:`trainer.online_report`); samples,
+dead letters and progressive validation summed from every worker's step results, store
+counters from every shard, the consumer lag over every partition dealt. **Expiry** runs on
+the shards after a step's update, as in batch training; ``--expire-every N`` reschedules it
+as in a single process (and the checkpoints keep that config).
+
 **Warm start and serving.** ``--init-from RUN_DIR`` starts a new run from the model a batch
 run kept, in process or on Ray (:func:`~trainer.distributed.driver.run_checkpoint`), its
 stores resharded into the S shards. ``--export-dir`` publishes, between steps as a
@@ -65,7 +73,7 @@ import numpy as np
 import ray
 
 import schemas
-from compression import fs, kafka
+from compression import cli, fs, kafka
 from trainer.checkpoints import CheckpointDamagedError, CheckpointManager
 from trainer.config import TrainConfig
 from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_actor_failure,
@@ -73,8 +81,10 @@ from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_
 from trainer.distributed.manifest import read_manifest, schema_difference
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
-from trainer.kafka_source import commit_offsets
+from trainer.kafka_source import commit_offsets, consumer_lag
 from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
+from trainer.online_report import (STATUS_EVERY, STATUS_FILE, TENSORBOARD_DIR, report_scalars,
+                                   serve_metrics, write_status)
 from trainer.runs import StopOnSignal
 
 log = logging.getLogger("trainer.online")
@@ -96,6 +106,20 @@ class OnlineDistributedTrainer(DistributedTrainer):
     same actors, step and checkpoints, an open-ended stream of steps instead of passes."""
 
     worker_class = OnlineWorker
+
+    def __init__(self, schema, model=None, config: TrainConfig | None = None, *,
+                 expire_every: int | None = None, **kwargs):
+        """``expire_every``: run every table's configured expiry every that many steps
+        instead of its ``every_steps`` (``--expire-every``; a ConfigError when no table has
+        one), in this run and in the config its checkpoints keep, as a single process does.
+        The other arguments are :class:`DistributedTrainer`'s."""
+        self.expire_every = expire_every
+        super().__init__(schema, model, self.run_config(config or TrainConfig()), **kwargs)
+
+    def run_config(self, saved: TrainConfig) -> TrainConfig:
+        if self.expire_every is None:
+            return saved
+        return saved.with_expire_every(self.expire_every)
 
     def open_sources(self, kafka_spec: dict, assignment: list[list[int]], offsets: dict,
                      poll_timeout: float = POLL_TIMEOUT) -> None:
@@ -167,7 +191,12 @@ class OnlineRun:
                  kafka_spec: dict, offsets: dict, *, checkpoint_every: float = 30.0,
                  max_samples: int | None = None, idle_exit: float | None = None,
                  report_every: float = 10.0, step_log: str | None = None,
+                 status_path: str | None = None, log_dir: str | None = None,
                  export_dir: str | None = None, export_every: float = 10.0):
+        """``status_path``: the status file, rewritten every ``STATUS_EVERY`` s with the
+        summary so far (None: none); ``log_dir``: TensorBoard scalars at every report (None:
+        none). Both as the single process writes them (:mod:`trainer.online_report`).
+        ``export_dir``: serving exports every ``export_every`` s (:meth:`export`)."""
         self.engine = engine
         self.checkpoints = checkpoints
         self.kafka_spec = kafka_spec
@@ -185,7 +214,21 @@ class OnlineRun:
         # commits offsets for the whole group (the workers never commit): it never subscribes
         self.committer = kafka.consumer(self.settings)
         self.pv = ProgressiveValidation()
+        self.pv_window = ProgressiveValidation()  # since the latest report
         self.pv_label: str | None = None
+        self.last_pv_window: dict | None = None  # the window of the latest report
+        self.status_path = status_path
+        self.log_dir = log_dir
+        self._writer = None  # TensorBoard's, opened by run()
+        self._last_status = float("-inf")
+        self.snapshot: dict | None = None  # the latest summary (status.json, /metrics)
+        self.metrics_url: str | None = None
+        self.timing_observers: list = []  # called with ("checkpoint"|"export", seconds)
+        self.lag: int | None = None  # messages behind the partitions' ends, at the latest report
+        self.broker_reachable: bool | None = None
+        # seconds in rounds after the first step in which no worker had a sample (each
+        # waited the poll timeout): the driver waited for input, not for training
+        self.waited = 0.0
         self.samples = self.messages = self.dead = self.checkpoints_written = 0
         self.steps = 0  # trained by this run
         self.first_step: float | None = None  # when this run's first and latest step ended
@@ -202,6 +245,7 @@ class OnlineRun:
         self.newest_arrival: float | None = None  # Unix s, of the latest export's newest
         self.delays, self.steady_delays = DelayHistogram(), DelayHistogram()
         self.started = time.monotonic()
+        self._last_report = (self.started, 0, 0.0)  # (when, samples, waited then)
         self.recoveries: list[dict] = []  # one per rollback after an actor died
         # what the latest checkpoint holds (step, offsets, this run's counters and progressive
         # validation): where an actor's death rolls back to. None: the run has no checkpoint
@@ -227,6 +271,10 @@ class OnlineRun:
         log.info("%d workers x %d shards, partitions per worker %s, from offsets %s, actor "
                  "processes %s", engine.workers, engine.shards, self.assignment,
                  self.positions, engine.actor_pids())
+        if self.log_dir and self._writer is None:
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(self.log_dir)
         while True:
             try:
                 if self._checkpointed is None:
@@ -256,24 +304,29 @@ class OnlineRun:
         def pause() -> bool:
             return self._finish or should_stop() or due() or export_due()
 
+        resumed = time.monotonic()  # when the driver last asked for a step
         for results, paused in engine.online_steps(pause):
+            if self.first_step is not None and not any(r["n"] for r in results):
+                self.waited += time.monotonic() - resumed
             self._account(results)
             if time.monotonic() - last_report >= self.report_every:
                 self.report()
                 last_report = time.monotonic()
-            if not paused:
-                continue
-            if self._finish or should_stop():
-                return False
-            if export_due():  # between steps, nothing looked up ahead: as a checkpoint
-                self.export()
-                last_export = time.monotonic()
-            if due():
-                # postponed (False) while dead letters wait: retried later
-                written = self.checkpoint()
-                last_checkpoint = time.monotonic()
-                if written and self._deal_new_partitions():
-                    return True
+            if self.status_path and time.monotonic() - self._last_status >= STATUS_EVERY:
+                self.write_status()  # also while idle: operators see that it is
+            if paused:
+                if self._finish or should_stop():
+                    return False
+                if export_due():  # between steps, nothing looked up ahead: as a checkpoint
+                    self.export()
+                    last_export = time.monotonic()
+                if due():
+                    # postponed (False) while dead letters wait: retried later
+                    written = self.checkpoint()
+                    last_checkpoint = time.monotonic()
+                    if written and self._deal_new_partitions():
+                        return True
+            resumed = time.monotonic()
         raise AssertionError("online_steps never ends")
 
     def _deal_new_partitions(self) -> bool:
@@ -327,6 +380,8 @@ class OnlineRun:
         self.samples, self.messages, self.dead = (state["samples"], state["messages"],
                                                   state["dead"])
         self.steps, self.pv = state["steps"], copy.deepcopy(state["pv"])
+        self.pv_window.reset()
+        self._last_report = (time.monotonic(), self.samples, self.waited)
         engine.bytes.clear()
         engine.bytes.update(state["bytes"])
         engine.losses.clear()
@@ -358,7 +413,20 @@ class OnlineRun:
                                "delivered within 60 s (is the broker reachable?); the run "
                                "resumes from the previous checkpoint")
         self.report()
-        return self.summary()
+        summary = self.summary()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self.status_path:
+            self.write_status(summary)  # the final state, for scripts that read it after
+        return summary
+
+    def write_status(self, summary: dict | None = None) -> None:
+        """Replace the status file with ``summary`` (default: the summary now, without the
+        actors' timings: asking every worker would wait for its poll)."""
+        self.snapshot = summary if summary is not None else self.summary(timings=False)
+        write_status(self.status_path, self.snapshot)
+        self._last_status = time.monotonic()
 
     def _account(self, results) -> None:
         """The offsets, counts and predictions of a step's ``results``; the idle clock."""
@@ -373,6 +441,7 @@ class OnlineRun:
             if consumed is None:
                 continue
             consumed_any = True
+            self.broker_reachable = True  # the worker read from it
             self.messages += consumed["messages"]
             self.dead += consumed["dead"]
             for p, (_, end) in consumed["ranges"].items():
@@ -380,7 +449,9 @@ class OnlineRun:
             if r["n"]:
                 if self.pv_label is None:
                     self.pv_label = next(iter(r["probabilities"]))  # the model's first head
-                self.pv.add(r["probabilities"][self.pv_label], r["labels"][self.pv_label])
+                p, y = r["probabilities"][self.pv_label], r["labels"][self.pv_label]
+                self.pv.add(p, y)
+                self.pv_window.add(p, y)
         trained = sum(r["n"] for r in results)
         if trained:
             self.samples += trained
@@ -398,15 +469,14 @@ class OnlineRun:
         now = time.monotonic()
         if consumed_any:
             self._idle_since = None
-        elif self.idle_exit is not None:
-            if self._idle_since is None:
-                self._idle_since = now
-            elif now - self._idle_since >= self.idle_exit:
-                try:  # an empty poll cannot tell "nothing new" from "no broker": ask it
-                    kafka.check_reachable(self.settings, timeout=2.0)
-                    self._finish = True
-                except kafka.BrokerUnreachable:
-                    self._idle_since = None  # an outage is not idle time
+        elif self._idle_since is None:  # kept without idle_exit too: status.json's idle_s
+            self._idle_since = now
+        elif self.idle_exit is not None and now - self._idle_since >= self.idle_exit:
+            try:  # an empty poll cannot tell "nothing new" from "no broker": ask it
+                kafka.check_reachable(self.settings, timeout=2.0)
+                self._finish = True
+            except kafka.BrokerUnreachable:
+                self._idle_since = None  # an outage is not idle time
 
     def checkpoint(self, flush_timeout: float = 5.0, final: bool = False) -> bool:
         """Write a checkpoint holding every partition's trained offset (the actors must be
@@ -428,10 +498,13 @@ class OnlineRun:
                   "assignment": self.assignment,
                   "previous": None if latest is None else os.path.basename(latest.path)}
         self._write_step_log()
+        started = time.monotonic()
         self.checkpoints.save(
             lambda d: engine.save(os.path.join(d, "model"), extra={"online": online}),
             {"step": engine.step, "samples": engine.samples, "kind": "ray-online",
              "time": time.time()})
+        for observe in self.timing_observers:
+            observe("checkpoint", time.monotonic() - started)
         self.checkpoints_written += 1
         self._checkpointed = self._state(engine.step, positions)
         self._commit(positions)
@@ -455,8 +528,11 @@ class OnlineRun:
         stamps = np.concatenate(pending) if pending else np.zeros(0, np.int64)
         if len(stamps):
             self.newest_arrival = max(self.newest_arrival or 0.0, float(stamps.max()) / 1000)
+        started = time.monotonic()
         self.engine.export_increment(self.export_dir, newest_sample_time=self.newest_arrival)
         published_ms = time.time() * 1000
+        for observe in self.timing_observers:
+            observe("export", time.monotonic() - started)
         self._trained_since_export = False
         self._pending_arrivals = []
         self.exports += 1
@@ -475,39 +551,82 @@ class OnlineRun:
         self._pending_log = []
 
     def report(self) -> None:
-        seconds = max(time.monotonic() - self.started, 1e-9)
-        pv = self.pv.result()
+        """One console line and TensorBoard scalars (the single process's tags): samples/s
+        since the previous report, the share of that time no worker had input, consumer lag
+        over every partition dealt, store counters summed over the shards, dead letters and
+        progressive validation over every worker's predictions."""
+        now = time.monotonic()
+        then, samples_then, waited_then = self._last_report
+        interval = max(now - then, 1e-9)
+        rate = (self.samples - samples_then) / interval
+        waited = (self.waited - waited_then) / interval
+        self._last_report = (now, self.samples, self.waited)
+        self.lag = consumer_lag(self.committer, self.kafka_spec["topic"],
+                                [p for parts in self.assignment for p in parts], self.positions)
+        self.broker_reachable = self.lag is not None  # every partition's leader answered
+        store = self.engine.store_stats()
+        pv, window = self.pv.result(), self.pv_window.result()
+        self.pv_window.reset()
+        self.last_pv_window = window
         log.info("%s samples (%s samples/s), step %d, %d dead letters, %d checkpoints, "
-                 "progressive validation AUC %s, offsets %s", f"{self.samples:,}",
-                 f"{self.samples / seconds:,.0f}", self.engine.step, self.dead,
-                 self.checkpoints_written, pv["auc"], self.positions)
+                 "progressive validation AUC %s (since the last line: %s), offsets %s, lag %s "
+                 "messages, %s store rows (expired %s)", f"{self.samples:,}", f"{rate:,.0f}",
+                 self.engine.step, self.dead, self.checkpoints_written, pv["auc"],
+                 window["auc"], self.positions, "n/a" if self.lag is None else f"{self.lag:,}",
+                 f"{store.get('rows', 0):,}", f"{store.get('expired', 0):,}")
+        if self._writer is not None:
+            from trainer.fitting import write_scalars
 
-    def summary(self) -> dict:
-        seconds = time.monotonic() - self.started
+            write_scalars(self._writer, self.engine.step, report_scalars(
+                rate=rate, dead_letters=self.dead, store=store, lag=self.lag, pv=pv,
+                window=window, waited=waited))
+
+    def summary(self, timings: bool = True) -> dict:
+        """The single process's summary keys (``units`` are steps here; its reader's
+        ``busy_seconds`` are the actors' ``timings``, left out with ``timings=False``), plus
+        workers, shards, the assignment and what a step moves."""
+        now = time.monotonic()
+        seconds = now - self.started
         stats = self.engine.store_stats()
-        return {"samples": self.samples, "messages": self.messages, "dead_letters": self.dead,
-                "steps": self.engine.step, "seconds": round(seconds, 3),
-                # a step is the unit: the steady rate leaves the actors' start-up out
-                **run_rates(self.samples, seconds, self.steps, self.first_step,
-                            self.last_step, self.first_step_samples),
-                "pv": {**self.pv.result(), "label": self.pv_label},
-                "checkpoints": self.checkpoints_written, "exports": self.exports,
-                "delay_s": self.delays.percentiles(),
-                "steady_delay_s": self.steady_delays.percentiles(),
-                "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
-                "admitted": stats.get("admitted", 0),
-                "expired": stats.get("expired", 0), "recoveries": self.recoveries,
-                # what a step costs (the on-paper scaling of benchmarks.online): bytes moved
-                # between actors (trainer.distributed.driver counts them) and each actor's
-                # seconds per part of the steps, over this run
-                "bytes_per_step": {k: round(v / max(self.steps, 1)) for k, v in
-                                   sorted(self.engine.bytes.items())},
-                "timings": self.engine.timings(),
-                "workers": self.engine.workers,
-                "shards": self.engine.shards, "assignment": self.assignment,
-                "offsets": {str(p): o for p, o in sorted(self.positions.items())}}
+        summary = {
+            "samples": self.samples, "messages": self.messages, "units": self.steps,
+            "dead_letters": self.dead, "steps": self.engine.step, "seconds": round(seconds, 3),
+            # a step is the unit: the steady rate leaves the actors' start-up out
+            **run_rates(self.samples, seconds, self.steps, self.first_step,
+                        self.last_step, self.first_step_samples),
+            # the whole run, and the window the latest report covered
+            "pv": {**self.pv.result(), "label": self.pv_label,
+                   "window": self.last_pv_window},
+            "broker_reachable": self.broker_reachable,
+            "idle_s": round(0.0 if self._idle_since is None
+                            else max(0.0, now - self._idle_since), 3),
+            "assigned": sorted(p for parts in self.assignment for p in parts),
+            "since_last_unit_s": (round(now - self.last_step, 3) if self.last_step
+                                  else None),
+            "checkpoints": self.checkpoints_written, "exports": self.exports,
+            "delay_s": self.delays.percentiles(),
+            "steady_delay_s": self.steady_delays.percentiles(), "lag": self.lag,
+            "trainer_waited_s": round(self.waited, 3),
+            "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
+            "admitted": stats.get("admitted", 0), "rejected": stats.get("rejected", 0),
+            "expired": stats.get("expired", 0), "recoveries": self.recoveries,
+            # what a step costs (the on-paper scaling of benchmarks.online): bytes moved
+            # between actors (trainer.distributed.driver counts them) and each actor's
+            # seconds per part of the steps, over this run
+            "bytes_per_step": {k: round(v / max(self.steps, 1)) for k, v in
+                               sorted(self.engine.bytes.items())},
+            "workers": self.engine.workers,
+            "shards": self.engine.shards, "assignment": self.assignment,
+            "offsets": {str(p): o for p, o in sorted(self.positions.items())},
+            "metrics_url": self.metrics_url}
+        if timings:
+            summary["timings"] = self.engine.timings()
+        return summary
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self.committer.close()
 
 
@@ -532,11 +651,12 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
     ``model`` with ``config``), train, checkpoint, commit, and with ``--export-dir`` publish
     a version for serving every ``--export-every`` s; returns the run's summary (the keys of
     the single-process one that apply, plus workers, shards and the assignment)."""
+    if args.unit_samples is not None:
+        parser.error("--unit-samples: not used with --workers/--shards: each worker polls at "
+                     "most its share of the global batch (batch_size / W), so a unit is one "
+                     "step's batch; set batch_size in the --config instead")
     unsupported = [flag for flag, given in (
-        ("--format trees", args.format != "json"),
-        ("--metrics-port", args.metrics_port is not None),
-        ("--expire-every", args.expire_every is not None),
-        ("--unit-samples", args.unit_samples is not None)) if given]
+        ("--format trees", args.format != "json"),) if given]
     if unsupported:
         parser.error(f"{', '.join(unsupported)}: not available with --workers/--shards yet "
                      "(see the README's online learning on Ray)")
@@ -553,7 +673,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
             engine = _init_from(parser, args, schema, workers, shards)
         elif latest is None:
             engine = OnlineDistributedTrainer(schema, model, config, workers=workers,
-                                              shards=shards, ray_address=args.ray_address)
+                                              shards=shards, ray_address=args.ray_address,
+                                              expire_every=args.expire_every)
         else:
             directory = os.path.join(latest.path, "model")
             online = read_manifest(directory).get("online")
@@ -566,7 +687,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
             offsets = {int(p): o for p, o in online["offsets"].items()}
             engine = OnlineDistributedTrainer.restore(directory, workers=workers,
                                                       shards=shards,
-                                                      ray_address=args.ray_address)
+                                                      ray_address=args.ray_address,
+                                                      expire_every=args.expire_every)
             log.info("restored %s: step %d, offsets %s", latest.path, engine.step, offsets)
             if args.init_from:
                 log.info("--init-from %s ignored: %s holds a checkpoint of its own",
@@ -579,16 +701,27 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                   "group": args.group, "options": dict(args.kafka_options),
                   "dlq_topic": args.dead_letter_topic,
                   "max_message_bytes": args.max_message_bytes}
-    run = None
+    run = metrics = None
     try:
         run = OnlineRun(engine, checkpoints, kafka_spec, offsets,
                         checkpoint_every=args.checkpoint_every, max_samples=args.max_samples,
                         idle_exit=args.idle_exit, report_every=args.report_every,
-                        step_log=step_log, export_dir=args.export_dir,
-                        export_every=args.export_every)
+                        step_log=step_log, status_path=os.path.join(args.run_dir, STATUS_FILE),
+                        log_dir=os.path.join(args.run_dir, TENSORBOARD_DIR),
+                        export_dir=args.export_dir, export_every=args.export_every)
+        if args.metrics_port is not None:
+            try:  # served by the driver, from the summary it aggregates over the actors
+                metrics = serve_metrics(run, args.metrics_host, args.metrics_port)
+            except OSError as e:
+                raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                     f"{args.metrics_host}: {e.strerror}") from None
+            run.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
+            log.info("metrics on %s", run.metrics_url)
         with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
             summary = run.run(lambda: stop.signum is not None)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if run is not None:
             run.close()
         engine.close()
@@ -607,7 +740,8 @@ def _init_from(parser, args, schema: schemas.Schema, workers: int,
         parser.error(f"--init-from {args.init_from}: the batch run was trained on another "
                      f"schema ({schema_difference(manifest['schema'], schema.to_dict())})")
     engine = OnlineDistributedTrainer.restore(checkpoint, manifest=manifest, workers=workers,
-                                              shards=shards, ray_address=args.ray_address)
+                                              shards=shards, ray_address=args.ray_address,
+                                              expire_every=args.expire_every)
     log.info("initialised from %s: step %d, %d store rows, %d workers x %d shards",
              args.init_from, engine.step, engine.store_rows(), workers, shards)
     return engine
