@@ -655,11 +655,9 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
         parser.error("--unit-samples: not used with --workers/--shards: each worker polls at "
                      "most its share of the global batch (batch_size / W), so a unit is one "
                      "step's batch; set batch_size in the --config instead")
-    unsupported = [flag for flag, given in (
-        ("--format trees", args.format != "json"),) if given]
-    if unsupported:
-        parser.error(f"{', '.join(unsupported)}: not available with --workers/--shards yet "
-                     "(see the README's online learning on Ray)")
+    if args.format != "json":
+        parser.error("--format trees: not available with --workers/--shards yet (see the "
+                     "README's online learning on Ray)")
     if args.init_from and not fs.is_local(args.init_from):
         parser.error(f"--init-from {args.init_from}: on an object store only without "
                      "--workers/--shards for now; give the Ray run a local or shared copy")
