@@ -14,6 +14,7 @@ import yaml
 from confluent_kafka import Consumer, TopicPartition
 
 import native
+from commands import in_process
 from compression import fs
 from native import crash_points
 from online_samples import CONFIG, SCHEMA
@@ -90,8 +91,9 @@ def test_killed_at_every_point_of_a_checkpoint_and_commit_nothing_is_lost_or_rep
     assert 0 < restored < SAMPLES
 
     # restarted without a crash point: it trains the rest and stops when the topic is idle
-    final = subprocess.run(command + ["--idle-exit", "2", "--checkpoint-every", "0.2"], env=env,
-                           capture_output=True, text=True, timeout=300)
+    # the restarts need no process of their own: run in this one (no crash point is set here)
+    assert crash_points.ENV not in os.environ
+    final = in_process(*command[2:], "--idle-exit", "2", "--checkpoint-every", "0.2")
     assert final.returncode == 0, final.stderr[-3000:]
     summary = json.loads(final.stdout.strip().splitlines()[-1])
     assert summary["samples"] == SAMPLES - restored and summary["offsets"] == {"0": SAMPLES}
@@ -105,8 +107,7 @@ def test_killed_at_every_point_of_a_checkpoint_and_commit_nothing_is_lost_or_rep
 
     # nothing new: a run that trains nothing writes no checkpoint, not even its final one
     before = _listing(run_dir)
-    idle = subprocess.run(command + ["--idle-exit", "1", "--checkpoint-every", "0.1"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    idle = in_process(*command[2:], "--idle-exit", "1", "--checkpoint-every", "0.1")
     assert idle.returncode == 0, idle.stderr[-3000:]
     summary = json.loads(idle.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 0 and summary["checkpoints"] == 0
