@@ -306,9 +306,11 @@ class Worker:
             stores[table] = _FixedRows(unique, inverse, rows)
         return self.core.builder.lookup(prepared, stores, train=True)
 
-    def train_step(self, *shard_rows):
+    def train_step(self, *shard_rows, dense_messages: int = 0):
         """The loss and gradients of the current training batch on the rows the shards sent
-        (one message per shard), then the next batch taken from the training stream.
+        (one message per shard), then the next batch taken from the training stream. With
+        ``dense_messages`` d, the first d arguments are instead the previous step's dense
+        messages, applied first (:meth:`apply_dense`: one call per step instead of two).
         Returns ``(result, dense message, message for shard 0, ..., shard S-1)``: the
         result (loss, predictions, the batch's ``meta``) for the driver; the dense message
         for the other workers (None with one worker: a worker keeps its own, see
@@ -317,6 +319,9 @@ class Worker:
         ``n`` and the next batch's ids this shard owns (as :meth:`next_step`). One call per
         step: the shards then apply this step and look the next one up in one call too
         (``Shard.step``)."""
+        if dense_messages:
+            self.apply_dense(*shard_rows[:dense_messages])
+            shard_rows = shard_rows[dense_messages:]
         out = self._gradient_messages(shard_rows)
         _, *requests = self.next_step("train")
         return out[:2] + tuple((n, grads, request)
