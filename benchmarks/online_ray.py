@@ -180,8 +180,9 @@ def compare(bootstrap: str, topic: str, work: str, samples: int, workers: int,
     single = run_online(bootstrap, topic, os.path.join(work, "single"), samples, "single")
     one = run_online(bootstrap, topic, os.path.join(work, "ray1x1"), samples, "ray1x1",
                      "--workers", "1", "--shards", "1")
-    many = run_online(bootstrap, topic, os.path.join(work, "ray"), samples, "ray",
-                      "--workers", str(workers), "--shards", str(shards))
+    many = one if (workers, shards) == (1, 1) else run_online(  # the same run: once
+        bootstrap, topic, os.path.join(work, "ray"), samples, "ray",
+        "--workers", str(workers), "--shards", str(shards))
     keep = ("samples", "steady", "rate", "bytes_per_step", "timings", "steps", "store_rows")
     return {"single": {k: single[k] for k in keep if k in single},
             "ray_1x1": {k: one[k] for k in keep if k in one},
