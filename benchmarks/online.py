@@ -391,7 +391,7 @@ def _on_ray(args) -> dict:
               "load_average": os.getloadavg()}
     print(f"online learning on Ray, taobao_like JSON samples, paper's MLP, batch {batch_size}, "
           f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
-    for name in ("single", "ray_1x1", f"ray_{workers}x{shards}"):
+    for name in dict.fromkeys(("single", "ray_1x1", f"ray_{workers}x{shards}")):
         steady = result[name]["steady"]
         print(f"  {name:<10} {steady['samples_per_sec']:>10,.0f} samples/s  "
               f"{steady['cpu_s_per_100k']:6.2f} CPU-s per 100k samples (driver "

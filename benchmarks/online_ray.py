@@ -138,7 +138,9 @@ def on_paper(one: dict, many: dict, batch_size: int, workers=(8, 32, 128)) -> di
     # the rest of what the workers send: W (W - 1) copies of one worker's dense gradients
     dense = (moved["worker_sent"] - moved["shard_received"]) / (W * (W - 1)) if W > 1 else 0.0
     steps_per_100k = 1e5 / batch_size
-    calls = 2 * W + many["shards"]  # train_step + apply_dense per worker, step per shard
+    # a train_step per worker (it applies the previous step's dense update first) and a
+    # step per shard; the apply_dense calls of the steps before checkpoints are left out
+    calls = W + many["shards"]
     per_call = many["steady"]["driver_cpu_s_per_100k"] / steps_per_100k / calls
     row_bytes = many["store_bytes"] / max(many["store_rows"], 1)
     rows = []
@@ -149,7 +151,7 @@ def on_paper(one: dict, many: dict, batch_size: int, workers=(8, 32, 128)) -> di
         # the node's worker moves its batch's ids, rows and gradients, its shard as much
         per_worker_sparse = 2 * sparse_per_sample * worker_batch
         network_rate = NIC_BYTES_PER_SEC / (per_worker_dense + per_worker_sparse)  # steps/s
-        driver_rate = 1 / (per_call * (3 * w))  # steps/s: 2w worker calls + w shard calls
+        driver_rate = 1 / (per_call * (2 * w))  # steps/s: w worker calls + w shard calls
         steps = min(step_rate, network_rate, driver_rate)
         limit = {step_rate: "compute", network_rate: "network (dense all-to-all)",
                  driver_rate: "driver (actor calls)"}[steps]
@@ -178,8 +180,9 @@ def compare(bootstrap: str, topic: str, work: str, samples: int, workers: int,
     single = run_online(bootstrap, topic, os.path.join(work, "single"), samples, "single")
     one = run_online(bootstrap, topic, os.path.join(work, "ray1x1"), samples, "ray1x1",
                      "--workers", "1", "--shards", "1")
-    many = run_online(bootstrap, topic, os.path.join(work, "ray"), samples, "ray",
-                      "--workers", str(workers), "--shards", str(shards))
+    many = one if (workers, shards) == (1, 1) else run_online(  # the same run: once
+        bootstrap, topic, os.path.join(work, "ray"), samples, "ray",
+        "--workers", str(workers), "--shards", str(shards))
     keep = ("samples", "steady", "rate", "bytes_per_step", "timings", "steps", "store_rows")
     return {"single": {k: single[k] for k in keep if k in single},
             "ray_1x1": {k: one[k] for k in keep if k in one},

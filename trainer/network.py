@@ -294,8 +294,10 @@ class Network:
         self.train_rows_step = FlatCall(tf.function(self._train_rows_step,
                                                      input_signature=signature))
         self.gradients = FlatCall(tf.function(self._gradients, input_signature=signature))
-        self.apply_dense = tf.function(self._apply_dense, input_signature=[
-            [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]])
+        # through the flat entry point too: a worker calls it every step with one array per
+        # variable, and the binding of a plain tf.function call cost more than the update
+        self.apply_dense = FlatCall(tf.function(self._apply_dense, input_signature=[
+            [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]]))
 
     def structured_twin(self) -> "Network":
         """This network in structured compute: the same model and variables, predictions only

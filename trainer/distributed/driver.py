@@ -267,21 +267,31 @@ class DistributedTrainer:
             train, *[request_refs[w][s] for w in range(W)]), W)
             for s, shard in enumerate(self._shards)]
 
-    def _submit_step(self, step: int, mean: bool, rows, lookup_next: bool) -> dict:
+    def _submit_step(self, step: int, mean: bool, rows, lookup_next: bool,
+                     dense_before=None, apply_dense: bool = True) -> dict:
         """Submit training step ``step``: every worker's ``train_step`` on ``rows``
         (``[shard][worker]`` refs), a dense update of every worker right after it (it runs
         while the shards work), and every shard's ``step``: apply this step's row gradients
         and, with ``lookup_next``, look the workers' next batches up. Returns the refs:
         ``results`` (per worker), ``applied`` (rows expired, per shard), ``dense_applied``,
-        ``messages`` (``[worker][shard]``: gradients and next requests) and ``next_rows``
-        (``[shard][worker]``; None without ``lookup_next``)."""
+        ``messages`` (``[worker][shard]``: gradients and next requests), ``next_rows``
+        (``[shard][worker]``; None without ``lookup_next``) and ``dense`` (per worker, its
+        dense message).
+
+        Without ``apply_dense`` the dense update is left to the caller (``dense_applied`` is
+        empty): it passes ``dense`` as the next step's ``dense_before``, and each worker
+        applies it at the start of that step's ``train_step``, which saves an actor call per
+        worker and step."""
         W, S = self.workers, self.shards
+        dense_args = [] if dense_before is None else list(dense_before)
         outs = [_refs(worker.train_step.options(num_returns=S + 2).remote(
-            *[rows[s][w] for s in range(S)]), S + 2)
+            *[None if v == w else dense_args[v] for v in range(len(dense_args))],
+            *[rows[s][w] for s in range(S)], dense_messages=len(dense_args)), S + 2)
             for w, worker in enumerate(self._workers)]
         dense_applied = ([worker.apply_dense.remote(
             *[None if v == w else outs[v][1] for v in range(W)])
-            for w, worker in enumerate(self._workers)] if self._dense_trains else [])
+            for w, worker in enumerate(self._workers)]
+            if self._dense_trains and apply_dense else [])
         messages = [o[2:] for o in outs]
         applied, next_rows = [], [] if lookup_next else None
         for s, shard in enumerate(self._shards):
@@ -295,7 +305,8 @@ class DistributedTrainer:
                 applied.append(shard.step.remote(step, mean, self.row_l2_scale, W, False,
                                                  *to_shard))
         return {"results": [o[0] for o in outs], "applied": applied,
-                "dense_applied": dense_applied, "messages": messages, "next_rows": next_rows}
+                "dense_applied": dense_applied, "messages": messages, "next_rows": next_rows,
+                "dense": [o[1] for o in outs]}
 
     def _next(self, stream: str, dense_refs=None):
         dense_refs = list(dense_refs or [])

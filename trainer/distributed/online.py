@@ -168,9 +168,15 @@ class OnlineDistributedTrainer(DistributedTrainer):
                 yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
         mean = self.config.row_gradients == "mean"
         rows = self._lookup([refs[1:] for refs in self._next("train")], True)
+        dense = None  # the last step's dense messages, when its update is not applied yet
         while True:
             paused = bool(pause())
-            current = self._submit_step(self.step + 1, mean, rows, not paused)
+            # a step's dense update is applied by the next step's train_step (one call per
+            # worker and step, not two), except before a pause: then by its own apply_dense
+            defer = self._dense_trains and not paused
+            current = self._submit_step(self.step + 1, mean, rows, not paused,
+                                        dense_before=dense, apply_dense=not defer)
+            dense = current["dense"] if defer else None
             results = ray.get(current["results"])
             ray.get(current["dense_applied"])
             expired = sum(ray.get(current["applied"]))

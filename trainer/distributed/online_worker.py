@@ -160,10 +160,13 @@ class OnlineWorker(Worker):
         self._current["train"] = (prepared, tables, meta)
         return (meta,) + tuple(requests)
 
-    def train_step(self, *shard_rows):
+    def train_step(self, *shard_rows, dense_messages: int = 0):
         """As :meth:`Worker.train_step`; the result also holds ``consumed``: the offset
         ranges, messages and dead letters of the batch just trained (None: nothing), and
         ``arrivals_ms``: its samples' Kafka arrival times (Unix ms; None: no batch)."""
+        if dense_messages:
+            self.apply_dense(*shard_rows[:dense_messages])
+            shard_rows = shard_rows[dense_messages:]
         consumed, arrivals = self._consumed, self._arrivals
         result, dense, *to_shards = self._gradient_messages(shard_rows)
         _, *requests = self.next_step()
