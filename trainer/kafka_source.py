@@ -32,6 +32,17 @@ from schemas import Schema
 log = logging.getLogger(__name__)
 
 
+# A unit (one poll, compressed and batched together: trainer.online, and every worker of online
+# learning on Ray) holds up to this many batches of samples: a bigger poll puts more of a
+# user's samples into one tree, so its batches share more and the step costs less per sample.
+# Below that load a poll returns what arrived within its timeout.
+DEFAULT_UNIT_BATCHES = 10
+
+
+def _partition_of(message) -> int:
+    return message.partition() if message.error() is None else -1
+
+
 @dataclass
 class Polled:
     """What one :meth:`KafkaSampleSource.poll` consumed."""
@@ -112,12 +123,16 @@ class KafkaSampleSource:
 
     # -- consuming -----------------------------------------------------------------------
 
-    def poll(self, max_messages: int, timeout: float) -> Polled:
+    def poll(self, max_messages: int, timeout: float, by_partition: bool = False) -> Polled:
         """Consume up to ``max_messages`` (waiting at most ``timeout`` s), decode them in bulk,
-        send malformed ones to the dead-letter topic, and advance :attr:`positions`."""
+        send malformed ones to the dead-letter topic, and advance :attr:`positions`.
+        ``by_partition``: the samples in partition order, then offset (else as consumed), an
+        order a replay of the offset ranges can rebuild."""
         # One pass over the messages (this loop runs for every sample at 100k/s, holding the
         # GIL the training thread also needs); the offset bookkeeping is done in numpy.
         consumed = self.consumer.consume(num_messages=max_messages, timeout=timeout)
+        if by_partition:  # stable: a partition's messages come in offset order
+            consumed.sort(key=_partition_of)
         # after consume: its rebalance callbacks replace self.assigned
         assigned, limit = self.assigned, self.max_message_bytes
         messages, values, partitions, offsets = [], [], [], []

@@ -73,7 +73,7 @@ from native.crash_points import crash_point
 from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
-from trainer.kafka_source import KafkaSampleSource
+from trainer.kafka_source import DEFAULT_UNIT_BATCHES, KafkaSampleSource
 from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
 from trainer.online_report import (STATUS_EVERY, STATUS_FILE, TENSORBOARD_DIR, report_scalars,
                                    serve_metrics, write_status)
@@ -87,10 +87,6 @@ PROG = "python -m trainer.online"
 
 log = logging.getLogger("trainer.online")
 DEFAULT_READER_NICE = 10
-# A unit (one poll, compressed and batched together) holds up to this many batches of samples:
-# a bigger poll puts more of a user's samples into one tree, so its batches share more and the
-# step costs less per sample. Below that load a poll returns what arrived within its timeout.
-DEFAULT_UNIT_BATCHES = 10
 # While polls come back empty, the reader checks at most this often (seconds) that the
 # partitions' leaders answer, waiting up to PROBE_TIMEOUT s: an outage is not idle time.
 PROBE_EVERY = 1.0
@@ -643,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--unit-samples", type=int, metavar="N",
                         help="samples polled, compressed into trees and trained as one unit "
                              "when the topic has them (more of a user's samples share one "
-                             f"tree; default {DEFAULT_UNIT_BATCHES} batches)")
+                             f"tree; default {DEFAULT_UNIT_BATCHES} batches; with --workers W, "
+                             "each worker polls its share: 1/W of it)")
     parser.add_argument("--dead-letter-topic",
                         help="topic for malformed messages (default: TOPIC.dlq)")
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,

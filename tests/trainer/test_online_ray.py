@@ -118,11 +118,25 @@ class Messages:
         return len(self.by_offset)
 
 
+def unit_batches(messages: Messages, ranges: dict, batch_size: int) -> list:
+    """The batches a worker cut from its unit of ``ranges``: its messages in partition, then
+    offset order (malformed ones dropped), compressed at once, in batches of ``batch_size``."""
+    schema = schemas.from_dict(SCHEMA)
+    values = [messages.by_offset[int(p), offset]
+              for p, (first, end) in sorted(ranges.items(), key=lambda r: int(r[0]))
+              for offset in range(first, end)]
+    table, _ = decode_json_samples(values, schema)
+    return list(compression.iter_batches(compression.build_trees(table, schema), schema,
+                                         batch_size))
+
+
 def replay(run_dir, messages: Messages, init_from=None, expire_every=None):
     """A single-process Trainer that trained, step by step, the union batches the step log
-    of ``run_dir`` records (every worker's messages side by side, in worker order), from the
+    of ``run_dir`` records (every worker's batch side by side, in worker order: the
+    ``batch``-th batch of its unit, whose ranges the step of its last batch records), from the
     batch run ``init_from`` (else a new model with CONFIG), its expiry every ``expire_every``
     steps when given (``--expire-every``)."""
+    from trainer.distributed.worker import worker_batch_size
     from trainer import Trainer, models
     from trainer.config import TrainConfig
 
@@ -137,20 +151,39 @@ def replay(run_dir, messages: Messages, init_from=None, expire_every=None):
         steps = [json.loads(line) for line in f]
     # the union is what is checked: steps in which both workers trained
     assert any(all(w["samples"] for w in step["workers"]) for step in steps)
-    for number, step in enumerate(steps, 1):
-        assert step["step"] == first_step + number
-        values = [messages.by_offset[int(p), offset] for worker in step["workers"]
-                  for p, (first, end) in worker["ranges"].items()
-                  for offset in range(first, end)]
+    # per step and worker, the batch it trained: a unit's batches are trained by successive
+    # steps of its worker, the last one's step records the unit's ranges (a restart, which
+    # may change the workers, comes after a checkpoint: when no unit was partly trained)
+    trained_batches: dict = {}
+    pending: dict = {}  # worker -> [(step number, index, batches)] of its unit not ended yet
+    for number, step in enumerate(steps):
+        workers = len(step["workers"])
+        assert all(w < workers for w in pending), "the workers changed in a unit"
+        for w, entry in enumerate(step["workers"]):
+            if entry["batch"] is not None:
+                pending.setdefault(w, []).append((number, *entry["batch"]))
+                assert entry["batch"][0] == len(pending[w]) - 1
+            if entry["ranges"]:
+                size = worker_batch_size(single.config.batch_size, w, workers)
+                batches = unit_batches(messages, entry["ranges"], size)
+                unit = pending.pop(w, [])
+                assert [m for *_, m in unit] == [len(batches)] * len(unit)
+                for (at, _, _), batch in zip(unit, batches):
+                    trained_batches[at, w] = batch
+    assert not pending, "a unit not ended at the last step"
+    for number, step in enumerate(steps):
+        assert step["step"] == first_step + number + 1
         trained += [(int(p), offset) for worker in step["workers"]
                     for p, (first, end) in worker["ranges"].items()
                     for offset in range(first, end)]
-        table, _ = decode_json_samples(values, schema)  # malformed ones were dead-lettered
-        assert table.num_rows == sum(w["samples"] for w in step["workers"])
-        batches = list(compression.iter_batches(compression.build_trees(table, schema), schema,
-                                                CONFIG["batch_size"]))
-        assert len(batches) == 1
-        single.train_batch(batches[0])
+        batches = [trained_batches[number, w] for w in range(len(step["workers"]))
+                   if (number, w) in trained_batches]
+        assert [b.num_leaves for b in batches] == [w["samples"] for w in step["workers"]
+                                                   if w["samples"]]
+        single.train_batch(compression.TreeBatch.concat(batches))
+    # units of several batches: the runs below poll units larger than a worker's batch
+    assert any(w["batch"] is not None and w["batch"][1] > 1
+               for step in steps for w in step["workers"]), "no unit of several batches"
     return single, trained, first_samples
 
 
@@ -241,8 +274,10 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
     resharded into 2 shards) equals the replay from the same model, with dead letters, expiry
     every step (``--expire-every 1``: the rows of users a step did not train are removed) and
     the driver's reports: status.json, /metrics while it runs and TensorBoard scalars,
-    aggregated over the workers and the shards. Its serving export, a version published after
-    every step, holds the final model."""
+    aggregated over the workers and the shards. The workers read units of 2-3 batches
+    (``--unit-samples 500``: 250 samples a worker, batches of 100), so every export (due after
+    every step) and checkpoint waits for their units to drain. Its serving export, a version
+    published whenever a unit boundary allows, holds the final model."""
     from trainer import online
     from trainer.serving import Predictor, one_node_per_sample, published_versions, \
         request_table
@@ -285,7 +320,8 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
             files, kafka_broker, topic, "g-ray", run_dir, ray_address,
             "--idle-exit", "2", "--checkpoint-every", "0.5", "--expire-every", "1",
             "--metrics-port", "0", "--report-every", "0.2", "--init-from", batch,
-            "--export-dir", export_dir, "--export-every", "0", config=False))
+            "--export-dir", export_dir, "--export-every", "0", "--unit-samples", "500",
+            config=False))
     finally:
         done.set()
         scraper.join()
@@ -324,17 +360,19 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
             "pv/logloss"} <= set(points)
     assert points["store/expired"][-1] == (summary["steps"], summary["expired"])
     assert points["dead_letters"][-1][1] == len(bad)
-    # --export-every 0: after every step of the run (the batch run's 2 came before), the
-    # first a full export, each later one a version of every shard's deltas
+    # --export-every 0: after every step of the run at which no unit was partly trained (the
+    # batch run's 2 came before), the first a full export, each later one a version of every
+    # shard's deltas
     steps = summary["steps"] - 2
-    assert summary["exports"] == steps >= 2
-    assert published_versions(export_dir) == list(range(1, steps))
+    exports = summary["exports"]
+    assert 2 <= exports < steps  # units of several batches drained before each export
+    assert published_versions(export_dir) == list(range(1, exports))
     delay = summary["delay_s"]
     assert 0 < delay["p50"] <= delay["p99"]
     predictor = Predictor(export_dir)
     assert predictor.shards == 2
     predictor.update()
-    assert predictor.version == steps - 1 and predictor.dense_step == summary["steps"]
+    assert predictor.version == exports - 1 and predictor.dense_step == summary["steps"]
     # serving holds the run's final model: every shard's rows, the dense weights
     model_dir = os.path.join(CheckpointManager(run_dir).latest().path, "model")
     for table, store in predictor.stores.items():
@@ -358,13 +396,13 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
 
 def test_flags_without_a_meaning_on_ray_are_refused_with_the_reason(kafka_broker, files,
                                                                       tmp_path, capsys):
-    """Before any actor starts: --unit-samples (a unit is one step's batch on Ray) and
-    --expire-every with no expiry in the config."""
+    """Before any actor starts: --unit-samples below 1 and --expire-every with no expiry in
+    the config."""
     from trainer import online
 
     argv = command(files, kafka_broker, "t-refused", "g-refused", str(tmp_path / "run"),
                    "auto")
-    for flag, reason in ((["--unit-samples", "100"], "a unit is one step's batch"),
+    for flag, reason in ((["--unit-samples", "0"], "--unit-samples: expected at least 1"),
                          (["--expire-every", "5"], "no table has an expiry to schedule")):
         with pytest.raises(SystemExit) as exit:
             online.run([*argv, *flag])
@@ -462,7 +500,7 @@ def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
     argv = [sys.executable, "-m", "trainer.online",
             *command(files, kafka_broker, topic, "g-kill", run_dir, ray_address,
                      "--checkpoint-every", "0.5", "--report-every", "0.05",
-                     "--init-from", batch, config=False)]
+                     "--unit-samples", "700", "--init-from", batch, config=False)]
     log_path = tmp_path / "killed.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=log)

@@ -17,20 +17,28 @@ group membership, so every worker knows exactly what it owns. At every checkpoin
 them again and deals the partitions added since. (A worker added or lost counts at the next
 start: the checkpoint's offsets are per partition, whatever the assignment.)
 
-**Steps.** Each worker polls at most its share of the global batch (``worker_batch_size``) at a
-time; one poll is one batch. At every step each worker contributes the batch of its next poll,
-or nothing when no poll came back within the poll timeout (``POLL_TIMEOUT``). Step ``k`` trains
+**Steps.** Each worker polls *units* of at most its share of ``--unit-samples`` (default: about
+10 of its batches, as a single process polls 10 batches), compressed into trees at once and cut
+into batches of its share of the global batch (``worker_batch_size``). At every step each
+worker contributes the next batch of its unit, or of its next unit, or nothing when no poll
+came back within the poll timeout (``POLL_TIMEOUT``). Step ``k`` trains
 the *union batch*: the workers' batches side by side in worker order, which is what the
 shards and the dense update compute (see :mod:`trainer.distributed`): the rows, optimizer
 state and dense weights after step ``k`` equal a single :class:`trainer.Trainer` that trained
 the same union batches in the same order, up to float rounding. A step in which no worker
 had a sample trains nothing and does not count. Which messages each step trained is therefore
 a record, not a rule: with ``step_log`` the driver appends it to ``RUN_DIR/steps.jsonl``
-(``{"step": k, "workers": [{"ranges": {partition: [first, next]}, "samples": n}, ...]}``) at
-every checkpoint, so a single-process replay of the log reproduces the model (the tests do).
+(``{"step": k, "workers": [{"ranges": {partition: [first, next]}, "samples": n, "batch": [i,
+m]}, ...]}``: ``batch`` says the worker trained the i-th of its unit's m batches, and
+``ranges`` are the unit's, on the step that trained its last batch, else empty) at every
+checkpoint, so a single-process replay of the log reproduces the model (the tests do: a unit's
+messages in partition and offset order, compressed and cut into batches as the worker did).
 
 **Exactly once.** A checkpoint is taken between steps, when no batch of the next step has been
-looked up (the lookup admits ids): the dead letters of every worker are delivered first, then
+looked up (the lookup admits ids) and no worker holds a partly trained unit (its offsets are
+trained only with its last batch): when a checkpoint, an export or the end is due, the
+workers start no new unit (``OnlineWorker.drain``) and the steps go on until every worker's
+unit is trained (workers with nothing left contribute empty batches); then the dead letters of every worker are delivered first, then
 :class:`~trainer.checkpoints.CheckpointManager` writes ``checkpoints/ckpt-N/model``, the
 distributed checkpoint (every shard's snapshot, the dense weights, and ``manifest.json``
 written last, whose ``online`` entry holds the topic, the group, the assignment and every
@@ -122,10 +130,14 @@ class OnlineDistributedTrainer(DistributedTrainer):
         return saved.with_expire_every(self.expire_every)
 
     def open_sources(self, kafka_spec: dict, assignment: list[list[int]], offsets: dict,
-                     poll_timeout: float = POLL_TIMEOUT) -> None:
-        """Every worker reads its partitions of ``assignment`` from ``offsets``."""
+                     poll_timeout: float = POLL_TIMEOUT, unit_samples: int | None = None
+                     ) -> None:
+        """Every worker reads its partitions of ``assignment`` from ``offsets``, in units of
+        its share of ``unit_samples`` (None: 10 of its batches); units held before are
+        dropped (read again from ``offsets``)."""
         ray.get([w.open.remote(kafka_spec, parts, {p: offsets[p] for p in parts
-                                                   if p in offsets}, poll_timeout)
+                                                   if p in offsets}, poll_timeout,
+                               unit_samples)
                  for w, parts in zip(self._workers, assignment)])
 
     def close(self) -> None:
@@ -143,11 +155,14 @@ class OnlineDistributedTrainer(DistributedTrainer):
 
     def online_steps(self, pause):
         """Synchronous steps for ever: yields ``(results, paused)`` per step, ``results``
-        the workers' (``n``, ``loss``, ``probabilities``, ``labels``, ``consumed``).
-        ``pause()`` is asked before each step is submitted: True drains it (the shards apply
-        it without looking the next batches up), so when the step is yielded the actors hold
-        exactly the steps trained, and a checkpoint may be taken. Otherwise the shards look
-        the workers' next batches up in the same call (the pipelining of batch training).
+        the workers' (``n``, ``loss``, ``probabilities``, ``labels``, ``consumed``, ``batch``).
+        ``pause()`` is asked before each step is submitted. True first drains the workers'
+        units: while a worker would hold a partly trained unit after the step, the workers
+        start no new unit and the steps go on (``paused`` False). Then the step is paused:
+        the shards apply it without looking the next batches up, so when it is yielded the
+        actors hold exactly the steps trained, no unit is partly trained, and a checkpoint
+        may be taken. Otherwise the shards look the workers' next batches up in the same call
+        (the pipelining of batch training).
 
         A new run first resolves the dense features' statistics (``auto`` transforms,
         standardization) on the first step's union batch, as a single process does on its
@@ -168,9 +183,17 @@ class OnlineDistributedTrainer(DistributedTrainer):
                 yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
         mean = self.config.row_gradients == "mean"
         rows = self._lookup([refs[1:] for refs in self._next("train")], True)
+        # per worker, the batches of its unit left after the one the next step trains
+        left = ray.get([w.left.remote() for w in self._workers])
+        draining = False
         dense = None  # the last step's dense messages, when its update is not applied yet
         while True:
-            paused = bool(pause())
+            wanted = bool(pause())
+            paused = wanted and not any(left)
+            if draining != (wanted and not paused):  # before the step's train_step (in order)
+                draining = not draining
+                for worker in self._workers:
+                    worker.drain.remote(draining)
             # a step's dense update is applied by the next step's train_step (one call per
             # worker and step, not two), except before a pause: then by its own apply_dense
             defer = self._dense_trains and not paused
@@ -178,6 +201,7 @@ class OnlineDistributedTrainer(DistributedTrainer):
                                         dense_before=dense, apply_dense=not defer)
             dense = current["dense"] if defer else None
             results = ray.get(current["results"])
+            left = [r["left"] for r in results]
             ray.get(current["dense_applied"])
             expired = sum(ray.get(current["applied"]))
             if any(r["n"] for r in results):  # else the shards skipped it: no step
@@ -198,11 +222,14 @@ class OnlineRun:
                  max_samples: int | None = None, idle_exit: float | None = None,
                  report_every: float = 10.0, step_log: str | None = None,
                  status_path: str | None = None, log_dir: str | None = None,
-                 export_dir: str | None = None, export_every: float = 10.0):
+                 export_dir: str | None = None, export_every: float = 10.0,
+                 unit_samples: int | None = None):
         """``status_path``: the status file, rewritten every ``STATUS_EVERY`` s with the
         summary so far (None: none); ``log_dir``: TensorBoard scalars at every report (None:
         none). Both as the single process writes them (:mod:`trainer.online_report`).
-        ``export_dir``: serving exports every ``export_every`` s (:meth:`export`)."""
+        ``export_dir``: serving exports every ``export_every`` s (:meth:`export`).
+        ``unit_samples``: samples of a unit over all workers (``--unit-samples``; each worker
+        polls its share; None: 10 batches)."""
         self.engine = engine
         self.checkpoints = checkpoints
         self.kafka_spec = kafka_spec
@@ -213,6 +240,7 @@ class OnlineRun:
         self.step_log = step_log
         self.export_dir = export_dir
         self.export_every = export_every
+        self.unit_samples = unit_samples
         self.positions = {int(p): int(o) for p, o in offsets.items()}  # next offset to train
         self.assignment: list[list[int]] = []
         self.settings = kafka.consumer_settings(kafka_spec["bootstrap_servers"],
@@ -285,7 +313,8 @@ class OnlineRun:
             try:
                 if self._checkpointed is None:
                     self.checkpoint()  # what a death before the first checkpoint goes back to
-                engine.open_sources(self.kafka_spec, self.assignment, self.positions)
+                engine.open_sources(self.kafka_spec, self.assignment, self.positions,
+                                    unit_samples=self.unit_samples)
                 if self._train(should_stop):
                     continue  # the topic has new partitions: deal them, read on
                 return self.finish()
@@ -439,19 +468,19 @@ class OnlineRun:
         consumed_any = False
         step_record = []
         for r in results:
-            if r["n"] and r.get("arrivals_ms") is not None:
+            if r.get("arrivals_ms") is not None:  # a unit's, on the step of its last batch
                 self._pending_arrivals.append((self.engine.step, r["arrivals_ms"]))
             consumed = r.get("consumed")
             step_record.append({"ranges": {} if consumed is None else consumed["ranges"],
-                                "samples": r["n"]})
-            if consumed is None:
-                continue
-            consumed_any = True
-            self.broker_reachable = True  # the worker read from it
-            self.messages += consumed["messages"]
-            self.dead += consumed["dead"]
-            for p, (_, end) in consumed["ranges"].items():
-                self.positions[int(p)] = max(self.positions.get(int(p), 0), int(end))
+                                "samples": r["n"], "batch": r.get("batch")})
+            if consumed is not None:  # a unit ended: its offsets are trained
+                self.messages += consumed["messages"]
+                self.dead += consumed["dead"]
+                for p, (_, end) in consumed["ranges"].items():
+                    self.positions[int(p)] = max(self.positions.get(int(p), 0), int(end))
+            if consumed is not None or r["n"]:
+                consumed_any = True
+                self.broker_reachable = True  # the worker read from it
             if r["n"]:
                 if self.pv_label is None:
                     self.pv_label = next(iter(r["probabilities"]))  # the model's first head
@@ -657,10 +686,6 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
     ``model`` with ``config``), train, checkpoint, commit, and with ``--export-dir`` publish
     a version for serving every ``--export-every`` s; returns the run's summary (the keys of
     the single-process one that apply, plus workers, shards and the assignment)."""
-    if args.unit_samples is not None:
-        parser.error("--unit-samples: not used with --workers/--shards: each worker polls at "
-                     "most its share of the global batch (batch_size / W), so a unit is one "
-                     "step's batch; set batch_size in the --config instead")
     if args.format != "json":
         parser.error("--format trees: not available with --workers/--shards yet (see the "
                      "README's online learning on Ray)")
@@ -712,7 +737,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                         idle_exit=args.idle_exit, report_every=args.report_every,
                         step_log=step_log, status_path=os.path.join(args.run_dir, STATUS_FILE),
                         log_dir=os.path.join(args.run_dir, TENSORBOARD_DIR),
-                        export_dir=args.export_dir, export_every=args.export_every)
+                        export_dir=args.export_dir, export_every=args.export_every,
+                        unit_samples=args.unit_samples)
         if args.metrics_port is not None:
             try:  # served by the driver, from the summary it aggregates over the actors
                 metrics = serve_metrics(run, args.metrics_host, args.metrics_port)

@@ -1,12 +1,21 @@
 """The online worker actor: a data-parallel worker whose batches come from its Kafka partitions.
 
 A reader thread polls the partitions the driver assigned (explicit assignment, no group
-membership), at most the worker's share of the global batch per poll, and turns each poll into
-one *item*: one TreeBatch (a poll of at most ``worker_batch_size`` samples is one batch) and
-the offset ranges it consumed. Each synchronous step takes one item, waiting at most the poll
-timeout: a worker with nothing to read contributes an empty batch and holds the others up for
-no longer than that. A poll whose messages were all malformed holds no batch but still moves
-the offsets (its messages went to the dead-letter topic), so the step reports them.
+membership), at most the worker's share of ``unit_samples`` per poll (about 10 of its batches
+by default, as a single process polls), and turns each poll into one *unit*: its samples in
+partition order (then offset: what a replay of the step log can rebuild), compressed into
+trees at once (a bigger poll shares more tree prefixes), cut into batches of the worker's
+share of the global batch, with the offset ranges it consumed. Each synchronous step trains
+the next batch of the current unit, else the first of the next unit, waiting at most the poll
+timeout for one: a worker with nothing to read contributes an empty batch and holds the others
+up for no longer than that. A unit's ranges are reported by the step that trains its last
+batch (its offsets are trained then, not before); a poll whose messages were all malformed
+holds no batch but still moves the offsets (its messages went to the dead-letter topic), so
+the step that takes it reports them.
+
+While the driver drains (:meth:`OnlineWorker.drain`) a worker starts no new unit: it trains
+what is left of its current one, then contributes empty batches, so that a checkpoint, which
+holds per partition *trained* offsets, is taken when no worker holds a partly trained unit.
 """
 
 from __future__ import annotations
@@ -18,29 +27,46 @@ from dataclasses import dataclass
 import numpy as np
 
 import compression
-from compression import TreeBatch
 from trainer.distributed.worker import Worker, dense_sample, worker_batch_size
-from trainer.kafka_source import KafkaSampleSource
+from trainer.kafka_source import DEFAULT_UNIT_BATCHES, KafkaSampleSource
 
 
 @dataclass
 class Consumed:
-    """What one poll of a worker consumed, and the batch made of it."""
+    """What one poll of a worker consumed (a unit), and the batches made of it."""
 
-    batch: TreeBatch | None  # None: the poll's messages were all malformed
+    batches: list            # TreeBatch each; empty: the poll's messages were all malformed
     ranges: dict             # partition -> [first offset, next offset]
     messages: int
     dead: int
-    split: tuple | None = None  # prepared and split by shard (once the dense stats are known)
-    # the Kafka arrival time (Unix ms) of every sample of the batch: the run's export delay
+    # per batch: prepared and split by shard (None until the dense stats are known)
+    splits: list | None = None
+    # the Kafka arrival time (Unix ms) of every sample of the unit: the run's export delay
+    # (reported with the unit's last batch, when all of them are trained)
     arrivals_ms: np.ndarray | None = None
+    taken: int = 0  # batches taken for a step so far
 
     def report(self) -> dict:
         """What the driver records of it: offsets, messages and dead letters."""
         return {"ranges": self.ranges, "messages": self.messages, "dead": self.dead}
 
+    @property
+    def left(self) -> int:
+        """Batches not taken for a step yet."""
+        return len(self.batches) - self.taken
+
 
 _NOTHING = "nothing"  # held for the next step: an empty contribution
+
+
+def worker_unit_samples(batch_size: int, unit_samples: int | None, worker: int,
+                        workers: int) -> int:
+    """Samples worker ``worker`` polls as one unit: its share of ``unit_samples`` (the run's
+    ``--unit-samples``), or with ``unit_samples`` None the single process's default for its
+    share of ``batch_size`` (``DEFAULT_UNIT_BATCHES`` of its batches)."""
+    if unit_samples is None:
+        return DEFAULT_UNIT_BATCHES * worker_batch_size(batch_size, worker, workers)
+    return worker_batch_size(unit_samples, worker, workers)
 
 
 class OnlineWorker(Worker):
@@ -52,11 +78,13 @@ class OnlineWorker(Worker):
     source: KafkaSampleSource | None = None
 
     def open(self, kafka_spec: dict, partitions: list[int], offsets: dict,
-             poll_timeout: float) -> list[int]:
+             poll_timeout: float, unit_samples: int | None = None) -> list[int]:
         """Read ``partitions`` of ``kafka_spec["topic"]`` from ``offsets`` (partition -> next
         offset; a partition without one starts at the group's committed offset, else at the
-        beginning). ``kafka_spec``: bootstrap_servers, topic, group, options (``-X``),
-        dlq_topic, max_message_bytes."""
+        beginning), in units of this worker's share of ``unit_samples`` samples (the whole
+        run's, as ``batch_size``; None: ``DEFAULT_UNIT_BATCHES`` of this worker's batches).
+        ``kafka_spec``: bootstrap_servers, topic, group, options (``-X``), dlq_topic,
+        max_message_bytes. Held units of a previous open are dropped."""
         self.close_source()
         self.source = KafkaSampleSource(
             self.schema, kafka_spec["bootstrap_servers"], kafka_spec["topic"],
@@ -64,11 +92,16 @@ class OnlineWorker(Worker):
             dlq_topic=kafka_spec["dlq_topic"], config=kafka_spec["options"],
             max_message_bytes=kafka_spec["max_message_bytes"], partitions=list(partitions))
         self.poll_timeout = poll_timeout
+        self.unit_samples = worker_unit_samples(self.core.config.batch_size, unit_samples,
+                                                self.index, self.workers)
         self._items: queue.Queue = queue.Queue(max(self.core.config.pipeline_depth, 1))
         self._stop_reading = threading.Event()
         self._held = None      # an item taken ahead for the next step (first_dense_sample)
+        self._unit = None      # the unit whose batches the steps train
+        self._draining = False
         self._consumed = None  # what the batch of the current step consumed
         self._arrivals = None  # and its samples' arrival times
+        self._batch = None     # [index in its unit, batches of the unit] of the current step
         self._reader = threading.Thread(
             target=self._read_kafka, args=(self.source, self._stop_reading, self._items),
             daemon=True, name=f"online-worker{self.index}")
@@ -84,27 +117,23 @@ class OnlineWorker(Worker):
         self.source = None
 
     def _read_kafka(self, source: KafkaSampleSource, stop: threading.Event, items: queue.Queue):
-        ask = worker_batch_size(self.core.config.batch_size, self.index, self.workers)
+        batch_size = worker_batch_size(self.core.config.batch_size, self.index, self.workers)
         try:
             while not stop.is_set():
-                polled = source.poll(ask, self.poll_timeout)
+                polled = source.poll(self.unit_samples, self.poll_timeout, by_partition=True)
                 if not polled.messages:
                     continue
-                item = Consumed(None, {int(p): [int(a), int(b)]
-                                       for p, (a, b) in polled.ranges.items()},
+                item = Consumed([], {int(p): [int(a), int(b)]
+                                     for p, (a, b) in sorted(polled.ranges.items())},
                                 polled.messages, polled.dead)
                 if polled.num_samples:
                     trees = compression.build_trees(polled.samples, self.schema, validate=False)
-                    batches = list(compression.iter_batches(trees, self.schema, ask,
-                                                            self.core.config.split_trees))
-                    if len(batches) != 1:  # the grouping's promise: one poll, one batch
-                        raise RuntimeError(f"worker {self.index}: a poll of "
-                                           f"{polled.num_samples} samples made {len(batches)} "
-                                           f"batches of {ask}")
-                    item.batch = batches[0]
+                    item.batches = list(compression.iter_batches(
+                        trees, self.schema, batch_size, self.core.config.split_trees))
                     item.arrivals_ms = polled.timestamps_ms
                     if self.core.dense_resolved:  # else prepared once the driver resolved them
-                        item.split = self._split(self.core.prepare_numpy(item.batch))
+                        item.splits = [self._split(self.core.prepare_numpy(b))
+                                       for b in item.batches]
                 while not stop.is_set():
                     try:
                         items.put(item, timeout=0.05)
@@ -114,8 +143,8 @@ class OnlineWorker(Worker):
         except BaseException as e:  # raised in the driver's next step call
             items.put(e)
 
-    def _take(self) -> Consumed | None:
-        """The next item, waiting at most the poll timeout (None: nothing to train)."""
+    def _next_unit(self) -> Consumed | None:
+        """The next unit, waiting at most the poll timeout (None: nothing to train)."""
         if self._held is not None:
             item, self._held = self._held, None
             return None if item is _NOTHING else item
@@ -127,6 +156,32 @@ class OnlineWorker(Worker):
             raise item
         return item
 
+    def _take(self) -> tuple[Consumed, int | None] | None:
+        """The next step's batch: ``(its unit, its index there)``, the index None for a unit
+        without batches (only malformed messages); None: nothing to train (nothing read
+        within the poll timeout, or draining with the current unit trained)."""
+        unit = self._unit
+        if unit is None or not unit.left:
+            if self._draining:
+                return None
+            unit = self._unit = self._next_unit()
+            if unit is None:
+                return None
+            if not unit.batches:
+                self._unit = None
+                return unit, None
+        unit.taken += 1
+        return unit, unit.taken - 1
+
+    def drain(self, draining: bool) -> None:
+        """While ``draining``, start no new unit: the steps train what is left of the current
+        one, then nothing (the driver then takes a checkpoint)."""
+        self._draining = bool(draining)
+
+    def left(self) -> int:
+        """Batches of the current unit that no step has taken yet."""
+        return 0 if self._unit is None else self._unit.left
+
     def first_dense_sample(self, names) -> tuple[dict | None, dict | None]:
         """Take the next item now and return ``(its batch's dense values and leaf weights,
         what it consumed)``: the driver resolves the dense statistics on the first step's
@@ -135,12 +190,12 @@ class OnlineWorker(Worker):
         contributes nothing to the next step."""
         if self._held is _NOTHING:  # the previous round's: there was no step since
             self._held = None
-        item = self._take()
-        if item is None or item.batch is None:
+        item = self._next_unit()
+        if item is None or not item.batches:
             self._held = _NOTHING
             return None, None if item is None else item.report()
         self._held = item
-        return dense_sample(item.batch, self.schema, names), None
+        return dense_sample(item.batches[0], self.schema, names), None
 
     def next_step(self, stream: str = "train", dense_messages: int = 0, *messages):
         """As :meth:`Worker.next_step`, the batch taken from Kafka (``stream`` is always the
@@ -148,29 +203,43 @@ class OnlineWorker(Worker):
         self._check()
         if dense_messages:
             self.apply_dense(*messages)
-        item = self._take()
-        self._consumed = None if item is None else item.report()
-        self._arrivals = None if item is None else item.arrivals_ms
-        if item is None or item.batch is None:
+        taken = self._take()
+        self._consumed = self._arrivals = self._batch = None
+        if taken is None or taken[1] is None:
+            self._consumed = None if taken is None else taken[0].report()
             self._current["train"] = None
             return ({"n": 0},) + tuple({} for _ in range(self.shards))
-        if item.split is None:
-            item.split = self._split(self.core.prepare_numpy(item.batch))
-        prepared, tables, requests, meta = item.split
+        unit, index = taken
+        last = index == len(unit.batches) - 1
+        if last:  # the unit's offsets are trained with its last batch
+            self._consumed, self._arrivals = unit.report(), unit.arrivals_ms
+        self._batch = [index, len(unit.batches)]
+        if unit.splits is None:
+            unit.splits = [None] * len(unit.batches)
+        split = unit.splits[index]
+        if split is None:
+            split = self._split(self.core.prepare_numpy(unit.batches[index]))
+        unit.splits[index] = unit.batches[index] = None  # not kept once taken
+        prepared, tables, requests, meta = split
         self._current["train"] = (prepared, tables, meta)
         return (meta,) + tuple(requests)
 
     def train_step(self, *shard_rows, dense_messages: int = 0):
         """As :meth:`Worker.train_step`; the result also holds ``consumed``: the offset
-        ranges, messages and dead letters of the batch just trained (None: nothing), and
-        ``arrivals_ms``: its samples' Kafka arrival times (Unix ms; None: no batch)."""
+        ranges, messages and dead letters of the unit whose last batch was just trained (None:
+        the unit goes on, or nothing), ``arrivals_ms``: that unit's samples' Kafka arrival
+        times (Unix ms; None: no unit ended), ``batch``: ``[index in its unit, batches of the
+        unit]`` of the batch trained (None: no batch), and ``left``: the batches of the
+        current unit left after the one taken for the next step (0: after the next step no
+        unit is partly trained, a checkpoint may follow it)."""
         if dense_messages:
             self.apply_dense(*shard_rows[:dense_messages])
             shard_rows = shard_rows[dense_messages:]
-        consumed, arrivals = self._consumed, self._arrivals
+        consumed, arrivals, batch = self._consumed, self._arrivals, self._batch
         result, dense, *to_shards = self._gradient_messages(shard_rows)
         _, *requests = self.next_step()
-        return ({**result, "consumed": consumed, "arrivals_ms": arrivals}, dense) + tuple(
+        return ({**result, "consumed": consumed, "arrivals_ms": arrivals, "batch": batch,
+                 "left": self.left()}, dense) + tuple(
             (n, grads, request) for (n, grads), request in zip(to_shards, requests))
 
     def flush_dead_letters(self, timeout: float) -> bool:
