@@ -45,8 +45,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+import schemas
 from compression import fs
 from native.crash_points import crash_point
+from trainer.config import ConfigError, TrainConfig
 
 STATE_FILE = "state.json"
 LATEST_FILE = "LATEST"
@@ -320,3 +322,121 @@ def dense_name(kind: str, index: int) -> str:
     ``model/NNNN`` (``kind`` "model": the network's variables, in their build order) or
     ``optimizer/NNNN`` (the dense optimizer's)."""
     return f"{kind}/{index:04d}"
+
+
+# -- trainer.json: the state of a single-process trainer checkpoint (trainer.Trainer.save) --
+
+# 3: trainer.json carries the sha256 of itself and of dense.npz (``checksum``, ``checksums``)
+CHECKPOINT_VERSION = 3
+
+
+def checkpoint_state(directory: str) -> dict:
+    """The state (``trainer.json``) of the checkpoint in ``directory``, checked as
+    :meth:`Trainer.restore` checks it (CheckpointDamagedError naming what is damaged), its
+    config in this version's form: what :meth:`Trainer.restore` and a distributed run
+    starting from a single-process one (``trainer.distributed.driver.run_checkpoint``)
+    read."""
+    state = read_trainer_state(directory)
+    try:
+        schema = schemas.from_dict(state["schema"])
+    except schemas.SchemaError as e:
+        raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the "
+                                     f"schema it holds is not valid: {e}") from None
+    if state["version"] == 1:
+        state["config"] = _config_v1(state["config"], schema)
+    checkpoint_config(directory, state)
+    return state
+
+
+def read_trainer_state(directory: str) -> dict:
+    """The state (trainer.json) of the checkpoint in ``directory``, checked: a damaged
+    trainer.json or dense.npz raises CheckpointDamagedError naming it (version 3 checks both
+    against their sha256; older versions only what parsing them finds, when the trainer
+    reads dense.npz)."""
+    path = os.path.join(directory, "trainer.json")
+    try:
+        state = read_json(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory}: no trainer checkpoint (trainer.json missing); "
+                                "write one with Trainer.save") from None
+    version = state.get("version")
+    if version not in (1, 2, CHECKPOINT_VERSION):
+        raise ValueError(f"{path}: checkpoint version {version}, this trainer reads versions "
+                         f"1 to {CHECKPOINT_VERSION}")
+    dense_path = os.path.join(directory, "dense.npz")
+    if version >= 3:
+        state = unsealed(path, state)
+        checksums = state.get("checksums")
+        if not isinstance(checksums, dict) or not isinstance(checksums.get("dense.npz"), str):
+            raise CheckpointDamagedError(f"{path}: damaged checkpoint file, no sha256 of "
+                                         "dense.npz in its 'checksums'")
+        expected = checksums["dense.npz"]
+        try:
+            found = file_sha256(dense_path)
+        except FileNotFoundError:
+            raise CheckpointDamagedError(f"{dense_path}: missing from the checkpoint") from None
+        if found != expected:
+            raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file, its sha256 is "
+                                         f"{found}, {path} says {expected}")
+    _check_state(path, state)
+    return state
+
+
+def _check_state(path: str, state: dict) -> None:
+    """The fields of a trainer.json that loading reads, with their types: a file with a valid
+    checksum can still be one a bug or a hand edit wrote (CheckpointDamagedError naming it)."""
+    def bad(what: str):
+        raise CheckpointDamagedError(f"{path}: not a valid trainer checkpoint, {what}; restore "
+                                     "it from a copy or train again")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in ("step", "samples"):
+        if not count(state.get(key)):
+            bad(f"{key!r} must be a count (an integer >= 0), found {state.get(key)!r}")
+    if "expired" in state and not count(state["expired"]):
+        bad(f"'expired' must be a count (an integer >= 0), found {state['expired']!r}")
+    for key in ("config", "schema"):
+        if not isinstance(state.get(key), dict):
+            bad(f"{key!r} must be a mapping, found {type(state.get(key)).__name__}")
+    if "model" not in state or not isinstance(state["model"], (dict, type(None))):
+        bad("'model' must be a mapping or null")
+    variables = state.get("variables")
+    if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
+        bad(f"'variables' must be a list of names, found {type(variables).__name__}")
+    config = state["config"]
+    if not isinstance(config.get("embedding") or {}, dict):
+        bad("config.embedding must be a mapping")
+    tables = config.get("tables") or {}
+    if not isinstance(tables, dict) or not all(isinstance(raw or {}, dict)
+                                               for raw in tables.values()):
+        bad("config.tables must map table names to mappings")
+
+
+def checkpoint_config(directory: str, state: dict) -> TrainConfig:
+    """The checkpoint's training config; CheckpointDamagedError naming its trainer.json when
+    the config it holds is not valid."""
+    try:
+        return TrainConfig.from_dict(config_before_l2(state["config"]))
+    except ConfigError as e:
+        raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the training "
+                                     f"config it holds is not valid: {e}") from None
+
+
+def _config_v1(config: dict, schema) -> dict:
+    """A version-1 checkpoint's config with that version's defaults written out: ids lists
+    pooled by sum, dense values untransformed unless configured and never standardized, row
+    gradients of the batch mean."""
+    config = dict(config)
+    features = {k: dict(v) for k, v in (config.get("features") or {}).items()}
+    for f in schema.features:
+        if f.kind == "ids":
+            features.setdefault(f.name, {}).setdefault("pooling", "sum")
+    dense = {f.name: {"transform": "none"} for f in schema.features if f.kind == "dense"}
+    for name, raw in (config.get("dense") or {}).items():
+        dense[name] = dict(raw)
+    for raw in dense.values():
+        raw["standardize"] = False
+    config.update(features=features, dense=dense, row_gradients="mean")
+    return config

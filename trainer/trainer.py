@@ -33,9 +33,10 @@ from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting
-from trainer.checkpoints import (CheckpointDamagedError, config_before_l2, file_sha256, read_json,
-                                 sealed, unsealed)
-from trainer.config import ConfigError, TrainConfig, resolve_function, row_l2, table_seed
+from trainer.checkpoints import (CHECKPOINT_VERSION, CheckpointDamagedError, checkpoint_config,
+                                 checkpoint_state, config_before_l2, file_sha256,
+                                 read_trainer_state, sealed)
+from trainer.config import TrainConfig, resolve_function, row_l2, table_seed
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, Prepared
 from trainer.fitting import FitState
@@ -43,8 +44,6 @@ from trainer.metrics import evaluation
 from trainer.model import ModelCore
 from trainer.network import sum_row_slices
 
-# 3: trainer.json carries the sha256 of itself and of dense.npz (``checksum``, ``checksums``)
-CHECKPOINT_VERSION = 3
 _END = object()
 
 
@@ -410,7 +409,7 @@ class Trainer(ModelCore):
                                  "model= (a fresh instance of the same DenseNet)")
             model = models_lib.from_spec(state["model"])
         schema = schemas.from_dict(state["schema"])
-        config = _checkpoint_config(directory, state)
+        config = checkpoint_config(directory, state)
         trainer = cls(schema, model, config)
         trainer._load_state(directory, state)
         return trainer
@@ -459,8 +458,8 @@ class Trainer(ModelCore):
         """Load the dense weights, stores and counters of a checkpoint of this same trainer
         (e.g. the best one ``fit`` kept) in place."""
         directory = os.fspath(directory)
-        state = _read_checkpoint(directory)
-        config = _checkpoint_config(directory, state)
+        state = read_trainer_state(directory)
+        config = checkpoint_config(directory, state)
         self._load_state(directory, state, config)
 
     def _load_state(self, directory: str, state: dict, config: TrainConfig | None = None) -> None:
@@ -488,99 +487,6 @@ class Trainer(ModelCore):
         self.expired = state.get("expired", 0)
 
 
-def checkpoint_state(directory: str) -> dict:
-    """The state (``trainer.json``) of the checkpoint in ``directory``, checked as
-    :meth:`Trainer.restore` checks it (CheckpointDamagedError naming what is damaged), its
-    config in this version's form: what :meth:`Trainer.restore` and a distributed run
-    starting from a single-process one (``trainer.distributed.driver.run_checkpoint``)
-    read."""
-    state = _read_checkpoint(directory)
-    try:
-        schema = schemas.from_dict(state["schema"])
-    except schemas.SchemaError as e:
-        raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the "
-                                     f"schema it holds is not valid: {e}") from None
-    if state["version"] == 1:
-        state["config"] = _config_v1(state["config"], schema)
-    _checkpoint_config(directory, state)
-    return state
-
-
-def _read_checkpoint(directory: str) -> dict:
-    """The state (trainer.json) of the checkpoint in ``directory``, checked: a damaged
-    trainer.json or dense.npz raises CheckpointDamagedError naming it (version 3 checks both
-    against their sha256; older versions only what parsing them finds, in _read_dense)."""
-    path = os.path.join(directory, "trainer.json")
-    try:
-        state = read_json(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{directory}: no trainer checkpoint (trainer.json missing); "
-                                "write one with Trainer.save") from None
-    version = state.get("version")
-    if version not in (1, 2, CHECKPOINT_VERSION):
-        raise ValueError(f"{path}: checkpoint version {version}, this trainer reads versions "
-                         f"1 to {CHECKPOINT_VERSION}")
-    dense_path = os.path.join(directory, "dense.npz")
-    if version >= 3:
-        state = unsealed(path, state)
-        checksums = state.get("checksums")
-        if not isinstance(checksums, dict) or not isinstance(checksums.get("dense.npz"), str):
-            raise CheckpointDamagedError(f"{path}: damaged checkpoint file, no sha256 of "
-                                         "dense.npz in its 'checksums'")
-        expected = checksums["dense.npz"]
-        try:
-            found = file_sha256(dense_path)
-        except FileNotFoundError:
-            raise CheckpointDamagedError(f"{dense_path}: missing from the checkpoint") from None
-        if found != expected:
-            raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file, its sha256 is "
-                                         f"{found}, {path} says {expected}")
-    _check_state(path, state)
-    return state
-
-
-def _check_state(path: str, state: dict) -> None:
-    """The fields of a trainer.json that loading reads, with their types: a file with a valid
-    checksum can still be one a bug or a hand edit wrote (CheckpointDamagedError naming it)."""
-    def bad(what: str):
-        raise CheckpointDamagedError(f"{path}: not a valid trainer checkpoint, {what}; restore "
-                                     "it from a copy or train again")
-
-    def count(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-    for key in ("step", "samples"):
-        if not count(state.get(key)):
-            bad(f"{key!r} must be a count (an integer >= 0), found {state.get(key)!r}")
-    if "expired" in state and not count(state["expired"]):
-        bad(f"'expired' must be a count (an integer >= 0), found {state['expired']!r}")
-    for key in ("config", "schema"):
-        if not isinstance(state.get(key), dict):
-            bad(f"{key!r} must be a mapping, found {type(state.get(key)).__name__}")
-    if "model" not in state or not isinstance(state["model"], (dict, type(None))):
-        bad("'model' must be a mapping or null")
-    variables = state.get("variables")
-    if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
-        bad(f"'variables' must be a list of names, found {type(variables).__name__}")
-    config = state["config"]
-    if not isinstance(config.get("embedding") or {}, dict):
-        bad("config.embedding must be a mapping")
-    tables = config.get("tables") or {}
-    if not isinstance(tables, dict) or not all(isinstance(raw or {}, dict)
-                                               for raw in tables.values()):
-        bad("config.tables must map table names to mappings")
-
-
-def _checkpoint_config(directory: str, state: dict) -> TrainConfig:
-    """The checkpoint's training config; CheckpointDamagedError naming its trainer.json when
-    the config it holds is not valid."""
-    try:
-        return TrainConfig.from_dict(config_before_l2(state["config"]))
-    except ConfigError as e:
-        raise CheckpointDamagedError(f"{os.path.join(directory, 'trainer.json')}: the training "
-                                     f"config it holds is not valid: {e}") from None
-
-
 def _read_dense(directory: str) -> dict:
     """Every array of ``directory/dense.npz``, read whole (so a damaged file fails here)."""
     dense_path = os.path.join(directory, "dense.npz")
@@ -593,24 +499,6 @@ def _read_dense(directory: str) -> dict:
         raise CheckpointDamagedError(f"{dense_path}: damaged checkpoint file "
                                      f"({type(e).__name__}: {e})") from None
     return arrays
-
-
-def _config_v1(config: dict, schema) -> dict:
-    """A version-1 checkpoint's config with that version's defaults written out: ids lists
-    pooled by sum, dense values untransformed unless configured and never standardized, row
-    gradients of the batch mean."""
-    config = dict(config)
-    features = {k: dict(v) for k, v in (config.get("features") or {}).items()}
-    for f in schema.features:
-        if f.kind == "ids":
-            features.setdefault(f.name, {}).setdefault("pooling", "sum")
-    dense = {f.name: {"transform": "none"} for f in schema.features if f.kind == "dense"}
-    for name, raw in (config.get("dense") or {}).items():
-        dense[name] = dict(raw)
-    for raw in dense.values():
-        raw["standardize"] = False
-    config.update(features=features, dense=dense, row_gradients="mean")
-    return config
 
 
 def _close(batches) -> None:

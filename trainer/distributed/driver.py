@@ -24,7 +24,7 @@ from compression.cli import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting, runs
-from trainer.checkpoints import config_before_l2, dense_name
+from trainer.checkpoints import checkpoint_state, config_before_l2, dense_name
 from trainer.config import ConfigError, TrainConfig, resolve_function
 from trainer.data import count_samples
 from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
@@ -75,8 +75,6 @@ def run_checkpoint(run_dir) -> tuple[str, dict]:
     ``trainer.online --init-from RUN_DIR --workers W --shards S`` starts from."""
     checkpoint = os.path.join(os.fspath(run_dir), "checkpoint")
     if os.path.isfile(os.path.join(checkpoint, "trainer.json")):
-        from trainer.trainer import checkpoint_state
-
         return checkpoint, single_process_manifest(checkpoint_state(checkpoint))
     if not os.path.isfile(os.path.join(checkpoint, "manifest.json")):
         raise FileNotFoundError(
