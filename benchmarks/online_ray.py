@@ -112,12 +112,46 @@ def run_online(bootstrap: str, topic: str, run_dir: str, samples: int, label: st
         raise RuntimeError(f"{label}: fewer than two report lines while training; use more "
                            "--samples. Its log:\n" + "".join(log[-20:]))
     (t0, c0, d0, n0), (t1, c1, d1, n1) = steady[0], steady[-1]
+    summary["points"] = steady  # (time, CPU, driver CPU, samples) at every report line
     summary["steady"] = {"samples": n1 - n0, "seconds": round(t1 - t0, 3),
                          "samples_per_sec": round((n1 - n0) / (t1 - t0), 1),
                          "cpu_s_per_100k": round((c1 - c0) / (n1 - n0) * 1e5, 3),
                          "driver_cpu_s_per_100k": round((d1 - d0) / (n1 - n0) * 1e5, 3),
                          "cpu_counted_by": cpu.method}
     return summary
+
+
+def _at(points: list, n: float) -> tuple[float, float, float]:
+    """(time, CPU, driver CPU) when the run had trained ``n`` samples, interpolated between
+    its report lines."""
+    for (t0, c0, d0, n0), (t1, c1, d1, n1) in zip(points, points[1:]):
+        if n0 <= n <= n1 and n1 > n0:
+            f = (n - n0) / (n1 - n0)
+            return t0 + f * (t1 - t0), c0 + f * (c1 - c0), d0 + f * (d1 - d0)
+    raise ValueError(f"{n} samples: outside the run's report lines")
+
+
+def same_samples(runs: dict) -> dict:
+    """Each run's CPU per 100k samples over the same samples of the backlog: from the latest
+    of the runs' first report lines with trained samples to the earliest of their last.
+
+    A run's own steady window (``steady``) starts at its first report line, which comes at
+    different points of the backlog in different runs (over three runs on a 400k backlog the
+    single process's first line came after 21-56% of it, Ray's 1 x 1 after 3-23%), and the
+    per-sample cost is not the same along the backlog (early samples make most of the
+    store's new rows): so the ratio is taken over one window for all runs."""
+    lo = max(run["points"][0][3] for run in runs.values())
+    hi = min(run["points"][-1][3] for run in runs.values())
+    if hi <= lo:
+        raise RuntimeError(f"the runs' report lines share no samples ({lo}-{hi}); use more "
+                           "--samples")
+    out = {"from_samples": round(lo), "to_samples": round(hi)}
+    for name, run in runs.items():
+        (t0, c0, d0), (t1, c1, d1) = _at(run["points"], lo), _at(run["points"], hi)
+        out[name] = {"cpu_s_per_100k": round((c1 - c0) / (hi - lo) * 1e5, 3),
+                     "driver_cpu_s_per_100k": round((d1 - d0) / (hi - lo) * 1e5, 3),
+                     "samples_per_sec": round((hi - lo) / (t1 - t0), 1)}
+    return out
 
 
 def on_paper(one: dict, many: dict, batch_size: int, workers=(8, 32, 128)) -> dict:
@@ -184,11 +218,15 @@ def compare(bootstrap: str, topic: str, work: str, samples: int, workers: int,
         bootstrap, topic, os.path.join(work, "ray"), samples, "ray",
         "--workers", str(workers), "--shards", str(shards))
     keep = ("samples", "steady", "rate", "bytes_per_step", "timings", "steps", "store_rows")
+    window = same_samples({"single": single, "ray_1x1": one})
     return {"single": {k: single[k] for k in keep if k in single},
             "ray_1x1": {k: one[k] for k in keep if k in one},
             f"ray_{workers}x{shards}": {k: many[k] for k in keep if k in many},
-            "cpu_ratio_1x1_vs_single": round(one["steady"]["cpu_s_per_100k"]
-                                             / single["steady"]["cpu_s_per_100k"], 3),
+            "same_samples": window,
+            "cpu_ratio_1x1_vs_single": round(window["ray_1x1"]["cpu_s_per_100k"]
+                                             / window["single"]["cpu_s_per_100k"], 3),
+            "cpu_ratio_1x1_vs_single_own_windows": round(
+                one["steady"]["cpu_s_per_100k"] / single["steady"]["cpu_s_per_100k"], 3),
             "on_paper": on_paper(one, many, batch_size)}
 
 

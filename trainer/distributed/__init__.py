@@ -32,7 +32,8 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
   2. every worker applies step ``k``'s dense update: all workers' dense gradients, their
      leaf-weighted mean in worker order, the same numbers on every worker, so their weights
      stay identical (``Worker.apply_dense``; it runs while the shards work; a worker keeps
-     its own gradients, only the others' travel, so one worker sends none);
+     its own gradients, only the others' travel; a lone worker applies its update inside its
+     ``train_step``, as a single process does, and makes no ``apply_dense`` call);
   3. every shard, in one call (``Shard.step``), concatenates the gradients of all workers per
      table and calls ``apply_gradients`` once per table with step ``k`` (the store sums a
      row's gradients over the workers), runs the configured expiry when ``k`` is a multiple of

@@ -284,12 +284,13 @@ class DistributedTrainer:
         dense_args = [] if dense_before is None else list(dense_before)
         outs = [_refs(worker.train_step.options(num_returns=S + 2).remote(
             *[None if v == w else dense_args[v] for v in range(len(dense_args))],
-            *[rows[s][w] for s in range(S)], dense_messages=len(dense_args)), S + 2)
+            *[rows[s][w] for s in range(S)], dense_messages=len(dense_args),
+            dense=self._dense_trains), S + 2)
             for w, worker in enumerate(self._workers)]
         dense_applied = ([worker.apply_dense.remote(
             *[None if v == w else outs[v][1] for v in range(W)])
             for w, worker in enumerate(self._workers)]
-            if self._dense_trains and apply_dense else [])
+            if self.dense_messages and apply_dense else [])
         messages = [o[2:] for o in outs]
         applied, next_rows = [], [] if lookup_next else None
         for s, shard in enumerate(self._shards):
@@ -562,6 +563,13 @@ class DistributedTrainer:
 
     def store_rows(self) -> int:
         return self.store_stats().get("rows", 0)
+
+    @property
+    def dense_messages(self) -> bool:
+        """Whether a step's dense update travels between workers and needs its
+        ``apply_dense`` call: with several workers in a pass that trains the dense weights
+        (a lone worker applies its update in its ``train_step``)."""
+        return self._dense_trains and self.workers > 1
 
     def table_rows(self) -> dict:
         """Every table's rows gathered from all shards (``EmbeddingStore.to_numpy`` columns,

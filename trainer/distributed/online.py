@@ -72,6 +72,7 @@ published.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import os
@@ -196,14 +197,14 @@ class OnlineDistributedTrainer(DistributedTrainer):
                     worker.drain.remote(draining)
             # a step's dense update is applied by the next step's train_step (one call per
             # worker and step, not two), except before a pause: then by its own apply_dense
-            defer = self._dense_trains and not paused
+            defer = self.dense_messages and not paused
             current = self._submit_step(self.step + 1, mean, rows, not paused,
                                         dense_before=dense, apply_dense=not defer)
             dense = current["dense"] if defer else None
-            results = ray.get(current["results"])
+            waited = len(current["results"]) + len(current["dense_applied"])
+            got = ray.get(current["results"] + current["dense_applied"] + current["applied"])
+            results, expired = got[:len(current["results"])], sum(got[waited:])
             left = [r["left"] for r in results]
-            ray.get(current["dense_applied"])
-            expired = sum(ray.get(current["applied"]))
             if any(r["n"] for r in results):  # else the shards skipped it: no step
                 self.step += 1
                 self.expired += expired
@@ -495,6 +496,10 @@ class OnlineRun:
             if self.first_step is None:
                 self.first_step, self.first_step_samples = self.last_step, trained
                 self.first_step_wall_ms = time.time() * 1000
+                # as trainer.online does: what is alive after the first step (TensorFlow,
+                # loaded here for TensorBoard, and Ray) lives for the run; out of the cyclic
+                # collector's full passes, which every step's allocations trigger
+                gc.freeze()
             self._trained_since_export = True
             if self.step_log:
                 self._pending_log.append(json.dumps({"step": self.engine.step,

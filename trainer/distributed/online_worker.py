@@ -224,7 +224,7 @@ class OnlineWorker(Worker):
         self._current["train"] = (prepared, tables, meta)
         return (meta,) + tuple(requests)
 
-    def train_step(self, *shard_rows, dense_messages: int = 0):
+    def train_step(self, *shard_rows, dense_messages: int = 0, dense: bool = True):
         """As :meth:`Worker.train_step`; the result also holds ``consumed``: the offset
         ranges, messages and dead letters of the unit whose last batch was just trained (None:
         the unit goes on, or nothing), ``arrivals_ms``: that unit's samples' Kafka arrival
@@ -236,10 +236,10 @@ class OnlineWorker(Worker):
             self.apply_dense(*shard_rows[:dense_messages])
             shard_rows = shard_rows[dense_messages:]
         consumed, arrivals, batch = self._consumed, self._arrivals, self._batch
-        result, dense, *to_shards = self._gradient_messages(shard_rows)
+        result, message, *to_shards = self._gradient_messages(shard_rows, dense)
         _, *requests = self.next_step()
         return ({**result, "consumed": consumed, "arrivals_ms": arrivals, "batch": batch,
-                 "left": self.left()}, dense) + tuple(
+                 "left": self.left()}, message) + tuple(
             (n, grads, request) for (n, grads), request in zip(to_shards, requests))
 
     def flush_dead_letters(self, timeout: float) -> bool:

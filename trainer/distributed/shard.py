@@ -8,6 +8,7 @@ A module-level class that Ray pickles by reference: a shard process imports nump
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import math
 import os
@@ -68,6 +69,7 @@ class Shard:
         self.expiry = {t: spec["expire"] for t, spec in tables.items()}
         self.expired = 0
         self.timings = {"lookup": 0.0, "apply": 0.0}
+        self._frozen = False  # gc.freeze() done (after the first step)
         # Ray re-runs this constructor when it restarts the actor after its process died:
         # the stores are then empty, so step calls are refused until the driver has
         # loaded a checkpoint (``load``) instead of silently training on empty tables.
@@ -178,10 +180,14 @@ class Shard:
         for table, store in self.stores.items():
             parts = [r.get(table, empty) for r in requests]
             ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            _, inverse, rows = store.lookup_unique(ids, train)
+            unique, inverse, rows = store.lookup_unique(ids, train)
+            if len(unique) == len(ids):
+                # distinct ids (one worker's: it sent each once): the rows are in their order
+                inverse = None
             at = 0
             for w, part in enumerate(parts):
-                out[w][table] = rows[inverse[at:at + len(part)]]
+                out[w][table] = (rows[at:at + len(part)] if inverse is None
+                                 else rows[inverse[at:at + len(part)]])
                 at += len(part)
         self.timings["lookup"] += time.perf_counter() - t0
         return out if len(out) > 1 else out[0]
@@ -199,7 +205,9 @@ class Shard:
         removed = 0
         for table, store in self.stores.items():
             parts = [m[table] for _, m in messages if table in m]
-            if parts:
+            if len(parts) == 1:
+                ids, grads = parts[0]
+            elif parts:
                 ids = np.concatenate([p[0] for p in parts])
                 grads = np.concatenate([p[1] for p in parts])
             else:
@@ -224,6 +232,11 @@ class Shard:
         worker 0, ..., worker W-1)``, or the rows expired without ``lookup``."""
         removed = self.apply(step, mean, l2_scale,
                              *[(n, grads) for n, grads, _ in messages])
+        if not self._frozen:
+            # Ray's objects and the stores' alive after the first step live as long as the
+            # process: out of the cyclic collector's full passes (as the workers do)
+            self._frozen = True
+            gc.freeze()
         if not lookup:
             return removed
         rows = self.lookup(True, *messages)

@@ -118,6 +118,8 @@ def resolve_dense(schema: Schema, config: TrainConfig, samples: list[dict | None
 
 
 _END = "__end__"
+# a table's positions per shard when one shard owns every id (no split, no copies)
+_ALL = (slice(None),)
 
 
 class _FixedRows:
@@ -263,10 +265,13 @@ class Worker:
         for table, ids in prepared.table_ids.items():
             # dedupe in C++ without the GIL: a non-training lookup of an empty store
             unique, inverse, _ = self._dedupe.lookup_unique(ids, train=False)
-            owner = shard_of(unique, self.shards)
-            positions = [np.flatnonzero(owner == s) for s in range(self.shards)]
-            for s, pos in enumerate(positions):
-                requests[s][table] = unique[pos]
+            if self.shards == 1:
+                requests[0][table], positions = unique, _ALL
+            else:
+                owner = shard_of(unique, self.shards)
+                positions = [np.flatnonzero(owner == s) for s in range(self.shards)]
+                for s, pos in enumerate(positions):
+                    requests[s][table] = unique[pos]
             tables[table] = (unique, inverse.reshape(-1), positions)
         dims = self.core.layout.dims
         meta = {"n": prepared.num_leaves, "ids": sum(len(t[0]) for t in tables.values()),
@@ -302,13 +307,16 @@ class Worker:
         stores = {}
         for table, (unique, inverse, positions) in tables.items():
             dim = self.core.layout.dims[table]
-            rows = np.empty((len(unique), dim), np.float32)
-            for s, pos in enumerate(positions):
-                rows[pos] = shard_rows[s][table]
+            if positions is _ALL:  # one shard: its rows are the table's, in order
+                rows = shard_rows[0][table]
+            else:
+                rows = np.empty((len(unique), dim), np.float32)
+                for s, pos in enumerate(positions):
+                    rows[pos] = shard_rows[s][table]
             stores[table] = _FixedRows(unique, inverse, rows)
         return self.core.builder.lookup(prepared, stores, train=True)
 
-    def train_step(self, *shard_rows, dense_messages: int = 0):
+    def train_step(self, *shard_rows, dense_messages: int = 0, dense: bool = True):
         """The loss and gradients of the current training batch on the rows the shards sent
         (one message per shard), then the next batch taken from the training stream. With
         ``dense_messages`` d, the first d arguments are instead the previous step's dense
@@ -320,16 +328,20 @@ class Worker:
         request)`` with per-sample sums (``n * gradient of the mean loss``), the leaf count
         ``n`` and the next batch's ids this shard owns (as :meth:`next_step`). One call per
         step: the shards then apply this step and look the next one up in one call too
-        (``Shard.step``)."""
+        (``Shard.step``).
+
+        ``dense``: whether this pass trains the dense weights (False: the rows only, no dense
+        message). A lone worker applies its dense gradients in the step itself, as a single
+        process does (its dense message is None and there is nothing to :meth:`apply_dense`)."""
         if dense_messages:
             self.apply_dense(*shard_rows[:dense_messages])
             shard_rows = shard_rows[dense_messages:]
-        out = self._gradient_messages(shard_rows)
+        out = self._gradient_messages(shard_rows, dense)
         _, *requests = self.next_step("train")
         return out[:2] + tuple((n, grads, request)
                                for (n, grads), request in zip(out[2:], requests))
 
-    def _gradient_messages(self, shard_rows) -> tuple:
+    def _gradient_messages(self, shard_rows, dense: bool = True) -> tuple:
         from trainer.network import sum_row_slices
 
         self._check()
@@ -340,9 +352,18 @@ class Worker:
         t0 = time.perf_counter()
         feed = self._feed(current, shard_rows)
         n = feed.num_leaves
-        loss, dense, row_slices, probabilities = self.core.network.gradients(feed.feed)
-        rows = sum_row_slices(row_slices, feed.feed["rows"])
+        network = self.core.network
         scale = np.float32(n)
+        if not dense:  # a pass that trains the rows only
+            loss, row_slices, probabilities = network.train_rows_step(feed.feed)
+            dense = None
+        elif self.workers == 1:  # nobody to average with: the update in the step, in process
+            loss, row_slices, probabilities = network.train_step(feed.feed)
+            dense = None
+        else:
+            loss, dense, row_slices, probabilities = network.gradients(feed.feed)
+            dense = [g.numpy() * scale for g in dense]
+        rows = sum_row_slices(row_slices, feed.feed["rows"])
         messages = [{} for _ in range(self.shards)]
         _, tables, batch_meta = current
         for table, (dim, a, b) in feed.row_ranges.items():
@@ -350,12 +371,13 @@ class Worker:
             grads = rows[str(dim)][a:b]
             grads *= scale
             for s, pos in enumerate(positions):
-                messages[s][table] = (unique[pos], grads[pos])
-        dense = [g.numpy() * scale for g in dense]
+                # one shard owns every id: its message is the table's whole slice, uncopied
+                messages[s][table] = ((unique, grads) if positions is _ALL
+                                      else (unique[pos], grads[pos]))
         meta = {"n": n, "loss": float(loss), "meta": batch_meta,
                 "probabilities": {k: v.numpy() for k, v in probabilities.items()},
                 "labels": feed.labels, "ids_fed": feed.ids_fed, "leaf_ids": feed.leaf_ids,
-                "dense_bytes": sum(g.nbytes for g in dense),
+                "dense_bytes": sum(g.nbytes for g in dense or ()),
                 "grad_bytes": sum(i.nbytes + g.nbytes for m in messages for i, g in m.values())}
         self.timings["step"] += time.perf_counter() - t0
         if not self._frozen:
