@@ -17,6 +17,7 @@ import time
 import urllib.request
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import yaml
 from confluent_kafka import Consumer, TopicPartition
@@ -607,5 +608,70 @@ def test_a_worker_takes_the_first_batch_that_arrives_and_reports_dead_letters(
         result = worker.train_step(rows)[0]
         assert result["n"] == 50
         assert result["consumed"] == {"ranges": {0: [3, 53]}, "messages": 50, "dead": 0}
+    finally:
+        worker.close_source()
+
+
+def test_a_worker_reads_tree_messages_in_units_of_about_its_samples(kafka_broker, files):
+    """``--format trees`` on Ray: a worker's unit is as many tree messages as hold about its
+    share of ``--unit-samples`` (one message at first, then as the samples per message so
+    far suggest), cut into the batches a replay of the unit's offset ranges makes, and every
+    sample is trained once (no Ray: the actor class in process)."""
+    from trainer import models
+    from trainer.config import TrainConfig
+    from trainer.distributed.online_worker import OnlineWorker
+    from trainer.distributed.worker import resolve_dense, unresolved_dense
+
+    schema, config = schemas.from_dict(SCHEMA), TrainConfig.from_dict(CONFIG)
+    table, _ = decode_json_samples([sample(s)[1] for s in range(1200)], schema)
+    trees = compression.build_trees(table, schema)
+    # one message per user (as pipelines.stream_compress writes a window), partition uid % 2
+    by_offset, produced = {}, {0: 0, 1: 0}
+    messages = []
+    for i, uid in enumerate(trees.column("uid").to_pylist()):
+        value = compression.encode_trees(trees.slice(i, 1))
+        partition = uid % 2
+        messages.append((str(uid).encode(), value, None, None, partition))
+        by_offset[partition, produced[partition]] = value
+        produced[partition] += 1
+    topic = kafka_broker.create_topic(partitions=2)
+    kafka_broker.produce(topic, messages)
+    worker = OnlineWorker(0, 1, 1, schema.to_dict(), models.MLP().spec(), config.to_dict())
+    worker.open({"bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "group": "g-t",
+                 "options": {}, "dlq_topic": None, "max_message_bytes": 1 << 20,
+                 "format": "trees"}, [0, 1], {}, poll_timeout=0.2, unit_samples=300)
+    try:
+        names = unresolved_dense(schema, config)
+        deadline = time.monotonic() + 60
+        while (found := worker.first_dense_sample(names)[0]) is None:
+            assert time.monotonic() < deadline, "nothing arrived"
+        worker.set_config(resolve_dense(schema, config, [found]).to_dict())
+        meta, request = worker.next_step()
+        units, sizes, trained = [], [], 0
+        while trained < 1200:
+            rows = {t: np.zeros((len(ids), CONFIG["embedding"]["dim"]), np.float32)
+                    for t, ids in request.items()}
+            result, _, (_, _, request) = worker.train_step(rows)
+            trained += result["n"]
+            sizes.append(result["n"])
+            if result["consumed"] is not None:
+                units.append((result["consumed"]["ranges"], sizes))
+                assert len(result["arrivals_ms"]) == sum(sizes)
+                sizes = []
+        assert trained == 1200 and not sizes
+        decode = compression.TreeMessageDecoder(schema.tree_arrow_schema(), schema.name)
+        ends = {0: 0, 1: 0}
+        for ranges, sizes in units:
+            values = []
+            for p, (first, end) in sorted(ranges.items()):
+                assert first == ends[p]  # contiguous: no message skipped or read twice
+                ends[p] = end
+                values += [by_offset[p, o] for o in range(first, end)]
+            replayed = compression.iter_batches(
+                pa.concat_tables([decode(v) for v in values]), schema, 200)
+            assert [b.num_leaves for b in replayed] == sizes
+        assert ends == produced
+        assert len(units[0][0]) == 1 and sum(e - f for f, e in units[0][0].values()) == 1
+        assert len(units) < len(messages) / 2  # later units hold many messages
     finally:
         worker.close_source()

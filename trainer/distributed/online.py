@@ -691,9 +691,6 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
     ``model`` with ``config``), train, checkpoint, commit, and with ``--export-dir`` publish
     a version for serving every ``--export-every`` s; returns the run's summary (the keys of
     the single-process one that apply, plus workers, shards and the assignment)."""
-    if args.format != "json":
-        parser.error("--format trees: not available with --workers/--shards yet (see the "
-                     "README's online learning on Ray)")
     if args.init_from and not fs.is_local(args.init_from):
         parser.error(f"--init-from {args.init_from}: on an object store only without "
                      "--workers/--shards for now; give the Ray run a local or shared copy")
@@ -733,6 +730,7 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
         truncate_step_log(step_log, engine.step)
     kafka_spec = {"bootstrap_servers": args.bootstrap_servers, "topic": args.topic,
                   "group": args.group, "options": dict(args.kafka_options),
+                  "format": args.format,
                   "dlq_topic": args.dead_letter_topic,
                   "max_message_bytes": args.max_message_bytes}
     run = metrics = None

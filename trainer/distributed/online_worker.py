@@ -84,11 +84,14 @@ class OnlineWorker(Worker):
         beginning), in units of this worker's share of ``unit_samples`` samples (the whole
         run's, as ``batch_size``; None: ``DEFAULT_UNIT_BATCHES`` of this worker's batches).
         ``kafka_spec``: bootstrap_servers, topic, group, options (``-X``), dlq_topic,
-        max_message_bytes. Held units of a previous open are dropped."""
+        max_message_bytes, format (``json``, the default, or ``trees``: messages of
+        compressed trees, a unit then being as many messages as hold about its samples).
+        Held units of a previous open are dropped."""
         self.close_source()
         self.source = KafkaSampleSource(
             self.schema, kafka_spec["bootstrap_servers"], kafka_spec["topic"],
-            kafka_spec["group"], start_offsets={int(p): int(o) for p, o in offsets.items()},
+            kafka_spec["group"], format=kafka_spec.get("format", "json"),
+            start_offsets={int(p): int(o) for p, o in offsets.items()},
             dlq_topic=kafka_spec["dlq_topic"], config=kafka_spec["options"],
             max_message_bytes=kafka_spec["max_message_bytes"], partitions=list(partitions))
         self.poll_timeout = poll_timeout
@@ -118,16 +121,29 @@ class OnlineWorker(Worker):
 
     def _read_kafka(self, source: KafkaSampleSource, stop: threading.Event, items: queue.Queue):
         batch_size = worker_batch_size(self.core.config.batch_size, self.index, self.workers)
+        # as a single process: a tree message holds many samples, so a unit asks for as many
+        # messages as the samples per message so far suggest (one at first)
+        seen_samples = seen_messages = 0
         try:
             while not stop.is_set():
-                polled = source.poll(self.unit_samples, self.poll_timeout, by_partition=True)
+                if source.format == "json":
+                    ask = self.unit_samples
+                elif seen_samples:
+                    ask = max(1, round(self.unit_samples * seen_messages / seen_samples))
+                else:
+                    ask = 1
+                polled = source.poll(ask, self.poll_timeout, by_partition=True)
                 if not polled.messages:
                     continue
+                seen_samples += polled.num_samples
+                seen_messages += polled.messages
                 item = Consumed([], {int(p): [int(a), int(b)]
                                      for p, (a, b) in sorted(polled.ranges.items())},
                                 polled.messages, polled.dead)
                 if polled.num_samples:
-                    trees = compression.build_trees(polled.samples, self.schema, validate=False)
+                    trees = (polled.trees if polled.samples is None else
+                             compression.build_trees(polled.samples, self.schema,
+                                                     validate=False))
                     item.batches = list(compression.iter_batches(
                         trees, self.schema, batch_size, self.core.config.split_trees))
                     item.arrivals_ms = polled.timestamps_ms
