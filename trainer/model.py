@@ -117,6 +117,33 @@ class ModelCore:
                 self.config = self.config.with_dense(name, resolved)
                 self.layout.dense_configs[name] = resolved
 
+    def shift_output_biases(self, outputs: dict, labels: dict) -> dict:
+        """Shift each head's output bias so that the mean probability of ``outputs`` (the
+        model's outputs, numpy, on some batch) equals the rate of that head's label in
+        ``labels`` (the same batch's); returns ``{label: (rate, shift)}``. Deterministic: the
+        same outputs and labels give the same shifts in every process (the workers of a Ray
+        run each shift their copy by the union batch's)."""
+        outputs = dict(outputs)
+        biases = self.model.output_biases(outputs)
+        heads = list(self.model.probabilities(outputs))  # the heads' labels, in output order
+        shifted = {}
+        for (name, bias), label in zip(biases.items(), heads):
+            rate = float(np.clip(np.mean(labels[label]), 1e-4, 1 - 1e-4))
+
+            def mean_probability(shift):
+                trial = {**outputs, name: outputs[name] + np.float32(shift)}
+                return float(np.mean(self.model.probabilities(trial)[label]))
+
+            low, high = -30.0, 30.0  # the mean probability rises with the shift
+            for _ in range(60):
+                mid = (low + high) / 2
+                low, high = (mid, high) if mean_probability(mid) < rate else (low, mid)
+            shift = (low + high) / 2
+            outputs[name] = outputs[name] + np.float32(shift)
+            bias.assign(bias + shift)
+            shifted[label] = (rate, shift)
+        return shifted
+
     def set_config(self, config: TrainConfig) -> None:
         """Take ``config`` (the same tables and model; e.g. a checkpoint's, with its resolved
         dense statistics)."""

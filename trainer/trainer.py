@@ -194,25 +194,7 @@ class Trainer(ModelCore):
         prepared = batch if isinstance(batch, Prepared) else self.prepare_numpy(batch)
         feed = self.builder.lookup(prepared, self.stores, train=False)
         outputs = {k: v.numpy() for k, v in self.network.outputs(feed.feed).items()}
-        biases = self.model.output_biases(outputs)
-        labels = list(self.model.probabilities(outputs))  # the heads' labels, in output order
-        shifted = {}
-        for (name, bias), label in zip(biases.items(), labels):
-            rate = float(np.clip(np.mean(feed.labels[label]), 1e-4, 1 - 1e-4))
-
-            def mean_probability(shift):
-                trial = {**outputs, name: outputs[name] + np.float32(shift)}
-                return float(np.mean(self.model.probabilities(trial)[label]))
-
-            low, high = -30.0, 30.0  # the mean probability rises with the shift
-            for _ in range(60):
-                mid = (low + high) / 2
-                low, high = (mid, high) if mean_probability(mid) < rate else (low, mid)
-            shift = (low + high) / 2
-            outputs[name] = outputs[name] + np.float32(shift)
-            bias.assign(bias + shift)
-            shifted[label] = (rate, shift)
-        return shifted
+        return self.shift_output_biases(outputs, feed.labels)
 
     # -- evaluation -------------------------------------------------------------------------
 

@@ -675,3 +675,66 @@ def test_a_worker_reads_tree_messages_in_units_of_about_its_samples(kafka_broker
         assert len(units) < len(messages) / 2  # later units hold many messages
     finally:
         worker.close_source()
+
+
+def test_a_new_run_shifts_every_workers_output_bias_by_the_first_union_batch(kafka_broker,
+                                                                            files):
+    """A new Ray run starts, as a single process does, at the first step's label rate: every
+    worker's outputs on its first batch (rows looked up without admitting any) make the union
+    batch's, and each worker shifts its bias by what ``Trainer.calibrate_output`` finds on
+    that union batch (no Ray: the actor classes in process, the driver's gathering as it
+    does it)."""
+    from trainer import Trainer, models
+    from trainer.config import TrainConfig
+    from trainer.distributed.online import union_outputs
+    from trainer.distributed.online_worker import OnlineWorker
+    from trainer.distributed.shard import Shard, table_specs
+    from trainer.distributed.worker import resolve_dense, unresolved_dense
+
+    schema, config = schemas.from_dict(SCHEMA), TrainConfig.from_dict(CONFIG)
+    topic = kafka_broker.create_topic(partitions=PARTITIONS)
+    kafka_broker.produce(topic, [sample(s) for s in range(400)])
+    spec = {"bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "group": "g-c",
+            "options": {}, "dlq_topic": None, "max_message_bytes": 1 << 20}
+    workers = [OnlineWorker(w, 2, 1, schema.to_dict(), models.MLP().spec(), config.to_dict())
+               for w in range(2)]
+    shard = Shard(0, 1, table_specs(config, workers[0].core.tables, 1))
+    try:
+        for w, worker in enumerate(workers):
+            worker.open(spec, [p for p in range(PARTITIONS) if p % 2 == w], {}, 0.2)
+        names, found = unresolved_dense(schema, config), []
+        for worker in workers:
+            deadline = time.monotonic() + 60
+            while (first := worker.first_dense_sample(names)[0]) is None:
+                assert time.monotonic() < deadline, "nothing arrived"
+            found.append(first)
+        resolved = resolve_dense(schema, config, found)
+        first_batches = [worker._held.batches[0] for worker in workers]
+        single = Trainer(schema, models.MLP(), resolved)
+        single.set_dense_arrays(workers[0].core.dense_arrays())
+        requests = []
+        for worker in workers:
+            worker.set_config(resolved.to_dict())
+            requests.append(worker.next_step()[1])
+        rows = shard.lookup(False, *requests)
+        outputs, labels = union_outputs([worker.calibration_outputs(r)
+                                         for worker, r in zip(workers, rows)])
+        assert all(table["rows"] == 0 for table in shard.stats().values())  # none admitted
+        shifted = [worker.shift_output_biases(outputs, labels) for worker in workers]
+        expected = single.calibrate_output(compression.TreeBatch.concat(first_batches))
+        assert shifted[0] == shifted[1] and set(shifted[0]) == set(expected) == {"click"}
+        (rate, shift), (want_rate, want_shift) = shifted[0]["click"], expected["click"]
+        assert rate == pytest.approx(want_rate) and abs(shift) > 0.5
+        assert shift == pytest.approx(want_shift, rel=1e-4)
+        after = [w.core.dense_arrays() for w in workers]
+        reference = single.dense_arrays()
+        for name, value in reference.items():
+            np.testing.assert_array_equal(after[0][name], after[1][name])
+            np.testing.assert_allclose(after[0][name], value, rtol=1e-4, atol=1e-6)
+        # and the model now predicts the union batch's rate on it
+        again, _ = union_outputs([w.calibration_outputs(r) for w, r in zip(workers, rows)])
+        probability = workers[0].core.model.probabilities(again)["click"]
+        assert float(np.mean(probability)) == pytest.approx(rate, rel=1e-3)
+    finally:
+        for worker in workers:
+            worker.close_source()

@@ -123,6 +123,9 @@ class OnlineDistributedTrainer(DistributedTrainer):
         one), in this run and in the config its checkpoints keep, as a single process does.
         The other arguments are :class:`DistributedTrainer`'s."""
         self.expire_every = expire_every
+        # a new run shifts the output biases on its first step (run_cli sets it as
+        # trainer.online does for a run without a checkpoint or --init-from)
+        self.calibrate = False
         super().__init__(schema, model, self.run_config(config or TrainConfig()), **kwargs)
 
     def run_config(self, saved: TrainConfig) -> TrainConfig:
@@ -154,6 +157,24 @@ class OnlineDistributedTrainer(DistributedTrainer):
         """Whether every worker's dead letters were delivered within ``timeout`` s."""
         return all(ray.get([w.flush_dead_letters.remote(timeout) for w in self._workers]))
 
+    def _calibrate(self, requests) -> None:
+        """As a new single-process run does on its first batch (``Trainer.calibrate_output``):
+        shift the output biases so that the model's mean probability on the first step's
+        union batch (every worker's batch in worker order, rows looked up without admitting
+        anything) equals that batch's label rate; every worker shifts its copy alike."""
+        rows = self._lookup(requests, False)
+        found = ray.get([
+            worker.calibration_outputs.remote(*[rows[s][w] for s in range(self.shards)])
+            for w, worker in enumerate(self._workers)])
+        if not any(found):
+            return
+        outputs, labels = union_outputs(found)
+        shifted = ray.get([w.shift_output_biases.remote(outputs, labels)
+                           for w in self._workers])[0]
+        for label, (rate, shift) in shifted.items():
+            log.info("new model: %s output bias shifted by %+.3f to the first step's rate %.4f",
+                     label, shift, rate)
+
     def online_steps(self, pause):
         """Synchronous steps for ever: yields ``(results, paused)`` per step, ``results``
         the workers' (``n``, ``loss``, ``probabilities``, ``labels``, ``consumed``, ``batch``).
@@ -183,7 +204,11 @@ class OnlineDistributedTrainer(DistributedTrainer):
                 # batches it has not trained (a restart could group them otherwise)
                 yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
         mean = self.config.row_gradients == "mean"
-        rows = self._lookup([refs[1:] for refs in self._next("train")], True)
+        requests = [refs[1:] for refs in self._next("train")]
+        if self.calibrate:
+            self.calibrate = False
+            self._calibrate(requests)
+        rows = self._lookup(requests, True)
         # per worker, the batches of its unit left after the one the next step trains
         left = ray.get([w.left.remote() for w in self._workers])
         draining = False
@@ -670,6 +695,15 @@ class OnlineRun:
         self.committer.close()
 
 
+def union_outputs(found: list) -> tuple[dict, dict]:
+    """The union batch's ``(outputs, labels)`` from every worker's
+    ``Worker.calibration_outputs`` (None: a worker without a batch), in worker order, as the
+    union batch of a step puts the workers' batches."""
+    found = [f for f in found if f is not None]
+    return ({k: np.concatenate([o[k] for o, _ in found]) for k in found[0][0]},
+            {k: np.concatenate([y[k] for _, y in found]) for k in found[0][1]})
+
+
 def truncate_step_log(path: str, step: int) -> None:
     """Drop the lines of steps after ``step`` (written before a checkpoint that was never
     finished: those steps are trained again after the restart)."""
@@ -706,6 +740,7 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
             engine = OnlineDistributedTrainer(schema, model, config, workers=workers,
                                               shards=shards, ray_address=args.ray_address,
                                               expire_every=args.expire_every)
+            engine.calibrate = True
         else:
             directory = os.path.join(latest.path, "model")
             online = read_manifest(directory).get("online")

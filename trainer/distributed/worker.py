@@ -409,6 +409,25 @@ class Worker:
             self.core.network.apply_dense([g / np.float32(total) for g in summed])
         self.timings["apply_dense"] += time.perf_counter() - t0
 
+    def calibration_outputs(self, *shard_rows):
+        """``(outputs, labels)`` of the current training batch (numpy per output and per
+        label) on ``shard_rows``, rows the shards looked up without admitting anything;
+        None without a batch. A new online run's driver gathers them into the first step's
+        union batch (:meth:`shift_output_biases`)."""
+        self._check()
+        current = self._current.get("train")
+        if current is None:
+            return None
+        feed = self._feed(current, shard_rows)
+        outputs = {k: v.numpy() for k, v in self.core.network.outputs(feed.feed).items()}
+        return outputs, feed.labels
+
+    def shift_output_biases(self, outputs: dict, labels: dict) -> dict:
+        """:meth:`trainer.model.ModelCore.shift_output_biases` of this worker's copy: every
+        worker given the same union batch's outputs and labels shifts its biases alike."""
+        self._check()
+        return self.core.shift_output_biases(outputs, labels)
+
     def predict_step(self, *shard_rows):
         self._check()
         current = self._current.get("eval")
