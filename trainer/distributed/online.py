@@ -494,7 +494,8 @@ class OnlineRun:
         consumed_any = False
         step_record = []
         for r in results:
-            if r.get("arrivals_ms") is not None:  # a unit's, on the step of its last batch
+            if self.export_dir is not None and r.get("arrivals_ms") is not None:
+                # a unit's, on the step of its last batch; kept until the export holding it
                 self._pending_arrivals.append((self.engine.step, r["arrivals_ms"]))
             consumed = r.get("consumed")
             step_record.append({"ranges": {} if consumed is None else consumed["ranges"],
@@ -766,6 +767,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
     kafka_spec = {"bootstrap_servers": args.bootstrap_servers, "topic": args.topic,
                   "group": args.group, "options": dict(args.kafka_options),
                   "format": args.format,
+                  # the samples' arrival times serve the export delay only
+                  "arrivals": args.export_dir is not None,
                   "dlq_topic": args.dead_letter_topic,
                   "max_message_bytes": args.max_message_bytes}
     run = metrics = None

@@ -85,9 +85,12 @@ class OnlineWorker(Worker):
         run's, as ``batch_size``; None: ``DEFAULT_UNIT_BATCHES`` of this worker's batches).
         ``kafka_spec``: bootstrap_servers, topic, group, options (``-X``), dlq_topic,
         max_message_bytes, format (``json``, the default, or ``trees``: messages of
-        compressed trees, a unit then being as many messages as hold about its samples).
+        compressed trees, a unit then being as many messages as hold about its samples),
+        arrivals (default True; False: a step's result holds no ``arrivals_ms``, which only
+        the export delay needs).
         Held units of a previous open are dropped."""
         self.close_source()
+        self.source_spec = kafka_spec
         self.source = KafkaSampleSource(
             self.schema, kafka_spec["bootstrap_servers"], kafka_spec["topic"],
             kafka_spec["group"], format=kafka_spec.get("format", "json"),
@@ -146,7 +149,8 @@ class OnlineWorker(Worker):
                                                      validate=False))
                     item.batches = list(compression.iter_batches(
                         trees, self.schema, batch_size, self.core.config.split_trees))
-                    item.arrivals_ms = polled.timestamps_ms
+                    if self.source_spec.get("arrivals", True):
+                        item.arrivals_ms = polled.timestamps_ms
                     if self.core.dense_resolved:  # else prepared once the driver resolved them
                         item.splits = [self._split(self.core.prepare_numpy(b))
                                        for b in item.batches]
