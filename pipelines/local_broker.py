@@ -52,10 +52,12 @@ def free_port() -> int:
 @contextlib.contextmanager
 def tansu(port: int | None = None, start_timeout: float = 30.0,
           log_path: str | None = None, advertised_port: int | None = None,
-          ) -> Iterator[tuple[str, subprocess.Popen, str]]:
+          storage: str = "memory://tansu/") -> Iterator[tuple[str, subprocess.Popen, str]]:
     """Start Tansu on 127.0.0.1 (a free port unless given); yield (bootstrap, process, log path)
     once it accepts connections; stop it on exit. ``advertised_port`` is the port it tells
-    clients to use (default: its own), e.g. that of a proxy in front of it."""
+    clients to use (default: its own), e.g. that of a proxy in front of it. ``storage``:
+    Tansu's storage engine URL (default memory; ``s3://BUCKET/`` keeps the topics in an
+    object store, ``AWS_*`` from the environment, so a broker restarted on it finds them)."""
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     advertised = f"tcp://127.0.0.1:{advertised_port or port}"
@@ -65,7 +67,7 @@ def tansu(port: int | None = None, start_timeout: float = 30.0,
     log = open(log_path, "ab")
     process = subprocess.Popen(
         [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
-         "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+         "--storage-engine", storage], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + start_timeout
         while True:

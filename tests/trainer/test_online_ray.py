@@ -144,6 +144,7 @@ def replay(run_dir, messages: Messages, init_from=None, expire_every=None):
     schema = schemas.from_dict(SCHEMA)
     single = (Trainer.restore_run(init_from) if init_from else
               Trainer(schema, models.MLP(), TrainConfig.from_dict(CONFIG)))
+    calibrate = init_from is None  # a new run shifts its output bias on its first step
     if expire_every is not None:
         single.config = single.config.with_expire_every(expire_every)
     first_step, first_samples = single.step, single.samples
@@ -181,7 +182,12 @@ def replay(run_dir, messages: Messages, init_from=None, expire_every=None):
                    if (number, w) in trained_batches]
         assert [b.num_leaves for b in batches] == [w["samples"] for w in step["workers"]
                                                    if w["samples"]]
-        single.train_batch(compression.TreeBatch.concat(batches))
+        union = compression.TreeBatch.concat(batches)
+        if calibrate:
+            calibrate = False
+            single.resolve_dense(union)
+            single.calibrate_output(union)
+        single.train_batch(union)
     # units of several batches: the runs below poll units larger than a worker's batch
     assert any(w["batch"] is not None and w["batch"][1] > 1
                for step in steps for w in step["workers"]), "no unit of several batches"
@@ -738,3 +744,72 @@ def test_a_new_run_shifts_every_workers_output_bias_by_the_first_union_batch(kaf
     finally:
         for worker in workers:
             worker.close_source()
+
+
+def test_partitions_added_to_the_topic_mid_run_are_dealt_and_trained_once(
+        s3_bucket, files, ray_address, tmp_path, monkeypatch):
+    """A 2-partition topic grows to 4 while a new 2 x 1 run trains it: at its next checkpoint
+    the driver deals the new partitions (the i-th to worker i % 2), every message is trained
+    once and the model equals the replay of its steps (from a new model: the replay shifts
+    its output bias on the first union batch as the run did). Tansu has no CreatePartitions:
+    its topics live in the S3 bucket here, and the broker is stopped, the topic's partition
+    count raised in its stored metadata and the broker restarted on the same port (the run
+    rides the outage as it rides any)."""
+    import contextlib
+
+    import boto3
+
+    from kafka_broker import KafkaBroker, group_settings_for_tansu
+    from pipelines import local_broker
+
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")  # the S3 server is plain http
+    bucket = s3_bucket.removeprefix("s3://")
+    port = local_broker.free_port()
+
+    def start(stack):
+        bootstrap, process, log = stack.enter_context(
+            local_broker.tansu(port, storage=f"s3://{bucket}/"))
+        broker = KafkaBroker(bootstrap, process, log)
+        broker.admin.list_topics(timeout=30)
+        return broker
+
+    def sample_on(sid, partitions):
+        key, value, _, _, _ = sample(sid)
+        return key, value, None, None, (sid % 37) % partitions
+
+    messages, group = Messages(), "g-added"
+    run_dir = str(tmp_path / "run")
+    with group_settings_for_tansu(), contextlib.ExitStack() as outer:
+        first = contextlib.ExitStack()
+        broker = start(first)
+        topic = broker.create_topic(partitions=2)
+        messages.produce(broker, topic, None, [sample_on(s, 2) for s in range(600)])
+        argv = [sys.executable, "-m", "trainer.online",
+                *command(files, broker, topic, group, run_dir, ray_address,
+                         "--checkpoint-every", "0.3", "--unit-samples", "500", shards=1)]
+        log_path = tmp_path / "added.log"
+        log = outer.enter_context(open(log_path, "w"))
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+        outer.callback(lambda: process.poll() is None and (process.kill(), process.wait()))
+        # generous: the waits are on conditions, and on a loaded host Ray's actors (niced)
+        # took 2 minutes to start beside two busy loops
+        wait_for_checkpoint(process, run_dir, lambda s: s["samples"] == 600, timeout=600)
+        first.close()  # the broker stops; the topic grows in its storage
+        s3 = boto3.client("s3")
+        key = "clusters/tansu_cluster/meta.json"
+        meta = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        assert meta["topics"][topic]["topic"]["num_partitions"] == 2
+        meta["topics"][topic]["topic"]["num_partitions"] = PARTITIONS
+        s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(meta).encode())
+        broker = start(outer)
+        messages.produce(broker, topic, None, [sample_on(s, PARTITIONS)
+                                               for s in range(600, 1200)])
+        wait_for_checkpoint(process, run_dir, lambda s: s["samples"] == 1200, timeout=600)
+        process.send_signal(signal.SIGTERM)
+        stdout, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, log_path.read_text()[-3000:]
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert summary["assignment"] == [[0, 2], [1, 3]]
+        assert f"partitions [2, 3] were added to topic {topic!r}" in log_path.read_text()
+        assert all(messages.by_offset.get((p, 0)) for p in (2, 3))
+        assert_equals_replay(run_dir, messages, 1200, broker, topic, group)
