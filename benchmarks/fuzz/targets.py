@@ -524,6 +524,7 @@ def checkpoint_base():
     table = pa.Table.from_pylist(rows).cast(schema.raw_arrow_schema())
     for batch in compression.iter_batches(compression.build_trees(table, schema), schema, 40):
         trainer.train_batch(batch)
+    _pin_dense_values(trainer)
     run = input_path("-run")
     saved = CheckpointManager(run).save(lambda d: trainer.save(os.path.join(d, "model")),
                                         {"step": trainer.step, "offsets": {"0": 80}})
@@ -532,6 +533,26 @@ def checkpoint_base():
         with open(_checkpoint_file(saved.path, name), "rb") as f:
             files[name] = f.read()
     return trainer, run, files, saved.path
+
+
+def _pin_dense_values(trainer) -> None:
+    """Overwrite the trained floats of the dense weights and the optimizer's slots with values
+    made without TensorFlow arithmetic. The kept seeds carry the sha256 of ``dense.npz``, and
+    TensorFlow's results differ in the last bit from one CPU to another (an Intel Xeon and an
+    AMD EPYC gave two hashes): a base checkpoint made of trained floats would be refused as
+    damaged on every machine but the one that made the corpus. The optimizer's step count and
+    learning rate are the same everywhere and stay as they are."""
+    import numpy as np
+
+    for index, variable in enumerate(trainer._dense_variables()):
+        dtype = np.dtype(str(variable.dtype))
+        if dtype.kind != "f" or variable.path.endswith("learning_rate"):
+            continue
+        shape = tuple(variable.shape)
+        # small multiples of 1/64 (exact in float32), non-negative so that second-moment
+        # slots stay valid
+        pattern = (np.arange(int(np.prod(shape)), dtype=np.int64) * 7 + index) % 13
+        variable.assign((pattern / 64).astype(dtype).reshape(shape))
 
 
 def _checkpoint_file(path: str, name: str) -> str:
