@@ -33,7 +33,11 @@ test:
 	@# the install (mostly one core: pip) and the C++ unit tests' build side by side
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(CPP_TEST_BIN)
 	$(CPP_TEST_BIN)
-	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS)
+	@# the suite's CPU seconds (the shell's waited-for children: pytest, its workers and what
+	@# they started and reaped) beside its wall time, so a rise shows in CI's log
+	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS); status=$$?; \
+	    awk -v hz=$$(getconf CLK_TCK) '{printf "pytest CPU seconds: %.0f (user %.0f, system %.0f)\n", \
+	        ($$16 + $$17) / hz, $$16 / hz, $$17 / hz}' /proc/$$$$/stat; exit $$status
 
 # C++ unit tests of native/src (native/tests/*.cc), built at -O1 from the sources without the
 # Python binding (a rebuild after a native change takes ~30 s on 2 cores). Runner: doctest, a
