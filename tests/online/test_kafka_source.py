@@ -8,6 +8,7 @@ import pytest
 
 import compression
 import schemas
+from compression.messages import DeadLetter
 from trainer.checkpoints import CheckpointManager
 from trainer.kafka_source import KafkaSampleSource, group_id
 
@@ -51,6 +52,7 @@ def test_source_decodes_tracks_positions_and_dead_letters(kafka_broker):
         assert sids == list(range(40))
         assert source.positions == {0: 22, 1: 22}
         assert all(len(p.timestamps_ms) == p.num_samples for p in polls)
+        source.send_dead_letters([d for p in polls for d in p.dead_letters])  # as trained
         assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
@@ -121,6 +123,7 @@ def test_tree_messages_are_decoded_and_wrong_ones_dead_lettered(kafka_broker):
         assert got.equals(pa.concat_tables([trees, trees.slice(1, 1)]))
         # a timestamp per sample, its message's
         assert [t for p in polls for t in p.timestamps_ms.tolist()] == [1000] * 3 + [2000]
+        source.send_dead_letters([d for p in polls for d in p.dead_letters])  # as trained
         assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
