@@ -101,8 +101,16 @@ class KafkaSampleSource:
                                                            schema.name)
         self.consumer = kafka.consumer(kafka.consumer_settings(
             bootstrap_servers, group, config, overrides={"on_commit": self._on_commit}))
-        self.producer = kafka.producer(kafka.producer_settings(bootstrap_servers, config,
-                                                               linger_ms=5))
+        # The dead-letter producer is idempotent (enable.idempotence=true, acks from all
+        # replicas): a produce retried after its answer was lost (a slow ack, a dropped
+        # connection) is written once, the broker refusing the repeated sequence numbers and
+        # librdkafka counting that answer as delivered. Tansu 0.6.0, the test broker, does
+        # this too: it answers InitProducerId and checks sequences per partition (tested by
+        # losing a produce's answer). The user's -X still wins, as for every setting (for a
+        # broker without idempotence, at the price of repeats on retries).
+        self.producer = kafka.producer(kafka.producer_settings(
+            bootstrap_servers, config, linger_ms=5, overrides={"enable.idempotence": True,
+                                                               "acks": "all"}))
         self.dead_letters_failed = 0  # dead letters the broker never took (logged)
         if partitions is None:
             self.consumer.subscribe([topic], on_assign=self._on_assign,
