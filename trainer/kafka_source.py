@@ -9,7 +9,11 @@ nothing is trained twice relative to the restored model.
 Malformed messages (bad JSON, ``null``, empty, missing or mistyped fields, a wrong tree schema,
 oversized) go to the dead-letter topic (``TOPIC.dlq`` unless given) as
 ``compression.DeadLetter`` records: the message unchanged, headers ``reason``,
-``source.topic``, ``source.partition`` and ``source.offset``; they count as consumed.
+``source.topic``, ``source.partition`` and ``source.offset``; they count as consumed. A poll
+only sets them aside (:attr:`Polled.dead_letters`): the caller sends them
+(:meth:`KafkaSampleSource.send_dead_letters`) when it trains the poll's offsets, so a
+message polled again after a poll was dropped untrained (a stop, a re-deal of partitions)
+is dead-lettered once, as it is trained once.
 """
 
 from __future__ import annotations
@@ -51,9 +55,14 @@ class Polled:
     trees: list = field(default_factory=list)  # format trees: decoded tree tables
     num_samples: int = 0
     messages: int = 0
-    dead: int = 0
+    # the malformed messages' records, sent by whoever trains this poll's offsets
+    dead_letters: list[DeadLetter] = field(default_factory=list)
     ranges: dict = field(default_factory=dict)  # partition -> (first offset, next offset)
     timestamps_ms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def dead(self) -> int:
+        return len(self.dead_letters)
 
 
 class KafkaSampleSource:
@@ -92,8 +101,17 @@ class KafkaSampleSource:
                                                            schema.name)
         self.consumer = kafka.consumer(kafka.consumer_settings(
             bootstrap_servers, group, config, overrides={"on_commit": self._on_commit}))
-        self.producer = kafka.producer(kafka.producer_settings(bootstrap_servers, config,
-                                                               linger_ms=5))
+        # The dead-letter producer is idempotent (enable.idempotence=true, acks from all
+        # replicas): a produce retried after its answer was lost (a slow ack, a dropped
+        # connection) is written once, the broker refusing the repeated sequence numbers and
+        # librdkafka counting that answer as delivered. Tansu 0.6.0, the test broker, does
+        # this too: it answers InitProducerId and checks sequences per partition (tested by
+        # losing a produce's answer). The user's -X still wins, as for every setting (for a
+        # broker without idempotence, at the price of repeats on retries).
+        self.producer = kafka.producer(kafka.producer_settings(
+            bootstrap_servers, config, linger_ms=5, overrides={"enable.idempotence": True,
+                                                               "acks": "all"}))
+        self.dead_letters_failed = 0  # dead letters the broker never took (logged)
         if partitions is None:
             self.consumer.subscribe([topic], on_assign=self._on_assign,
                                     on_revoke=self._on_revoke)
@@ -125,7 +143,8 @@ class KafkaSampleSource:
 
     def poll(self, max_messages: int, timeout: float, by_partition: bool = False) -> Polled:
         """Consume up to ``max_messages`` (waiting at most ``timeout`` s), decode them in bulk,
-        send malformed ones to the dead-letter topic, and advance :attr:`positions`.
+        set malformed ones aside as dead letters (:attr:`Polled.dead_letters`, for
+        :meth:`send_dead_letters`), and advance :attr:`positions`.
         ``by_partition``: the samples in partition order, then offset (else as consumed), an
         order a replay of the offset ranges can rebuild."""
         # One pass over the messages (this loop runs for every sample at 100k/s, holding the
@@ -152,8 +171,7 @@ class KafkaSampleSource:
             offsets.append(msg.offset())
             value = msg.value()
             if value is not None and len(value) > limit:
-                self._dead(msg, oversized_reason(len(value), limit))
-                polled.dead += 1
+                self._dead(polled, msg, oversized_reason(len(value), limit))
                 continue
             messages.append(msg)
             values.append(value)
@@ -177,8 +195,7 @@ class KafkaSampleSource:
         table, dead = decode_json_samples(values, self.schema, with_index=True,
                                           max_message_bytes=self.max_message_bytes)
         for index, reason in dead:
-            self._dead(messages[index], reason)
-        polled.dead += len(dead)
+            self._dead(polled, messages[index], reason)
         kept = table.column(MESSAGE_INDEX).to_numpy()
         polled.samples = table.drop_columns([MESSAGE_INDEX])
         polled.num_samples = polled.samples.num_rows
@@ -215,29 +232,45 @@ class KafkaSampleSource:
 
     def _sift(self, items, check, polled: Polled) -> list:
         """``(check(value), msg)`` of the ``(value, msg)`` items ``check`` accepts; the others'
-        messages go to the dead-letter topic."""
+        messages are set aside as dead letters."""
         kept = []
         for value, msg in items:
             try:
                 kept.append((check(value), msg))
             except (ValueError, pa.ArrowException) as e:
-                self._dead(msg, f"not a tree message: {e}")
-                polled.dead += 1
+                self._dead(polled, msg, f"not a tree message: {e}")
         return kept
 
-    def _dead(self, msg, reason: str):
-        letter = DeadLetter(msg.value(), reason, msg.key(), self.topic, msg.partition(),
-                            msg.offset())
-        while True:
-            try:
-                self.producer.produce(self.dlq_topic, value=letter.value, key=letter.key,
-                                      headers=list(letter.headers()))
-                break
-            except BufferError:
-                self.producer.poll(0.1)
+    def _dead(self, polled: Polled, msg, reason: str):
+        polled.dead_letters.append(DeadLetter(msg.value(), reason, msg.key(), self.topic,
+                                              msg.partition(), msg.offset()))
+
+    # -- dead letters and committing -----------------------------------------------------
+
+    def send_dead_letters(self, letters: list[DeadLetter]) -> None:
+        """Send ``letters`` (a poll's :attr:`Polled.dead_letters`) to the dead-letter topic.
+        Call it when the poll's offsets are trained, before the checkpoint that holds them
+        (:meth:`flush_dead_letters` waits for their delivery): a poll dropped untrained is
+        read again, and only then are its dead letters sent."""
+        for letter in letters:
+            while True:
+                try:
+                    self.producer.produce(self.dlq_topic, value=letter.value, key=letter.key,
+                                          headers=list(letter.headers()),
+                                          on_delivery=self._on_delivery(letter))
+                    break
+                except BufferError:
+                    self.producer.poll(0.1)
         self.producer.poll(0)
 
-    # -- committing ----------------------------------------------------------------------
+    def _on_delivery(self, letter: DeadLetter):
+        def delivered(err, _msg):
+            if err is not None:
+                self.dead_letters_failed += 1
+                log.error("the dead letter of %s partition %s offset %s was not written to %s "
+                          "(%s); its reason: %s", letter.topic, letter.partition, letter.offset,
+                          self.dlq_topic, err, letter.reason)
+        return delivered
 
     def flush_dead_letters(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until every dead letter sent so far is delivered; False if

@@ -5,18 +5,23 @@
 
 The loop, and why it is crash-exact:
 
-1. A reader thread consumes up to a batch of messages, decodes them in bulk (malformed ones go
-   to ``TOPIC.dlq``), compresses the samples into trees and cuts them into TreeBatches. One
-   such *unit* carries the consumer positions after its last message.
+1. A reader thread consumes up to a batch of messages, decodes them in bulk (malformed ones
+   are set aside as dead letters), compresses the samples into trees and cuts them into
+   TreeBatches. One such *unit* carries the consumer positions after its last message.
 2. The main thread trains every batch of a unit (store lookups, TensorFlow step, store
-   updates). Only then do the unit's positions become the *trained* positions.
+   updates). Only then do the unit's positions become the *trained* positions, and its dead
+   letters are sent to ``TOPIC.dlq``.
 3. Every ``--checkpoint-every`` seconds, between units, it writes a checkpoint (dense weights,
    stores, step, the trained positions and the offset ranges trained since the previous
-   checkpoint) atomically, and only after that commits the same offsets to Kafka.
+   checkpoint) atomically, once the dead letters sent so far are delivered, and only after
+   that commits the same offsets to Kafka.
 4. On start it restores the latest checkpoint and seeks every partition to its offsets.
 
 So after a crash at any moment the restored model has trained exactly the messages before the
 checkpoint's offsets, and training resumes right after them: nothing lost, nothing twice.
+A malformed message's dead letter is written once when the run meets no crash (units polled
+but not trained when it stops are read, and dead-lettered, by the next run); after a crash,
+those of the units trained since the last checkpoint are written again.
 With ``--workers W --shards S`` the same command trains on Ray, with the same guarantee
 (:mod:`trainer.distributed.online`).
 SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0. A checkpoint
@@ -108,8 +113,12 @@ class Unit:
     positions: dict
     ranges: dict
     timestamps_ms: np.ndarray
-    dead: int
+    dead_letters: list  # compression.DeadLetter each, sent once the unit is trained
     messages: int
+
+    @property
+    def dead(self) -> int:
+        return len(self.dead_letters)
 
 
 @dataclass
@@ -262,7 +271,7 @@ class OnlineTrainer:
                 self.stats.reader_seconds["poll_decode"] += t1 - t0
                 self.stats.reader_seconds["compress_batch"] += time.perf_counter() - t1
                 self._put(Unit(batches, polled.num_samples, positions, polled.ranges,
-                               polled.timestamps_ms, polled.dead, polled.messages))
+                               polled.timestamps_ms, polled.dead_letters, polled.messages))
         except BaseException as e:  # surfaced by the main loop
             self._reader_error.append(e)
             self._put(None)
@@ -357,7 +366,8 @@ class OnlineTrainer:
             self._stop.set()
             reader.join(timeout=10)
         # Units the reader polled but we did not train are simply not in the checkpoint:
-        # their offsets are after the trained positions, so the next run consumes them.
+        # their offsets are after the trained positions, so the next run consumes them (and
+        # sends their dead letters, which were not sent here).
         if self.export_dir:
             self.export()
         if not self.checkpoint(flush_timeout=60.0, final=True):
@@ -390,6 +400,7 @@ class OnlineTrainer:
             if self.predictions is not None:
                 self.predictions.append((p, y))
         self.trained_positions.update(unit.positions)
+        self.source.send_dead_letters(unit.dead_letters)  # delivered before the checkpoint
         for p, (first, end) in unit.ranges.items():
             spans = self.ranges_since_checkpoint.setdefault(int(p), [])
             if spans and spans[-1][1] == first:

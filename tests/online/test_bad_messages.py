@@ -109,6 +109,56 @@ def test_each_bad_message_is_dead_lettered_and_its_neighbours_trained(kafka_brok
     _check_dead_letters(kafka_broker, topic, [kind], offsets)
 
 
+def test_a_run_stopped_with_polls_untrained_and_its_restart_dead_letter_each_message_once(
+        kafka_broker, tmp_path):
+    """A run that stops (--max-samples here; SIGTERM alike) leaves the polls its reader took
+    ahead untrained, outside its final checkpoint; the next run of the same run directory
+    reads them again. Every malformed message reaches the dead-letter topic exactly once
+    over both runs: its record is sent when its poll is trained, not when it is read."""
+    topic = kafka_broker.create_topic(partitions=2)
+    kinds = sorted(BAD)
+    messages = []
+    for sid in range(600):  # 300 samples a partition, 30 malformed messages among them
+        if sid % 10 == 5:
+            kind = kinds[(sid // 10) % len(kinds)]
+            messages.append((BAD[kind][0], BAD[kind][1], None, None, (sid // 10) % 2))
+        messages.append((*_good(sid), None, None, sid % 2))
+    offsets = kafka_broker.produce(topic, messages)
+    malformed = sorted((m[4], o) for m, o in zip(messages, offsets)
+                       if m[0] in {BAD[k][0] for k in kinds})
+    run_dir, group = str(tmp_path / "run"), group_id()
+    # one model for both runs: the second resumes with what the first one's final checkpoint
+    # holds (a restore of it gives the same; this saves tracing the step again)
+    trainer = Trainer(SCHEMA, models.MLP(hidden=(8,)), TrainConfig.from_dict(CONFIG))
+
+    def run(max_samples: int) -> dict:
+        checkpoints = CheckpointManager(run_dir)
+        latest = checkpoints.latest()
+        start = ({} if latest is None
+                 else {int(p): o for p, o in latest.state["offsets"].items()})
+        # both partitions assigned, not joined as a group member: a join takes seconds here
+        source = KafkaSampleSource(SCHEMA, kafka_broker.bootstrap, topic, group,
+                                   start_offsets=start, max_message_bytes=LIMIT,
+                                   partitions=[0, 1])
+        online = OnlineTrainer(SCHEMA, trainer, source, checkpoints, checkpoint_every=1000,
+                               max_samples=max_samples, poll_timeout=0.05, unit_samples=50,
+                               reader_nice=0)
+        try:
+            return online.run()
+        finally:
+            source.close()
+
+    first = run(max_samples=100)  # its reader polls ahead while its first units train
+    second = run(max_samples=600 - first["samples"])
+    assert first["samples"] + second["samples"] == 600
+    assert second["offsets"] == {"0": 330, "1": 330}
+    assert first["dead_letters"] + second["dead_letters"] == len(malformed) == 60
+    letters = [DeadLetter.from_message(m.value(), m.headers(), m.key())
+               for m in kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)]
+    assert sorted((d.partition, d.offset) for d in letters) == malformed  # each once
+    assert {d.topic for d in letters} == {topic}
+
+
 def test_the_online_command_dead_letters_every_kind_and_trains_the_rest(kafka_broker,
                                                                          tmp_path):
     schema_path, config_path = tmp_path / "schema.yaml", tmp_path / "config.yaml"

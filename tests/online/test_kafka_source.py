@@ -8,6 +8,8 @@ import pytest
 
 import compression
 import schemas
+from compression.messages import DeadLetter
+from kafka_broker import tansu_behind_proxy
 from trainer.checkpoints import CheckpointManager
 from trainer.kafka_source import KafkaSampleSource, group_id
 
@@ -51,6 +53,7 @@ def test_source_decodes_tracks_positions_and_dead_letters(kafka_broker):
         assert sids == list(range(40))
         assert source.positions == {0: 22, 1: 22}
         assert all(len(p.timestamps_ms) == p.num_samples for p in polls)
+        source.send_dead_letters([d for p in polls for d in p.dead_letters])  # as trained
         assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()
@@ -61,6 +64,33 @@ def test_source_decodes_tracks_positions_and_dead_letters(kafka_broker):
     assert reasons[b" null"].startswith("not a valid sample: expected a JSON object")
     assert reasons[b""] == "empty message; expected one JSON object"
     assert {dict(m.headers())["source.partition"] for m in dead} == {b"0", b"1"}
+
+
+def test_a_dead_letter_whose_produce_is_retried_is_written_once():
+    """A poll sets its dead letters aside and the caller sends them. The dead-letter producer
+    is idempotent: when the broker's answer to its Produce is lost (the records written, the
+    connection reset), the client sends the request again and the broker refuses the
+    repeated sequence numbers instead of writing the records twice (Tansu, the test broker,
+    as Kafka does)."""
+    with tansu_behind_proxy() as (broker, proxy):
+        topic = broker.create_topic()
+        broker.produce(topic, [(b"k", _sample(1, 0)), (b"x", b"{oops"), (b"k", _sample(1, 1))])
+        source = KafkaSampleSource(SCHEMA, broker.bootstrap, topic, group_id(),
+                                   partitions=[0])
+        try:
+            polls = _drain(source, 3)
+            letters = [letter for p in polls for letter in p.dead_letters]
+            assert [(d.key, d.partition, d.offset) for d in letters] == [(b"x", 0, 1)]
+            proxy.lose_produce_responses(1)
+            source.send_dead_letters(letters)
+            assert source.flush_dead_letters(30)
+            # the first answer was lost, so the delivery was confirmed by the retry's
+            assert proxy.lost_produce == 1 and source.dead_letters_failed == 0
+        finally:
+            source.close()
+        dead = [DeadLetter.from_message(m.value(), m.headers(), m.key())
+                for m in broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)]
+    assert dead == letters
 
 
 def test_a_new_source_resumes_at_the_given_offsets_not_the_committed_ones(kafka_broker):
@@ -121,6 +151,7 @@ def test_tree_messages_are_decoded_and_wrong_ones_dead_lettered(kafka_broker):
         assert got.equals(pa.concat_tables([trees, trees.slice(1, 1)]))
         # a timestamp per sample, its message's
         assert [t for p in polls for t in p.timestamps_ms.tolist()] == [1000] * 3 + [2000]
+        source.send_dead_letters([d for p in polls for d in p.dead_letters])  # as trained
         assert source.flush_dead_letters(10) and source.commit()
     finally:
         source.close()

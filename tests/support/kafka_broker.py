@@ -150,3 +150,23 @@ def tansu_broker(start_timeout: float = 30.0) -> Iterator[KafkaBroker]:
             yield broker
         finally:
             broker.admin = None  # close the client before the broker goes away
+
+
+@contextlib.contextmanager
+def tansu_behind_proxy(start_timeout: float = 30.0) -> Iterator[tuple[KafkaBroker, "TcpProxy"]]:
+    """A Tansu broker of its own that clients reach only through a ``TcpProxy`` (it
+    advertises the proxy's port): yields ``(broker, proxy)``, the proxy able to take the
+    broker away, bring it back, or lose its answers."""
+    from tcp_proxy import TcpProxy
+
+    proxy_port = local_broker.free_port()
+    with local_broker.tansu(advertised_port=proxy_port, start_timeout=start_timeout) as (
+            bootstrap, process, log_path), group_settings_for_tansu():
+        upstream = ("127.0.0.1", int(bootstrap.rsplit(":", 1)[1]))
+        with TcpProxy(upstream, port=proxy_port) as proxy:
+            broker = KafkaBroker(f"127.0.0.1:{proxy_port}", process, log_path)
+            try:
+                broker.admin.list_topics(timeout=start_timeout)
+                yield broker, proxy
+            finally:
+                broker.admin = None

@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 import compression
 import native
 import schemas
-from compression.messages import decode_json_samples
+from compression.messages import DeadLetter, decode_json_samples
 from trainer.checkpoints import CheckpointManager, dense_name
 from trainer.distributed.manifest import read_manifest
 
@@ -337,9 +337,13 @@ def test_two_workers_two_shards_from_a_batch_run_equal_a_replay_and_serve_every_
     assert summary["pv"]["samples"] == 2000
     # each worker sent what it read to the dead-letter topic and went on
     assert summary["dead_letters"] == len(bad)
-    letters = kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)
-    assert sorted(m.value() for m in letters) == sorted(value for _, value, *_ in bad)
-    assert {dict(m.headers())["source.partition"] for m in letters} == {b"1", b"2"}
+    # each exactly once, its record naming its partition and offset
+    letters = [DeadLetter.from_message(m.value(), m.headers(), m.key())
+               for m in kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)]
+    assert sorted((d.partition, d.offset, d.value) for d in letters) == sorted(
+        (p, o, value) for (p, o), value in messages.by_offset.items()
+        if value.startswith(b"not json"))
+    assert {d.partition for d in letters} == {1, 2}
     single = assert_equals_replay(run_dir, messages, 2000, kafka_broker, topic, "g-ray",
                                   len(bad), init_from=batch, expire_every=1)
     # the shards expired what one process expires on the same steps (rows compared above)
@@ -616,6 +620,92 @@ def test_a_worker_takes_the_first_batch_that_arrives_and_reports_dead_letters(
         assert result["consumed"] == {"ranges": {0: [3, 53]}, "messages": 50, "dead": 0}
     finally:
         worker.close_source()
+
+
+def test_a_worker_reopened_at_its_trained_offsets_dead_letters_each_message_once(
+        kafka_broker, files):
+    """A worker's reader polls units ahead of the steps; when the driver opens its partitions
+    again at the trained offsets (partitions dealt anew at a checkpoint; the end of a run and
+    its restart alike) the units held are dropped and read again: every malformed message
+    still reaches the dead-letter topic exactly once, its record naming its partition and
+    offset (no Ray: the actor class in process, driven as the driver drives it)."""
+    from trainer import models
+    from trainer.config import TrainConfig
+    from trainer.distributed.online_worker import OnlineWorker
+    from trainer.distributed.worker import resolve_dense, unresolved_dense
+
+    schema, config = schemas.from_dict(SCHEMA), TrainConfig.from_dict(CONFIG)
+    topic = kafka_broker.create_topic(partitions=2)
+    produced = []
+    for s in range(600):  # a malformed message after every 12th sample, on both partitions
+        produced.append(sample(s)[:4] + (s % 2,))
+        if s % 12 == 11:
+            produced.append((b"bad", b"not json %d" % s, None, None, s % 2))
+    # and 120 in a row on partition 1: a poll may hold malformed messages only
+    produced += [(b"bad", b"not json run %d" % i, None, None, 1) for i in range(120)]
+    offsets = kafka_broker.produce(topic, produced)
+    malformed = sorted((m[4], o) for m, o in zip(produced, offsets) if m[0] == b"bad")
+    ends = {p: 1 + max(o for m, o in zip(produced, offsets) if m[4] == p) for p in (0, 1)}
+    spec = {"bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "group": "g-dlq",
+            "options": {}, "dlq_topic": None, "max_message_bytes": 1 << 20}
+    worker = OnlineWorker(0, 1, 1, schema.to_dict(), models.MLP().spec(), config.to_dict())
+    trained, reported = {}, 0  # partition -> next offset trained; dead letters reported
+
+    def record(consumed):
+        nonlocal reported
+        if consumed is not None:
+            reported += consumed["dead"]
+            for p, (_, end) in consumed["ranges"].items():
+                trained[p] = max(trained.get(p, 0), end)
+
+    def held_dead_letters():
+        """Once the reader has filled the queue: the malformed messages it holds untrained."""
+        deadline = time.monotonic() + 60
+        while not worker._items.full():
+            assert time.monotonic() < deadline, "the reader did not poll ahead"
+            time.sleep(0.01)
+        return sum(unit.report()["dead"] for unit in list(worker._items.queue))
+
+    def step(request):
+        rows = {t: np.zeros((len(ids), CONFIG["embedding"]["dim"]), np.float32)
+                for t, ids in request.items()}
+        result, _, (_, _, request) = worker.train_step(rows)
+        record(result["consumed"])
+        return result, request
+
+    worker.open(spec, [0, 1], {}, poll_timeout=0.2, unit_samples=100)
+    try:
+        names = unresolved_dense(schema, config)
+        deadline = time.monotonic() + 60
+        while True:
+            found, consumed = worker.first_dense_sample(names)
+            record(consumed)
+            if found is not None:
+                break
+            assert time.monotonic() < deadline, "nothing arrived"
+        worker.set_config(resolve_dense(schema, config, [found]).to_dict())
+        _, request = worker.next_step()
+        result, request = step(request)
+        assert held_dead_letters() > 0
+        # as before a checkpoint: no new unit, the current one trained to its end
+        worker.drain(True)
+        while result["n"] or result["consumed"] is not None:
+            result, request = step(request)
+        assert trained and held_dead_letters() > 0  # polled, not trained: dropped now
+        worker.open(spec, [0, 1], trained, poll_timeout=0.2, unit_samples=100)
+        _, request = worker.next_step()
+        deadline = time.monotonic() + 120
+        while trained != ends:
+            assert time.monotonic() < deadline, f"trained {trained} of {ends}"
+            _, request = step(request)
+        assert worker.flush_dead_letters(10)
+    finally:
+        worker.close_source()
+    letters = [DeadLetter.from_message(m.value(), m.headers(), m.key())
+               for m in kafka_broker.consume_all(f"{topic}.dlq", idle_seconds=1.0)]
+    assert reported == len(malformed)
+    assert sorted((d.partition, d.offset) for d in letters) == malformed  # each once
+    assert {d.topic for d in letters} == {topic}
 
 
 def test_a_worker_reads_tree_messages_in_units_of_about_its_samples(kafka_broker, files):

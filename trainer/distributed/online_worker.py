@@ -10,8 +10,11 @@ the next batch of the current unit, else the first of the next unit, waiting at 
 timeout for one: a worker with nothing to read contributes an empty batch and holds the others
 up for no longer than that. A unit's ranges are reported by the step that trains its last
 batch (its offsets are trained then, not before); a poll whose messages were all malformed
-holds no batch but still moves the offsets (its messages went to the dead-letter topic), so
-the step that takes it reports them.
+holds no batch but still moves the offsets (its messages go to the dead-letter topic), so
+the step that takes it reports them. A unit's dead letters are sent by the step that reports
+its offsets, not by the poll: units polled ahead and dropped untrained (a re-deal of
+partitions, the end of the run) are read again from the trained offsets, and their malformed
+messages are dead-lettered once.
 
 While the driver drains (:meth:`OnlineWorker.drain`) a worker starts no new unit: it trains
 what is left of its current one, then contributes empty batches, so that a checkpoint, which
@@ -38,7 +41,7 @@ class Consumed:
     batches: list            # TreeBatch each; empty: the poll's messages were all malformed
     ranges: dict             # partition -> [first offset, next offset]
     messages: int
-    dead: int
+    dead_letters: list       # compression.DeadLetter each, sent when the offsets are reported
     # per batch: prepared and split by shard (None until the dense stats are known)
     splits: list | None = None
     # the Kafka arrival time (Unix ms) of every sample of the unit: the run's export delay
@@ -48,7 +51,8 @@ class Consumed:
 
     def report(self) -> dict:
         """What the driver records of it: offsets, messages and dead letters."""
-        return {"ranges": self.ranges, "messages": self.messages, "dead": self.dead}
+        return {"ranges": self.ranges, "messages": self.messages,
+                "dead": len(self.dead_letters)}
 
     @property
     def left(self) -> int:
@@ -105,7 +109,7 @@ class OnlineWorker(Worker):
         self._held = None      # an item taken ahead for the next step (first_dense_sample)
         self._unit = None      # the unit whose batches the steps train
         self._draining = False
-        self._consumed = None  # what the batch of the current step consumed
+        self._consumed = None  # the unit whose offsets the current step trains
         self._arrivals = None  # and its samples' arrival times
         self._batch = None     # [index in its unit, batches of the unit] of the current step
         self._reader = threading.Thread(
@@ -142,7 +146,7 @@ class OnlineWorker(Worker):
                 seen_messages += polled.messages
                 item = Consumed([], {int(p): [int(a), int(b)]
                                      for p, (a, b) in sorted(polled.ranges.items())},
-                                polled.messages, polled.dead)
+                                polled.messages, polled.dead_letters)
                 if polled.num_samples:
                     trees = (polled.trees if polled.samples is None else
                              compression.build_trees(polled.samples, self.schema,
@@ -213,7 +217,7 @@ class OnlineWorker(Worker):
         item = self._next_unit()
         if item is None or not item.batches:
             self._held = _NOTHING
-            return None, None if item is None else item.report()
+            return None, None if item is None else self._report(item)
         self._held = item
         return dense_sample(item.batches[0], self.schema, names), None
 
@@ -226,13 +230,13 @@ class OnlineWorker(Worker):
         taken = self._take()
         self._consumed = self._arrivals = self._batch = None
         if taken is None or taken[1] is None:
-            self._consumed = None if taken is None else taken[0].report()
+            self._consumed = None if taken is None else taken[0]
             self._current["train"] = None
             return ({"n": 0},) + tuple({} for _ in range(self.shards))
         unit, index = taken
         last = index == len(unit.batches) - 1
         if last:  # the unit's offsets are trained with its last batch
-            self._consumed, self._arrivals = unit.report(), unit.arrivals_ms
+            self._consumed, self._arrivals = unit, unit.arrivals_ms
         self._batch = [index, len(unit.batches)]
         if unit.splits is None:
             unit.splits = [None] * len(unit.batches)
@@ -258,9 +262,16 @@ class OnlineWorker(Worker):
         consumed, arrivals, batch = self._consumed, self._arrivals, self._batch
         result, message, *to_shards = self._gradient_messages(shard_rows, dense)
         _, *requests = self.next_step()
-        return ({**result, "consumed": consumed, "arrivals_ms": arrivals, "batch": batch,
-                 "left": self.left()}, message) + tuple(
+        return ({**result, "consumed": None if consumed is None else self._report(consumed),
+                 "arrivals_ms": arrivals, "batch": batch, "left": self.left()},
+                message) + tuple(
             (n, grads, request) for (n, grads), request in zip(to_shards, requests))
+
+    def _report(self, unit: Consumed) -> dict:
+        """``unit.report()`` for the driver, which now records its offsets as trained: its
+        dead letters are sent now (delivered before the checkpoint that holds them)."""
+        self.source.send_dead_letters(unit.dead_letters)
+        return unit.report()
 
     def flush_dead_letters(self, timeout: float) -> bool:
         """Whether every dead letter sent so far was delivered within ``timeout`` s."""
