@@ -130,14 +130,19 @@ def _text(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-def run_command(prog: str, body, argv=None) -> int:
-    """Run ``body(argv)`` (returns an exit code or None) under the shared error path."""
+def run_command(prog: str, body, argv=None, service: bool = False) -> int:
+    """Run ``body(argv)`` (returns an exit code or None) under the shared error path.
+
+    SIGTERM unwinds like Ctrl-C (SIGINT) from the start, before the arguments are parsed: the
+    command ends with 143 (130), its temporary outputs removed on the way out, unless it
+    handles the signal itself by then (a training run finishing its step). ``service``: a
+    command that a signal stops cleanly (:data:`SERVICE_EXIT_CODES`) exits 0 then, also when
+    the signal comes before its own handling is in place (during start-up)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     previous = None
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        # SIGTERM unwinds like Ctrl-C: temporary outputs are removed on the way out
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return body(argv) or EXIT_OK
@@ -145,6 +150,10 @@ def run_command(prog: str, body, argv=None) -> int:
         if debug:
             traceback.print_exc()
         terminated = isinstance(e, Terminated)
+        if service:
+            print(f"{prog}: stopped by {'SIGTERM' if terminated else 'SIGINT'}",
+                  file=sys.stderr, flush=True)
+            return EXIT_OK
         print(f"{prog}: {'terminated' if terminated else 'interrupted'}",
               file=sys.stderr, flush=True)
         return EXIT_SIGTERM if terminated else EXIT_SIGINT

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -103,7 +102,9 @@ PROG = "python -m pipelines.local_broker"
 
 
 def main(argv=None) -> int:
-    return cli.run_command(PROG, _main, argv)
+    # SIGINT and SIGTERM unwind through tansu(), which stops the broker, at any moment (also
+    # while it starts), and the command exits 0
+    return cli.run_command(PROG, _main, argv, service=True)
 
 
 def _main(argv) -> int:
@@ -119,11 +120,7 @@ def _main(argv) -> int:
         options = " ".join(f"-X {k}={v}" for k, v in CLIENT_OPTIONS.items())
         print(f"Kafka-protocol broker (Tansu) at {bootstrap}; Ctrl-C stops it. Consumers join "
               f"its groups faster with {options}", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        try:
-            process.wait()
-        except KeyboardInterrupt:
-            pass
+        process.wait()
     return 0
 
 

@@ -229,16 +229,20 @@ class LiveModel:
         self._retired: list[Version] = []   # replaced versions some request may still pin
         self._staging = tempfile.mkdtemp(prefix="prefixrec-serve-")
         self._current: Version | None = None
-        if self.directory is None:  # on an object store: follow a local copy of it
-            self.directory = os.path.join(self._staging, "mirror", "export")
-            try:
-                mirror_export(self.source, self.directory)
-            except StorageError as e:
-                self.problem = str(e)
         try:
-            self._current = self._load_full()
-        except ValueError as e:  # an export it cannot serve: not ready until a better one
-            self.problem = str(e)
+            if self.directory is None:  # on an object store: follow a local copy of it
+                self.directory = os.path.join(self._staging, "mirror", "export")
+                try:
+                    mirror_export(self.source, self.directory)
+                except StorageError as e:
+                    self.problem = str(e)
+            try:
+                self._current = self._load_full()
+            except ValueError as e:  # an export it cannot serve: not ready until a better one
+                self.problem = str(e)
+        except BaseException:  # a failure or a signal: no staging directory left behind
+            self.close()
+            raise
 
     # -- answering -----------------------------------------------------------------------
 

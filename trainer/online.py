@@ -24,9 +24,11 @@ but not trained when it stops are read, and dead-lettered, by the next run); aft
 those of the units trained since the last checkpoint are written again.
 With ``--workers W --shards S`` the same command trains on Ray, with the same guarantee
 (:mod:`trainer.distributed.online`).
-SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0. A checkpoint
-is written only when something changed since the previous one (a trained batch or new
-offsets): an idle run does not rewrite the same checkpoint every ``--checkpoint-every`` s.
+SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0; one that comes
+while the command starts (TensorFlow, the broker, the model, Ray and its actors) ends it with
+exit 0 and nothing trained. A checkpoint is written only when something changed since the
+previous one (a trained batch or new offsets): an idle run does not rewrite the same checkpoint
+every ``--checkpoint-every`` s.
 
 ``--idle-exit S`` stops the run (checkpoint, commit, exit 0) once the topic has been idle for S
 seconds, where *idle* means: partitions are assigned, the broker answers, and the consumer has
@@ -75,6 +77,7 @@ import schemas
 from compression import fs, kafka
 from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
 from native.crash_points import crash_point
+from compression.signal_points import signal_point
 from compression import cli
 from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
@@ -686,6 +689,7 @@ def run(argv=None) -> dict:
     if args.init_from and (args.config or args.model):
         parser.error("--init-from takes the batch run's config and model; drop --config and "
                      "--model")
+    signal_point("args.parsed")
     on_ray = args.workers is not None or args.shards is not None or args.ray_address
     for name in ("workers", "shards"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -711,12 +715,15 @@ def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None
     load_tensorflow(args.debug)
     from trainer.models import MODELS
     from trainer.trainer import Trainer
+
+    signal_point("tensorflow.loaded")
     options = dict(args.kafka_options)
     try:  # at start only: once running, the trainer retries through outages
         kafka.check_reachable(kafka.consumer_settings(args.bootstrap_servers, args.group,
                                                       options), args.broker_timeout)
     except kafka.BrokerUnreachable as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
+    signal_point("broker.reached")
     if on_ray:
         from trainer.distributed.online import run_cli
 
@@ -725,6 +732,7 @@ def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None
             config = TrainConfig.load(args.config) if args.config else TrainConfig()
         except (schemas.SchemaError, ConfigError) as e:
             parser.error(str(e))
+        signal_point("config.loaded")
         return print_summary(run_cli(args, parser, schema, config,
                                      MODELS[args.model or "mlp"]()), args.topic)
     checkpoints = CheckpointManager(run_dir, publish_to=publish_to)
@@ -749,35 +757,37 @@ def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None
             trainer.config = trainer.config.with_expire_every(args.expire_every)
     except (schemas.SchemaError, ConfigError) as e:
         parser.error(str(e))
+    signal_point("config.loaded")
     source = KafkaSampleSource(schema, args.bootstrap_servers, args.topic, args.group,
                                format=args.format, start_offsets=offsets,
                                dlq_topic=args.dead_letter_topic, config=options,
                                max_message_bytes=args.max_message_bytes)
-    online = OnlineTrainer(schema, trainer, source, checkpoints,
-                           checkpoint_every=args.checkpoint_every, export_dir=args.export_dir,
-                           export_every=args.export_every, max_samples=args.max_samples,
-                           idle_exit=args.idle_exit,
-                           status_path=os.path.join(run_dir, STATUS_FILE),
-                           log_dir=os.path.join(run_dir, TENSORBOARD_DIR),
-                           report_every=args.report_every, reader_nice=args.reader_nice,
-                           unit_samples=args.unit_samples,
-                           calibrate=latest is None and not args.init_from)
     metrics = None
-    if args.metrics_port is not None:
-        try:
-            metrics = serve_metrics(online, args.metrics_host, args.metrics_port)
-        except OSError as e:
-            source.close()
-            raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
-                                 f"{args.metrics_host}: {e.strerror}") from None
-        online.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
-        log.info("metrics on %s", online.metrics_url)
-    # SIGTERM and SIGINT stop the run at the next step; the caller's handlers come back after
-    # it (run() is also called in process, by tests and scripts)
-    previous = ({signum: signal.signal(signum, online.stop)
-                 for signum in (signal.SIGTERM, signal.SIGINT)}
-                if threading.current_thread() is threading.main_thread() else {})
-    try:
+    previous = {}
+    try:  # a signal before online.run() ends the command here (exit 0, nothing trained)
+        online = OnlineTrainer(
+            schema, trainer, source, checkpoints, checkpoint_every=args.checkpoint_every,
+            export_dir=args.export_dir, export_every=args.export_every,
+            max_samples=args.max_samples, idle_exit=args.idle_exit,
+            status_path=os.path.join(run_dir, STATUS_FILE),
+            log_dir=os.path.join(run_dir, TENSORBOARD_DIR), report_every=args.report_every,
+            reader_nice=args.reader_nice, unit_samples=args.unit_samples,
+            calibrate=latest is None and not args.init_from)
+        if args.metrics_port is not None:
+            try:
+                metrics = serve_metrics(online, args.metrics_host, args.metrics_port)
+            except OSError as e:
+                raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                     f"{args.metrics_host}: {e.strerror}") from None
+            online.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
+            log.info("metrics on %s", online.metrics_url)
+        signal_point("source.opened")
+        # SIGTERM and SIGINT stop the run at the next step; the caller's handlers come back
+        # after it (run() is also called in process, by tests and scripts)
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, online.stop)
+        signal_point("run.started")
         summary = online.run()
         checkpoints.publish()  # on a store: the final status and logs too
     finally:
@@ -833,7 +843,7 @@ def _init_from(parser, run_dir: str, schema: schemas.Schema) -> Trainer:
 
 
 def main(argv=None) -> int:
-    return cli.run_command(PROG, lambda a: run(a) and 0, argv)
+    return cli.run_command(PROG, lambda a: run(a) and 0, argv, service=True)
 
 
 if __name__ == "__main__":

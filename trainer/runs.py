@@ -1,6 +1,7 @@
 """What the trainer's commands share, so that no command imports another: the built-in model
 names, loading TensorFlow quietly, stopping on a signal (:class:`StopOnSignal`,
-:class:`Interrupted`), the files of an interrupted run and ``--resume`` (``interrupted.json``,
+:class:`Interrupted`) and holding one during start-up steps that must not be cut short
+(:func:`signals_held`), the files of an interrupted run and ``--resume`` (``interrupted.json``,
 the run's settings), and the result dict and line of a training run (in process or on Ray).
 
 Imports neither TensorFlow nor Ray: ``--help`` and argument errors stay fast.
@@ -8,6 +9,7 @@ Imports neither TensorFlow nor Ray: ``--help`` and argument errors stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,10 +31,14 @@ def load_tensorflow(debug: bool = False):
     writes its absl lines to file descriptor 2 before any setting reaches them); with
     ``debug`` they are shown. Called after the arguments are parsed."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if "tensorflow" not in sys.modules and not debug:
-        with cli.quiet_stderr():
-            import keras  # noqa: F401
-            import tensorflow  # noqa: F401
+    # A signal is held until the import is done: a KeyboardInterrupt raised inside it leaves
+    # TensorFlow half imported, and when it lands in code TensorFlow's extension runs through
+    # PyRun_String, Python ends the process by SIGINT at exit whatever the command returned
+    # (trainer.serve stopped during start-up then exited -2 instead of 0).
+    with signals_held(), (contextlib.nullcontext() if debug or "tensorflow" in sys.modules
+                          else cli.quiet_stderr()):
+        import keras  # noqa: F401
+        import tensorflow  # noqa: F401
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)
@@ -77,11 +83,41 @@ class StopOnSignal:
         return False
 
     def _handle(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt  # the second signal: stop now, no checkpoint
+        if self.signum is not None:  # the second signal: stop now, no checkpoint
+            raise cli.Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing the current step, then writing a "
               "checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM that arrive in the block are held and delivered, when it ends (by an
+    exception too), to the handlers in place then: for start-up steps that must not be cut
+    short (TensorFlow's import; ``ray.init``, whose cluster, half started, is one its own
+    shutdown does not know whole). A signal that is ignored stays ignored. In the main thread
+    only, the one that runs Python's signal handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+
+    def hold(signum, frame):
+        if signum not in held:
+            held.append(signum)
+
+    previous = {}
+    for signum in StopOnSignal.SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is not None and handler is not signal.SIG_IGN:  # None: set outside Python
+            previous[signum] = signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in held:
+            signal.raise_signal(signum)  # its handler runs now, in this thread
 
 
 def write_interrupted(trainer, staged, signum: int, state: dict, keep_best: bool,

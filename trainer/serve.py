@@ -364,7 +364,6 @@ def run(args) -> int:
         raise cli.UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}; "
                              "pick another --port") from None
 
-    import uvicorn
     from trainer import runs
 
     def log(message):
@@ -374,6 +373,16 @@ def run(args) -> int:
     from trainer.live import LiveModel
 
     live = LiveModel(args.export_dir, batch_size=args.batch_size, max_lag=args.max_lag)
+    try:  # its staging directory goes also when a signal ends the start-up
+        return _serve(args, sock, live, log)
+    finally:
+        live.close()
+
+
+def _serve(args, sock, live, log) -> int:
+    """Serve ``live`` on ``sock`` until a signal; 0 once every accepted request is answered."""
+    import uvicorn
+
     app = build_app(live, max_samples=args.max_samples, max_body_bytes=args.max_body_bytes)
     follower = Follower(live, args.poll_interval, app.state.metrics, log)
     signals = []
@@ -417,13 +426,13 @@ def run(args) -> int:
     finally:
         follower.stop.set()
         follower.thread.join(timeout=10)
-        live.close()
     log("stopped" + (f" on {signal.Signals(signals[0]).name}" if signals else ""))
     return 0
 
 
 def main(argv=None) -> int:
-    return cli.run_command(PROG, lambda a: run(build_parser().parse_args(a)), argv)
+    return cli.run_command(PROG, lambda a: run(build_parser().parse_args(a)), argv,
+                           service=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ interrupted.json`` (the settings and where the fit stopped) in place; the same c
 ``--resume`` continues the run to the result an uninterrupted run has (the same pass order,
 evaluations and early-stopping state; exact with the defaults: no dropout, no stale lookups).
 With ``--workers``/``--shards`` (Ray) the run directory, a signal and ``--resume`` are handled
-alike (the pipeline drains first; resumed with the same ``--workers`` and ``--shards``).
+alike (the pipeline drains first; resumed with the same ``--workers`` and ``--shards``). A
+signal before the first step (inputs checked, TensorFlow loaded, Ray and its actors started)
+ends the command with 130/143 and no run directory (a ``--resume``: the interrupted one as it
+was).
 
 ``--out`` may be on an object store (``s3://bucket/runs/mlp``): the run then works in a local
 temporary directory (a ``--resume`` first downloads the published run into it), and at the end,
@@ -38,6 +41,7 @@ import tempfile
 import compression  # noqa: F401
 import schemas
 from compression import cli, fs
+from compression.signal_points import signal_point
 from trainer.config import ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
                           StopOnSignal, check_export_dir, fit_result, interrupted_run, link_tree,
@@ -128,6 +132,7 @@ def run(argv=None) -> dict:
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out and --overwrite replaces it; pass "
                      "one of them")
+    signal_point("args.parsed")
     if not fs.is_local(args.out):
         return _run_with_out_on_store(argv, args)
     try:
@@ -172,10 +177,13 @@ def run(argv=None) -> dict:
             check_ray_address(args.ray_address)
         except (ConnectionError, ValueError) as e:
             parser.error(str(e))
+    signal_point("config.loaded")
     load_tensorflow(args.debug)
     from trainer import models
     from trainer.fitting import FitState
     from trainer.trainer import Trainer
+
+    signal_point("tensorflow.loaded")
 
     again = argv if "--resume" in argv else [*argv, "--resume"]
     go_on = ("continue the run where it stopped with the same command plus --resume: "
@@ -218,6 +226,7 @@ def run(argv=None) -> dict:
             link_tree(staged.path, run_dir, skip=("interrupted.json", "latest"))
             trainer.load(os.path.join(staged.path, interrupted["checkpoint"]))
             resume = FitState.from_dict(interrupted["fit"])
+        signal_point("run.started")
         history = trainer.fit(train_files, epochs=epochs, progress=progress,
                               log_dir=run_dir, should_stop=lambda: stop.signum is not None,
                               eval_data=eval_files or None, eval_every=args.eval_every,

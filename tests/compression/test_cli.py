@@ -29,6 +29,17 @@ def test_errors_map_to_one_line_and_an_exit_code(capsys):
         "prog: interrupted", "prog: terminated"]
 
 
+def test_a_service_stopped_by_a_signal_exits_0(capsys):
+    def stopped(error):
+        return cli.run_command("prog", lambda argv: (_ for _ in ()).throw(error), [],
+                               service=True)
+
+    assert stopped(KeyboardInterrupt()) == 0
+    assert stopped(cli.Terminated()) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "prog: stopped by SIGINT", "prog: stopped by SIGTERM"]
+
+
 def test_staged_output_commits_whole_or_leaves_nothing(tmp_path):
     target = tmp_path / "out"
     with pytest.raises(RuntimeError):

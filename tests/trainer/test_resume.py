@@ -4,14 +4,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from commands import in_process
-from processes import python_child, signal_when
+from processes import signal_when
 from trainer_data import SCHEMA_PATH, assert_same_result, generated
 
 def command(*args) -> subprocess.CompletedProcess:
@@ -165,34 +164,6 @@ def test_resume_refuses_what_it_cannot_continue(files, tmp_path):
 
     out = command(*args)  # without --resume: refused as any other run
     assert out.returncode == 2 and "the directory is not empty" in out.stderr
-
-
-def test_a_signal_before_training_leaves_no_run_or_a_resumable_one(files, tmp_path):
-    """SIGINT as soon as the staged run directory exists (TensorFlow loaded, the trainer being
-    set up, training about to start): exit 130, and either nothing or a run that resumes."""
-    run = tmp_path / "run"
-    args = train_args(files, run)
-    child = python_child(["-m", "trainer.train", *args, "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        while not any(p.name.startswith(".run.tmp-") for p in tmp_path.iterdir()):
-            assert child.poll() is None, child.communicate()[1].decode()
-            time.sleep(0.01)  # polling for the staged directory, not waiting a fixed time
-        child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == 130, stderr.decode()
-    assert "Traceback" not in stderr.decode()
-    names = sorted(p.name for p in tmp_path.iterdir())
-    if names == ["run"]:  # the signal came once training had started: a resumable run
-        assert (run / "interrupted.json").exists()
-        resumed = command(*args, "--resume", "--no-progress")
-        assert resumed.returncode == 0, resumed.stderr
-    else:
-        assert names == []
 
 
 RAY = ["--workers", "2", "--shards", "2"]

@@ -21,6 +21,7 @@ import ray
 import compression
 import schemas
 from compression.cli import replace_directory
+from compression.signal_points import signal_point
 from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting, runs
@@ -81,6 +82,36 @@ def run_checkpoint(run_dir) -> tuple[str, dict]:
             f"{run_dir}: not a trainer.train run directory (no checkpoint/trainer.json or "
             "checkpoint/manifest.json); an interrupted run keeps its model there too")
     return checkpoint, read_manifest(checkpoint)
+
+
+def start_ray(**kwargs) -> None:
+    """``ray.init(**kwargs)``, leaving SIGINT and SIGTERM to the command that runs it.
+
+    ray.init takes SIGTERM over twice in the process that calls it: in Python, a handler that
+    exits with status 15 at once (set through ``ray._private.utils.set_sigterm_handler``), and
+    in C++, the core worker it starts installs Abseil's failure-signal handler, which prints a
+    stack dump (``*** SIGTERM received at time=... PC: @ ...``) and arms an alarm that aborts
+    the process (SIGABRT) seconds later, whatever the Python handler does. Here the core
+    worker of this process installs none (Ray's ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``
+    setting, read when it starts; the actors' processes keep theirs, and a native crash of
+    this process loses its C++ stack dump), ray.init sets no SIGTERM handler, and a signal
+    that comes meanwhile is held until ray.init has returned
+    (:func:`trainer.runs.signals_held`), then handled by the command. Ray's cleanup of the
+    processes it started stays: ``ray.shutdown`` (what :meth:`DistributedTrainer.close`
+    calls) and its exit hook stop them, and on Linux they end with this process anyway (Ray
+    starts them to die with their parent)."""
+    from ray._private import ray_constants, utils
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    set_sigterm_handler = utils.set_sigterm_handler
+    with runs.signals_held():
+        signal_point("ray.init.entered")
+        utils.set_sigterm_handler = lambda handler: None
+        try:
+            ray.init(**kwargs)
+        finally:
+            utils.set_sigterm_handler = set_sigterm_handler
+        signal_point("ray.init.returned")
 
 
 class DistributedTrainer:
@@ -176,7 +207,7 @@ class DistributedTrainer:
                 self._owns_ray = True
             else:
                 kwargs["address"] = ray_address
-            ray.init(**kwargs)
+            start_ray(**kwargs)
         try:
             cpus = ray.cluster_resources().get("CPU", 0)
             needed = (self.workers + self.shards) * actor_cpus
@@ -197,10 +228,12 @@ class DistributedTrainer:
             self._workers = [worker_cls.options(**options).remote(
                 w, self.workers, self.shards, schema.to_dict(), self._model, config.to_dict())
                 for w in range(self.workers)]
+            signal_point("actors.created")
             # fail here, not in the first step, when an actor cannot start
             ray.get([s.ping.remote() for s in self._shards])
             self._variable_shapes = ray.get(self._workers[0].variable_shapes.remote())
             ray.get([w.ping.remote() for w in self._workers[1:]])
+            signal_point("actors.started")
         except BaseException:
             self.close()
             raise
@@ -827,8 +860,10 @@ def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
         keep_best = bool(args.eval_data) and args.patience > 0
         checkpoint = os.path.join(staged.tmp, "checkpoint")
         rollback = os.path.join(staged.tmp, "rollback") if keep_best else checkpoint
-        # entered once Ray runs: ray.init sets a SIGTERM handler of its own
+        # a signal from here on finishes the step and writes the checkpoint; before, it ends
+        # the command with nothing written (start_ray holds one that comes during ray.init)
         with runs.StopOnSignal() as stop:
+            signal_point("run.started")
             history = trainer.fit(args.train_data, epochs=epochs,
                                   progress=not args.no_progress, log_dir=staged.tmp,
                                   eval_data=args.eval_data, eval_every=args.eval_every,

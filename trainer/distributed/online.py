@@ -83,6 +83,7 @@ import ray
 
 import schemas
 from compression import cli, fs, kafka
+from compression.signal_points import signal_point
 from trainer.checkpoints import CheckpointDamagedError, CheckpointManager
 from trainer.config import TrainConfig
 from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_actor_failure,
@@ -762,17 +763,17 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                          args.init_from, args.run_dir)
     except (ConnectionError, ValueError) as e:
         parser.error(str(e))
-    if step_log:
-        truncate_step_log(step_log, engine.step)
-    kafka_spec = {"bootstrap_servers": args.bootstrap_servers, "topic": args.topic,
-                  "group": args.group, "options": dict(args.kafka_options),
-                  "format": args.format,
-                  # the samples' arrival times serve the export delay only
-                  "arrivals": args.export_dir is not None,
-                  "dlq_topic": args.dead_letter_topic,
-                  "max_message_bytes": args.max_message_bytes}
     run = metrics = None
-    try:
+    try:  # a signal before run.run() ends the command here (exit 0, nothing trained)
+        if step_log:
+            truncate_step_log(step_log, engine.step)
+        kafka_spec = {"bootstrap_servers": args.bootstrap_servers, "topic": args.topic,
+                      "group": args.group, "options": dict(args.kafka_options),
+                      "format": args.format,
+                      # the samples' arrival times serve the export delay only
+                      "arrivals": args.export_dir is not None,
+                      "dlq_topic": args.dead_letter_topic,
+                      "max_message_bytes": args.max_message_bytes}
         run = OnlineRun(engine, checkpoints, kafka_spec, offsets,
                         checkpoint_every=args.checkpoint_every, max_samples=args.max_samples,
                         idle_exit=args.idle_exit, report_every=args.report_every,
@@ -788,7 +789,8 @@ def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) ->
                                      f"{args.metrics_host}: {e.strerror}") from None
             run.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
             log.info("metrics on %s", run.metrics_url)
-        with StopOnSignal() as stop:  # entered once Ray runs: ray.init sets a handler of its own
+        with StopOnSignal() as stop:  # from here a signal finishes the run cleanly
+            signal_point("run.started")
             summary = run.run(lambda: stop.signum is not None)
     finally:
         if metrics is not None:
