@@ -23,7 +23,9 @@ strings as strings, timestamps from an ISO-8601 string with pyarrow's exact gram
 optional ``Z`` or ``+-hh[[:]mm]`` offset; naive ones are UTC); a null or missing carried field
 is a null, never a reason to reject. Every rejected message gets a reason: row problems,
 unknown fields (quoted as Python's repr), empty messages and non-objects have the file
-readers' texts; syntax and type errors start with ``not a valid sample:``. The verdict order:
+readers' texts; syntax and type errors start with ``not a valid sample:`` (a syntax error inside
+a field's value also names the field: ``not JSON (invalid surrogate pair in a string at byte 9,
+in field 'pid')``). The verdict order:
 not JSON, then not an object, then unknown fields, then a value of the wrong type, then the
 row checks.
 
