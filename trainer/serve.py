@@ -143,7 +143,9 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     async def predict(request):
         started = time.perf_counter()
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        # ASCII digits only: str.isdigit() also passes '²', which int() refuses
+        if length is not None and length.isascii() and length.isdigit() and \
+                int(length) > max_body_bytes:
             return refuse(413, f"request body of {length} bytes; the limit is {max_body_bytes} "
                                "(--max-body-bytes)")
         body = bytearray()

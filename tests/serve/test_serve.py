@@ -2,6 +2,7 @@
 publishes versions into: one version per answer, equal to the Predictor at every version,
 problems never applied, bad requests answered, SIGTERM drains."""
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -421,6 +422,26 @@ def test_a_fault_of_the_service_is_a_counted_500_and_it_keeps_serving(live):
         text = connection.getresponse().read().decode()
     assert "prefixrec_serve_internal_errors_total 1.0" in text
     assert 'prefixrec_serve_requests_total{endpoint="predict",status="500"} 1.0' in text
+
+
+def test_a_content_length_header_of_other_digits_is_not_a_fault(live):
+    """'²' passes str.isdigit() but not int(): the app (called as an ASGI server calls it, for
+    servers that hand such a header on) reads the body instead of failing."""
+    body = json.dumps({"samples": PROBE[:2]}).encode()
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/predict", "raw_path": b"",
+             "root_path": "", "query_string": b"", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 1), "headers": [(b"content-length", "²".encode("latin-1"))]}
+    asyncio.run(build_app(live)(scope, receive, send))
+    assert sent[0]["status"] == 200, sent
 
 
 @contextlib.contextmanager
