@@ -21,7 +21,10 @@ FORBIDDEN = {
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    # Sources are parsed from their bytes, as Python reads them (UTF-8): read_text() would
+    # decode them with the locale's encoding, which fails on their non-ASCII characters
+    # under an ASCII or EUC-JP locale.
+    tree = ast.parse(path.read_bytes(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -69,7 +72,7 @@ def test_importing_schemas_and_compression_loads_neither_beam_nor_tensorflow():
 def _uses_pyarrow_json(path: pathlib.Path) -> bool:
     """``import pyarrow.json``, ``from pyarrow.json import ...``, ``from pyarrow import json``
     or ``pa.json`` / ``pyarrow.json`` used as an attribute."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = ast.parse(path.read_bytes(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name.startswith("pyarrow.json")
                                                 for a in node.names):
@@ -103,7 +106,7 @@ def _project_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
     """The project modules a file imports, at any depth (function-level imports too):
     ``from trainer import serving`` names the module ``trainer.serving``."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -151,7 +154,7 @@ def test_no_module_imports_a_private_name_of_another():
     offences = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
                         node.module.split(".")[0] in PACKAGES:
                     private = [a.name for a in node.names

@@ -19,7 +19,7 @@ from trainer import TrainConfig, Trainer, models  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer.distributed import DistributedTrainer, shard_of, tree_workers  # noqa: E402
 from ray_reference import assert_rows_equal, single_process_run, sorted_rows  # noqa: E402
-from trainer_data import ROOT, generated  # noqa: E402
+from trainer_data import ROOT, auc_tolerance, generated  # noqa: E402
 
 W, S = 2, 2
 SAMPLES = 2400
@@ -221,12 +221,16 @@ def test_cli_trains_on_ray_and_explains_bad_setups(cluster, schema, trees, tmp_p
     assert export["step"] == best["step"] and export["shards"] == 2
     flat = compression.flatten(trees, schema)
     scores = Predictor(f"{s3_bucket}/export").predict(flat)
-    assert auc(scores, flat.column("click").to_numpy()) == pytest.approx(result["auc"], abs=1e-6)
+    labels = flat.column("click").to_numpy()
+    # the workers scored their batches in their processes, the export and the merged
+    # trainer score here in other batches: the same scores to float rounding only
+    tolerance = auc_tolerance(scores, labels)
+    assert auc(scores, labels) == pytest.approx(result["auc"], abs=tolerance)
     # the run as one in-process Trainer (what trainer.online --init-from starts from): its
     # shards merged, it scores as the export does
     merged = Trainer.restore_run(tmp_path / "run")
     assert merged.step == best["step"] and merged.store_rows() == export_rows(tmp_path / "export")
-    assert merged.evaluate(trees)["auc"] == pytest.approx(result["auc"], abs=1e-6)
+    assert merged.evaluate(trees)["auc"] == pytest.approx(result["auc"], abs=tolerance)
 
     # the CLI's 2-shard checkpoint restored into 3 shards: every id looks up the same row
     checkpoint = tmp_path / "run" / "checkpoint"
