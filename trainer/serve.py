@@ -13,7 +13,10 @@ Endpoints:
   computed on that one version.
   Bad input gets 400 (malformed JSON, a missing or mistyped column: the message names the sample
   and column), 413 above ``--max-samples`` samples or ``--max-body-bytes``; 503 before a model is
-  loaded. The service keeps serving.
+  loaded. The service keeps serving. A request whose body never arrives whole (the client
+  leaves, or its framing breaks and the connection is closed) is counted as status 499 in the
+  requests metric, nothing logged; a client that stalls halfway is waited for (no read
+  timeout: put a proxy with one in front of untrusted clients).
 - ``GET /livez`` (200 while the process serves), ``GET /readyz`` (200 once a model is loaded and
   warmed, the newest published version is applied and, with ``--max-lag``, the freshness lag is
   under it; else 503 with the reason), ``GET /metrics`` (Prometheus), ``GET /v1/model``.
@@ -47,6 +50,9 @@ MAX_BODY_BYTES = 16 << 20
 # request latency buckets (s): a few ms for one sample, tens for hundreds of candidates
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+# the status counted for a request whose body never arrived whole (nginx's "client closed
+# request"); it reaches no client
+CLIENT_CLOSED = 499
 APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -152,6 +158,7 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
                                    disable_created_metrics, generate_latest)
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -184,11 +191,16 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
                                                     f"limit is {max_body_bytes} "
                                                     "(--max-body-bytes)"})
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                return answer("predict", 413, {"error": f"request body above {max_body_bytes}"
-                                                        " bytes (--max-body-bytes)"})
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_body_bytes:
+                    return answer("predict", 413, {"error": "request body above "
+                                                            f"{max_body_bytes} bytes "
+                                                            "(--max-body-bytes)"})
+        except ClientDisconnect:  # nobody left to answer: counted, not logged as a bug
+            return answer("predict", CLIENT_CLOSED, {"error": "the connection closed before "
+                                                              "the whole body arrived"})
         metrics["in_flight"].inc()
         try:
             kind, probabilities, info = await run_in_threadpool(work, bytes(body))
