@@ -26,7 +26,7 @@ PROG = "python -m benchmarks.fuzz"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET_NAMES = ("json_decoder", "csv_file", "parquet_file", "jsonl_file", "tree_parquet",
                 "tree_ipc", "store_snapshot", "store_delta", "store_rebase", "checkpoint",
-                "schema_yaml", "config_yaml")
+                "schema_yaml", "config_yaml", "serve_request")
 NATIVE_TARGETS = ("json_decoder", "store_snapshot", "store_delta", "store_rebase")
 ASAN_DIR = os.path.join("build", "fuzz-asan")
 ASAN_SHARE = 0.3  # of a native target's time, run under ASan + UBSan
@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
             "Fuzz every parser of outside bytes with atheris (libFuzzer): raw CSV, "
                     "Parquet and JSON lines files, tree Parquet files and Arrow IPC tree "
                     "messages, Kafka JSON sample messages (the native decoder), store "
-                    "snapshots and deltas, trainer checkpoints, schema and config YAML. "
+                    "snapshots and deltas, trainer checkpoints, schema and config YAML, and "
+                    "HTTP requests to the prediction service. "
                     "A finding is any outcome but a result or a clean refusal (a ValueError "
                     "naming the file): another exception, a crash, a sanitizer report, a "
                     "timeout, too much memory, or an accepted input that contradicts itself."),
