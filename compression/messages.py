@@ -23,7 +23,9 @@ strings as strings, timestamps from an ISO-8601 string with pyarrow's exact gram
 optional ``Z`` or ``+-hh[[:]mm]`` offset; naive ones are UTC); a null or missing carried field
 is a null, never a reason to reject. Every rejected message gets a reason: row problems,
 unknown fields (quoted as Python's repr), empty messages and non-objects have the file
-readers' texts; syntax and type errors start with ``not a valid sample:``. The verdict order:
+readers' texts; syntax and type errors start with ``not a valid sample:`` (a syntax error inside
+a field's value also names the field: ``not JSON (invalid surrogate pair in a string at byte 9,
+in field 'pid')``). The verdict order:
 not JSON, then not an object, then unknown fields, then a value of the wrong type, then the
 row checks.
 
@@ -38,19 +40,21 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from native.json_samples import (DEFAULT_MAX_MESSAGE_BYTES, DecodedChunk, JsonColumn,
-                                 JsonSampleDecoder)
+from native.json_samples import (DEFAULT_MAX_MESSAGE_BYTES, DecodedChunk, DecodedSamples,
+                                 JsonColumn, JsonSampleDecoder)
 from schemas import Schema
 
 MESSAGE_INDEX = "__message"
 DEAD_LETTER_SUFFIX = ".dlq"
 
 __all__ = ["DEAD_LETTER_SUFFIX", "DEFAULT_MAX_MESSAGE_BYTES", "DeadLetter", "MESSAGE_INDEX",
-           "dead_letter_topic", "decode_json_samples", "json_columns", "oversized_reason"]
+           "dead_letter_topic", "decode_json_samples", "decoded_table", "json_columns",
+           "oversized_reason"]
 
 
 # -- the dead-letter record -------------------------------------------------------------------
@@ -149,16 +153,25 @@ def decode_json_samples(values: list[bytes | None], schema: Schema, with_index: 
     The whole decode runs without the GIL either way.
     """
     decoder = decoder_for(schema, max_message_bytes)
-    raw_schema = schema.raw_arrow_schema()
-    indexed = raw_schema.append(pa.field(MESSAGE_INDEX, pa.int64()))
     out = decoder.decode(values, threads=threads)
-    batches = [_record_batch(chunk, decoder.columns, raw_schema, indexed)
-               for chunk in out.chunks if chunk.num_rows]
-    table = pa.Table.from_batches(batches, schema=indexed)
+    table = decoded_table(out, decoder.columns, schema.raw_arrow_schema())
     dead = list(zip(out.rejected_index.tolist(), out.rejected_reason))
     if with_index:
         return table, dead
     return table.drop_columns([MESSAGE_INDEX]), [(values[i], reason) for i, reason in dead]
+
+
+def decoded_table(out: DecodedSamples, columns: Sequence[JsonColumn],
+                  arrow_schema: pa.Schema) -> pa.Table:
+    """The accepted rows of a native decode (``JsonSampleDecoder.decode`` or ``decode_spans``
+    with ``columns``) as a Table of ``arrow_schema`` (one field per column, in order, of the
+    Arrow type the column's buffers hold: the raw schema's for features and labels, float64
+    for a carried float64...) plus ``__message`` (int64: each row's message), built on the
+    decoder's buffers without a copy."""
+    indexed = arrow_schema.append(pa.field(MESSAGE_INDEX, pa.int64()))
+    batches = [_record_batch(chunk, tuple(columns), arrow_schema, indexed)
+               for chunk in out.chunks if chunk.num_rows]
+    return pa.Table.from_batches(batches, schema=indexed)
 
 
 def _record_batch(chunk: DecodedChunk, columns: tuple[JsonColumn, ...],

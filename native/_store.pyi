@@ -49,3 +49,16 @@ class JsonSampleDecoder:
     def decode(self, values: Sequence[bytes | None], num_threads: int, copy_messages: bool = ...
                ) -> tuple[list[tuple[npt.NDArray[np.int64], list[tuple[np.ndarray | None, ...]]]],
                           npt.NDArray[np.int64], list[str]]: ...
+    def decode_spans(self, data: bytes, starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64],
+                     num_threads: int
+                     ) -> tuple[list[tuple[npt.NDArray[np.int64], list[tuple[np.ndarray | None, ...]]]],
+                                npt.NDArray[np.int64], list[str]]: ...
+
+def scan_json_envelope(
+    body: bytes, members: list[str], max_depth: int, max_elements: int
+) -> tuple[bool, bool,
+           list[tuple[bool, int, int, bool, int, npt.NDArray[np.int64], npt.NDArray[np.int64]]],
+           tuple[str, int, bool, bool, int, int, bool, int, str] | None]:
+    """(ok, is_object, per member (present, begin, end, is_array, count, element starts,
+    element ends), error (what, offset, at_end, too_deep, member, element, in_message,
+    message, reason) or None); see native/json_envelope.py."""

@@ -140,3 +140,17 @@ class JsonSampleDecoder:
         # give the same result; the copy is what non-Python callers of the C++ decoder get).
         chunks, index, reasons = self._decoder.decode(values, num_threads, _copy_messages)
         return DecodedSamples([DecodedChunk(m, list(cols)) for m, cols in chunks], index, reasons)
+
+    def decode_spans(self, data: bytes, starts: np.ndarray, ends: np.ndarray,
+                     threads: int | None = 1) -> DecodedSamples:
+        """Decode the messages ``data[starts[i]:ends[i]]`` of one bytes object (e.g. the samples
+        of a request body, spans from :func:`native.json_envelope.scan_envelope`) without
+        slicing it in Python; message ``i`` is span ``i``. ``threads`` as for :meth:`decode`
+        (1 by default: a request is small)."""
+        if not isinstance(data, bytes):
+            data = bytes(data)  # immutable: decoded without the GIL
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        ends = np.ascontiguousarray(ends, dtype=np.int64)
+        num_threads = 0 if threads is None else max(1, int(threads))
+        chunks, index, reasons = self._decoder.decode_spans(data, starts, ends, num_threads)
+        return DecodedSamples([DecodedChunk(m, list(cols)) for m, cols in chunks], index, reasons)

@@ -19,24 +19,11 @@ from benchmarks.fuzz import targets as T
 # Kept inputs that still show a finding in code this change does not own; each entry says
 # where. The test fails once the input stops being a finding: then remove it from here.
 PENDING: dict[tuple[str, str], str] = {  # (target, file name) -> where the bug is
-    ("serve_request", "seed-nested-brackets"):
-        "trainer/serve.py parse_request: json.loads recurses, RecursionError answered 500",
-    ("serve_request", "seed-nested-samples"):
-        "trainer/serve.py parse_request: json.loads recurses, RecursionError answered 500",
-    ("serve_request", "seed-lone-surrogate"):
-        "trainer/serving.py _table_of_rows: a lone surrogate in a string column, "
-        "UnicodeEncodeError answered 500",
-    ("serve_request", "finding-200000-digit-number"):
-        "trainer/serve.py parse_request: json.loads refuses a number of over 4300 digits with "
-        "a ValueError it does not catch, answered 500",
     ("serve_request", "finding-bad-chunk-under-a-get"):
         "uvicorn's h11 protocol (h11_impl.py): a malformed chunked body under a request the "
         "app answers without reading it; the protocol answers 400 and closes, the app's task, "
         "already scheduled, then sends its answer into the closed h11 state and "
         "LocalProtocolError is logged",
-    ("serve_request", "seed-lone-surrogate-root"):
-        "trainer/serving.py _table_of_rows: a lone surrogate in the root's string column, "
-        "UnicodeEncodeError answered 500",
 }
 
 CASES = [(name, path) for name, target in T.TARGETS.items() if not target.native

@@ -3,6 +3,7 @@
     model = LiveModel("export/")           # the full export: lineage L, version 0
     probabilities, version = model.predict(samples)          # flat: one tree per sample
     probabilities, version = model.predict_tree(user, ads)   # one user's part computed once
+    kind, probabilities, version = model.predict_request(body)  # trainer.serve's JSON body
     model.poll()                           # apply what the trainer published since
 
 **One version per answer.** Every answer is computed on exactly one published version: all
@@ -61,6 +62,7 @@ from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
 from compression.fs import StorageError, is_local
+from trainer.requests import RequestBody, decode_request, scan_request
 from trainer.serving import (EXPORT_VERSION, ShardedStore, mirror_export, one_node_per_sample,
                              published_versions, read_lineage, read_manifest, request_table,
                              request_tree, version_path)
@@ -299,6 +301,27 @@ class LiveModel:
             return self._score(version, [
                 request.batch(schema, s, s + self.batch_size)
                 for s in range(0, len(request), self.batch_size)]), version.info()
+
+    def predict_request(self, request: RequestBody | bytes) -> tuple[str, np.ndarray, dict]:
+        """A request body of ``trainer.serve`` (bytes, or scanned by
+        :func:`trainer.requests.scan_request`), decoded by the native JSON decoders with the
+        pinned version's schema and scored on that version: ``(kind, probabilities
+        float32[n, heads] in the request's order, Version.info())``, kind ``"samples"`` (each
+        scored as its own tree, as :meth:`predict`) or ``"tree"`` (the root once, as
+        :meth:`predict_tree`). Raises :class:`trainer.requests.BadRequest` naming the sample
+        (candidate, the root) and field of a refused request."""
+        if not isinstance(request, RequestBody):
+            request = scan_request(bytes(request))
+        with self.pinned() as version:
+            schema = version.base.schema
+            decoded = decode_request(request, schema)
+            if request.kind == "samples":
+                batches = [one_node_per_sample(decoded.slice(s, self.batch_size), schema)
+                           for s in range(0, decoded.num_rows, self.batch_size)]
+            else:
+                batches = [decoded.batch(schema, s, s + self.batch_size)
+                           for s in range(0, len(decoded), self.batch_size)]
+            return request.kind, self._score(version, batches), version.info()
 
     def _score(self, version: Version, batches) -> np.ndarray:
         base = version.base

@@ -11,12 +11,18 @@ Endpoints:
   ``{"predictions": [{"<head>": p, ...}, ...], "model": {"lineage", "version", "step",
   "newest_sample_time", "freshness_lag_s"}}``, predictions in the request's order, all
   computed on that one version.
-  Bad input gets 400 (malformed JSON, a missing or mistyped column: the message names the sample
-  and column), 413 above ``--max-samples`` samples or ``--max-body-bytes``; 503 before a model is
-  loaded. The service keeps serving. A request whose body never arrives whole (the client
-  leaves, or its framing breaks and the connection is closed) is counted as status 499 in the
-  requests metric, nothing logged; a client that stalls halfway is waited for (no read
-  timeout: put a proxy with one in front of untrusted clients).
+  Bodies are decoded by the project's native JSON decoders (:mod:`trainer.requests`), the ones
+  that read files and Kafka messages, so a sample gets the verdict it would get there. Anything a
+  client sends gets 2xx or 4xx: 400 for malformed JSON (nesting above 64 levels included) or a
+  refused sample (the message names the sample and its field: ``sample 3: not a valid sample:
+  field 'uid': expected an integer (kind id, dtype int64), got a string``), 413 above
+  ``--max-samples`` samples or ``--max-body-bytes``; 503 before a model is loaded. A 500 is a
+  fault of the service (or of the model it serves), counted in
+  ``prefixrec_serve_internal_errors_total``. The service keeps serving.
+  A request whose body never arrives whole (the client leaves, or its framing breaks and the
+  connection is closed) is counted as status 499 in the requests metric, nothing logged; a
+  client that stalls halfway is waited for (no read timeout: put a proxy with one in front of
+  untrusted clients).
 - ``GET /livez`` (200 while the process serves), ``GET /readyz`` (200 once a model is loaded and
   warmed, the newest published version is applied and, with ``--max-lag``, the freshness lag is
   under it; else 503 with the reason), ``GET /metrics`` (Prometheus), ``GET /v1/model``.
@@ -43,62 +49,14 @@ import time
 import traceback
 
 from compression import cli, fs
+from trainer.requests import MAX_SAMPLES, BadRequest, scan_request
 
 PROG = "python -m trainer.serve"
-MAX_SAMPLES = 10_000
 MAX_BODY_BYTES = 16 << 20
 # request latency buckets (s): a few ms for one sample, tens for hundreds of candidates
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
-# the status counted for a request whose body never arrived whole (nginx's "client closed
-# request"); it reaches no client
-CLIENT_CLOSED = 499
 APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-
-
-class BadRequest(ValueError):
-    """A request the service refuses: HTTP ``status`` and a message naming what to fix."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-def parse_request(body: bytes, max_samples: int) -> tuple[str, object]:
-    """``("samples", [dict, ...])`` or ``("tree", (root, candidates))`` from a request body;
-    :class:`BadRequest` for anything else."""
-    try:
-        request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON: {e}") from None
-    if not isinstance(request, dict):
-        raise BadRequest('the body must be a JSON object: {"samples": [...]} or '
-                         '{"root": {...}, "candidates": [...]}')
-    if "samples" in request and ("root" in request or "candidates" in request):
-        raise BadRequest('give either "samples" or "root" + "candidates", not both')
-    if "samples" in request:
-        kind, items = "samples", request["samples"]
-    elif "candidates" in request:
-        kind, items = "tree", request["candidates"]
-        if not isinstance(request.get("root"), dict):
-            raise BadRequest('"root" must be an object holding the root layer\'s features')
-    else:
-        raise BadRequest('no "samples" (or "root" + "candidates") in the request')
-    name = "samples" if kind == "samples" else "candidates"
-    if not isinstance(items, list):
-        raise BadRequest(f'"{name}" must be a list of objects')
-    if not items:
-        raise BadRequest(f'"{name}" is empty: nothing to score')
-    if len(items) > max_samples:
-        raise BadRequest(f'{len(items)} {name} in one request; the limit is {max_samples} '
-                         "(--max-samples): split the request", status=413)
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise BadRequest(f"{name[:-1]} {i}: not a JSON object but "
-                             f"{type(item).__name__}")
-    if kind == "samples":
-        return kind, items
-    return kind, (request["root"], items)
 
 
 def _metrics(live, registry):
@@ -148,6 +106,10 @@ def _metrics(live, registry):
                            buckets=APPLY_BUCKETS, registry=registry),
         "in_flight": Gauge("prefixrec_serve_requests_in_flight", "predict requests being "
                            "computed", registry=registry),
+        "internal_errors": Counter("prefixrec_serve_internal_errors",
+                                   "predict requests answered 500: a fault of the service or of "
+                                   "the model it serves, never of a client's input",
+                                   registry=registry),
     }
 
 
@@ -168,60 +130,62 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     registry = registry if registry is not None else CollectorRegistry()
     metrics = _metrics(live, registry)
 
-    def answer(endpoint, status, payload):
-        metrics["requests"].labels(endpoint, str(status)).inc()
-        return JSONResponse(payload, status_code=status)
+    def refuse(status, message):
+        """An error answer. ASCII JSON: a message quoting a client's text stays valid JSON
+        whatever that text holds."""
+        metrics["requests"].labels("predict", str(status)).inc()
+        return Response(json.dumps({"error": message}), status_code=status,
+                        media_type="application/json")
 
     def work(body: bytes):
-        """Parse and score, in a worker thread (a large JSON body is CPU work too)."""
-        kind, items = parse_request(body, max_samples)
+        """Decode and score, in a worker thread (a large JSON body is CPU work too)."""
+        request = scan_request(body, max_samples)
         if live.version is None:
             raise BadRequest(f"no model loaded yet: {live.problem}", status=503)
-        if kind == "samples":
-            probabilities, info = live.predict(items)
-        else:
-            probabilities, info = live.predict_tree(*items)
-        return kind, probabilities, info
+        return live.predict_request(request)
 
     async def predict(request):
         started = time.perf_counter()
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return answer("predict", 413, {"error": f"request body of {length} bytes; the "
-                                                    f"limit is {max_body_bytes} "
-                                                    "(--max-body-bytes)"})
+        # ASCII digits only: str.isdigit() also passes '²', which int() refuses
+        if length is not None and length.isascii() and length.isdigit() and \
+                int(length) > max_body_bytes:
+            return refuse(413, f"request body of {length} bytes; the limit is {max_body_bytes} "
+                               "(--max-body-bytes)")
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > max_body_bytes:
-                    return answer("predict", 413, {"error": "request body above "
-                                                            f"{max_body_bytes} bytes "
-                                                            "(--max-body-bytes)"})
-        except ClientDisconnect:  # nobody left to answer: counted, not logged as a bug
-            return answer("predict", CLIENT_CLOSED, {"error": "the connection closed before "
-                                                              "the whole body arrived"})
+                    return refuse(413, f"request body above {max_body_bytes} bytes "
+                                       "(--max-body-bytes)")
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer
+            metrics["requests"].labels("predict", "499").inc()
+            return Response(status_code=499)
         metrics["in_flight"].inc()
         try:
             kind, probabilities, info = await run_in_threadpool(work, bytes(body))
+            heads = info["heads"]  # of the version that answered
+            predictions = [dict(zip(heads, map(float, row))) for row in probabilities]
+            lag = None if info["newest_sample_time"] is None else time.time() - info[
+                "newest_sample_time"]
+            response = JSONResponse({"predictions": predictions, "model": {
+                "lineage": info["lineage"], "version": info["version"], "step": info["step"],
+                "newest_sample_time": info["newest_sample_time"], "freshness_lag_s": lag}})
         except BadRequest as e:
-            return answer("predict", e.status, {"error": str(e)})
+            return refuse(e.status, str(e))
         except RawDataError as e:
-            return answer("predict", 400, {"error": str(e)})
-        except Exception as e:  # noqa: BLE001 - a bug: say so, log it, keep serving
+            return refuse(400, str(e))
+        except Exception as e:  # noqa: BLE001 - a fault of ours (client input is refused above)
             traceback.print_exc()
-            return answer("predict", 500, {"error": f"internal error: {type(e).__name__}: {e}"})
+            metrics["internal_errors"].inc()
+            return refuse(500, f"internal error: {type(e).__name__}: {e}")
         finally:
             metrics["in_flight"].dec()
-        heads = info["heads"]  # of the version that answered
-        predictions = [dict(zip(heads, map(float, row))) for row in probabilities]
-        lag = None if info["newest_sample_time"] is None else time.time() - info[
-            "newest_sample_time"]
         metrics["samples"].inc(len(predictions))
         metrics["latency"].labels(kind).observe(time.perf_counter() - started)
-        return answer("predict", 200, {"predictions": predictions, "model": {
-            "lineage": info["lineage"], "version": info["version"], "step": info["step"],
-            "newest_sample_time": info["newest_sample_time"], "freshness_lag_s": lag}})
+        metrics["requests"].labels("predict", "200").inc()
+        return response
 
     async def livez(request):
         return Response("ok\n", media_type="text/plain")

@@ -56,7 +56,6 @@ import tempfile
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -74,6 +73,7 @@ from trainer.checkpoints import dense_name
 from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed, feed_signature
+from trainer.requests import TreeRequest
 
 EXPORT_VERSION = 1
 _DELTA = re.compile(r"delta-(\d+)\.bin$")
@@ -498,33 +498,6 @@ def request_table(samples, schema) -> pa.Table:
             samples = samples.append_column(label, pa.array(np.zeros(samples.num_rows,
                                                                      np.float32)))
     return compression.validate_raw(samples, schema)
-
-
-@dataclass
-class TreeRequest:
-    """A ranking request, validated: the root layer's features once, the layers below one row
-    per candidate."""
-
-    root: pa.Table        # one row: the root layer's columns
-    candidates: pa.Table  # the lower layers' columns
-
-    def __len__(self) -> int:
-        return self.candidates.num_rows
-
-    def batch(self, schema, start: int, stop: int) -> TreeBatch:
-        """Candidates ``start:stop`` as one tree: the root once, every candidate a node under
-        it (and one node per candidate in each layer further down)."""
-        n = max(0, min(stop, len(self)) - start)
-        rows = self.candidates.slice(start, n)
-        identity = np.arange(n, dtype=np.int32)
-        layers = []
-        for level, layer in enumerate(schema.layers):
-            source = self.root if level == 0 else rows
-            size = 1 if level == 0 else n
-            parent = None if level == 0 else np.zeros(n, np.int32) if level == 1 else identity
-            layers.append(LayerBatch(layer.name, size, parent, {
-                f.name: feature_array(source.column(f.name), f) for f in layer.features}))
-        return TreeBatch(layers, {label: np.zeros(n, np.float32) for label in schema.labels})
 
 
 def request_tree(root: dict, candidates: list, schema) -> TreeRequest:

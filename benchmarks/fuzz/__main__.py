@@ -24,10 +24,11 @@ from compression import cli
 
 PROG = "python -m benchmarks.fuzz"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TARGET_NAMES = ("json_decoder", "csv_file", "parquet_file", "jsonl_file", "tree_parquet",
-                "tree_ipc", "store_snapshot", "store_delta", "store_rebase", "checkpoint",
-                "schema_yaml", "config_yaml", "serve_request")
-NATIVE_TARGETS = ("json_decoder", "store_snapshot", "store_delta", "store_rebase")
+TARGET_NAMES = ("json_decoder", "request_envelope", "csv_file", "parquet_file", "jsonl_file",
+                "tree_parquet", "tree_ipc", "store_snapshot", "store_delta", "store_rebase",
+                "checkpoint", "schema_yaml", "config_yaml", "serve_request")
+NATIVE_TARGETS = ("json_decoder", "request_envelope", "store_snapshot", "store_delta",
+                  "store_rebase")
 ASAN_DIR = os.path.join("build", "fuzz-asan")
 ASAN_SHARE = 0.3  # of a native target's time, run under ASan + UBSan
 ARTIFACT_KINDS = ("crash", "timeout", "oom", "leak", "slow-unit")
@@ -64,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         description=cli._wrap(
             "Fuzz every parser of outside bytes with atheris (libFuzzer): raw CSV, "
                     "Parquet and JSON lines files, tree Parquet files and Arrow IPC tree "
-                    "messages, Kafka JSON sample messages (the native decoder), store "
+                    "messages, Kafka JSON sample messages (the native decoder), prediction "
+                    "request bodies (the native envelope scanner), store "
                     "snapshots and deltas, trainer checkpoints, schema and config YAML, and "
                     "HTTP requests to the prediction service. "
                     "A finding is any outcome but a result or a clean refusal (a ValueError "
@@ -75,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
             f"{PROG} --seconds 600 --jobs 2",
             f"{PROG} --seconds 30 --target json_decoder --target store_delta",
             f"{PROG} --make-seeds",
-            notes="The native targets (json_decoder, store_snapshot, store_delta) are fuzzed "
+            notes="The native targets (json_decoder, request_envelope, store_snapshot, "
+                  "store_delta, store_rebase) are fuzzed "
                   "with coverage on the in-place build for 70% of their time, then libFuzzer "
                   "runs on the grown corpus under AddressSanitizer + UndefinedBehaviorSanitizer "
                   "for the rest: every corpus input is replayed sanitized, then mutated without "

@@ -123,6 +123,24 @@ def seeds() -> dict[str, dict[str, bytes]]:
         "bom-and-escapes": b"\xef\xbb\xbf" + lines[0].replace(b'"aid"', b'"a\\u0069d"'),
     })
 
+    # the prediction service's bodies: both forms, and the three of issue 39 (nested brackets,
+    # a nested sample, a lone surrogate) at 10,000 levels (any depth above 64 is refused alike)
+    samples = b'{"samples": [' + b", ".join(lines) + b"]}"
+    user = b'{"uid": 1, "hist": [3, 4], "tags": ["a", "\\u00e9"]}'
+    ranking = (b'{"root": ' + user + b', "candidates": [{"aid": "ad1", "price": [1.5, 2], '
+               b'"pos": 0}, {"aid": "ad2", "price": [0, -1], "pos": 1, "click": 1}], '
+               b'"trace": {"id": [1, null, true]}}')
+    out["request_envelope"].update({
+        "valid-samples": samples,
+        "valid-ranking": ranking,
+        "nested-brackets": b"[" * 10_000,
+        "nested-sample": b'{"samples": [' + b"[" * 10_000 + b"]" * 10_000 + b"]}",
+        "lone-surrogate": samples.replace(b'"r1"', b'"\\ud800"'),
+        "int64-overflow": ranking.replace(b'"pos": 1', b'"pos": 1' + b"0" * 30),
+        "bad-utf8": samples.replace(b'"r1"', b'"r\xff"'),
+        "cut-short": samples[:-40],
+    })
+
     csv_text = _csv_bytes()
     header = csv_text.split(b"\n", 1)[0] + b"\n"
     out["csv_file"].update({

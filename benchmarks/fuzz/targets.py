@@ -199,6 +199,59 @@ def json_decoder(data: bytes) -> None:
         raise Inconsistent("1 and 2 decoding threads disagree")
 
 
+# -- the prediction service's request envelope (the native scanner) ----------------------------
+
+ENVELOPE_MEMBERS = ["samples", "root", "candidates"]
+
+
+def request_envelope(data: bytes) -> None:
+    """A prediction request body through ``native.scan_envelope`` (what ``trainer.serve``
+    validates every body with, before the JSON sample decoder reads its samples' spans).
+    Checks: a refusal inside a sample carries exactly the reason the JSON sample decoder gives
+    that sample's bytes (so a request's sample is refused as a file or a Kafka message holding
+    it is); an accepted body's spans lie inside it, in order, without overlap, each element a
+    whole JSON value in which the decoder finds no syntax error; ``decode_spans`` over the
+    spans equals decoding their slices."""
+    import native
+    from compression.messages import decoder_for
+
+    decoder = decoder_for(fuzz_schema())
+    try:
+        envelope = native.scan_envelope(data, ENVELOPE_MEMBERS, max_elements=50)
+    except native.MalformedJsonError as e:
+        if e.reason is not None:
+            got = decoder.decode([data[e.message:]]).rejected_reason
+            if got != [e.reason]:
+                raise Inconsistent(f"the scanner says {e.reason!r} of the message at byte "
+                                   f"{e.message}, the sample decoder {got}") from None
+        raise
+    for name in ENVELOPE_MEMBERS:
+        spans = envelope.members.get(name)
+        if spans is None:
+            continue
+        if not envelope.is_object or not 0 < spans.start < spans.end <= len(data):
+            raise Inconsistent(f"member {name!r} at [{spans.start}, {spans.end}) of "
+                               f"{len(data)} bytes")
+        if not spans.is_array:
+            continue
+        starts, ends = spans.starts.tolist(), spans.ends.tolist()
+        if len(starts) != min(spans.count, 50) or data[spans.start:spans.start + 1] != b"[":
+            raise Inconsistent(f"member {name!r}: {len(starts)} spans of {spans.count} "
+                               "elements")
+        edges = [spans.start] + [x for pair in zip(starts, ends) for x in pair] + [spans.end]
+        if edges != sorted(edges) or any(a == b for a, b in zip(starts, ends)):
+            raise Inconsistent(f"member {name!r}: element spans {list(zip(starts, ends))} "
+                               f"out of order in [{spans.start}, {spans.end})")
+        out = decoder.decode_spans(data, spans.starts, spans.ends)
+        sliced = decoder.decode([data[a:b] for a, b in zip(starts, ends)])
+        if out.rejected_reason != sliced.rejected_reason or \
+                out.rejected_index.tolist() != sliced.rejected_index.tolist():
+            raise Inconsistent("decode_spans and decoding the slices disagree")
+        syntax = [r for r in out.rejected_reason if r.startswith("not a valid sample: not JSON")]
+        if syntax:
+            raise Inconsistent(f"an element the scanner accepted is not JSON: {syntax[0]}")
+
+
 # -- raw sample files ------------------------------------------------------------------------
 
 def _raw_file(data: bytes, extension: str) -> None:
@@ -1125,6 +1178,8 @@ def judge(harness: HttpHarness, payload: bytes, half_close: bool = False) -> Non
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("json_decoder", json_decoder, native=True, names_file=False, max_len=8192,
            doc=json_decoder.__doc__),
+    Target("request_envelope", request_envelope, native=True, names_file=False, max_len=8192,
+           doc=request_envelope.__doc__),
     Target("csv_file", csv_file, doc=csv_file.__doc__),
     Target("parquet_file", parquet_file, doc=parquet_file.__doc__),
     Target("jsonl_file", jsonl_file, doc=jsonl_file.__doc__),

@@ -446,11 +446,13 @@ PYBIND11_MODULE(_store, m) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// JSON sample decoding: native._store.JsonSampleDecoder (facade: native/json_samples.py).
+// JSON sample decoding: native._store.JsonSampleDecoder (facade: native/json_samples.py) and
+// the request envelope scan: native._store.scan_json_envelope (facade: native/json_envelope.py).
 // The messages are taken from a tuple copy of the sequence (so another thread changing the
 // caller's list cannot free a bytes object while the GIL is released); the whole decode runs
 // without the GIL; the column buffers are handed to numpy without a copy.
 // ---------------------------------------------------------------------------------------------
+#include "prefixrec/json_envelope.h"
 #include "prefixrec/json_samples.h"
 
 namespace {
@@ -510,6 +512,8 @@ std::unique_ptr<pj::JsonSampleDecoder> MakeJsonDecoder(const py::list& columns,
   return std::make_unique<pj::JsonSampleDecoder>(std::move(specs), max_message_bytes);
 }
 
+py::tuple DecodeResult(const pj::JsonSampleDecoder& decoder, pj::DecodeOutput& out);
+
 // copy_messages (tests only): parse copies of the messages in zero-padded buffers, as the
 // decoder does for messages that are not NUL-terminated, instead of the bytes in place.
 py::tuple DecodeJson(const pj::JsonSampleDecoder& decoder, const py::handle& values,
@@ -535,6 +539,11 @@ py::tuple DecodeJson(const pj::JsonSampleDecoder& decoder, const py::handle& val
     py::gil_scoped_release release;
     out = decoder.Decode(refs.data(), n, num_threads);
   }
+  return DecodeResult(decoder, out);
+}
+
+// A decode's output as (chunks, rejected index, reasons); the buffers go to numpy uncopied.
+py::tuple DecodeResult(const pj::JsonSampleDecoder& decoder, pj::DecodeOutput& out) {
   const auto& specs = decoder.columns();
   py::list chunks;
   for (auto& chunk : out.chunks) {
@@ -555,12 +564,94 @@ py::tuple DecodeJson(const pj::JsonSampleDecoder& decoder, const py::handle& val
   return py::make_tuple(chunks, rejected, reasons);
 }
 
+// spans of one bytes object: the messages data[starts[i]:ends[i]] (int64 offsets, checked).
+py::tuple DecodeJsonSpans(const pj::JsonSampleDecoder& decoder, const py::bytes& data,
+                          const py::array& starts, const py::array& ends, int num_threads) {
+  for (const py::array* a : {&starts, &ends}) {
+    if (a->ndim() != 1 || a->dtype().kind() != 'i' || a->itemsize() != 8 ||
+        !(a->flags() & py::array::c_style)) {
+      Invalid("starts and ends must be 1-D C-contiguous int64 arrays");
+    }
+  }
+  const size_t n = static_cast<size_t>(starts.shape(0));
+  if (static_cast<size_t>(ends.shape(0)) != n) {
+    Invalid("starts has " + std::to_string(n) + " entries, ends " + std::to_string(ends.shape(0)));
+  }
+  const char* base = PyBytes_AS_STRING(data.ptr());
+  const auto size = static_cast<int64_t>(PyBytes_GET_SIZE(data.ptr()));
+  const auto* s = static_cast<const int64_t*>(starts.data());
+  const auto* e = static_cast<const int64_t*>(ends.data());
+  std::vector<pj::MessageRef> refs(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (s[i] < 0 || s[i] > e[i] || e[i] > size) {
+      Invalid("span " + std::to_string(i) + " [" + std::to_string(s[i]) + ", " +
+              std::to_string(e[i]) + ") is not inside the " + std::to_string(size) + " bytes");
+    }
+    // only the last span of the bytes is followed by the NUL CPython keeps after them
+    refs[i] = pj::MessageRef{base + s[i], static_cast<size_t>(e[i] - s[i]), true, e[i] == size};
+  }
+  pj::DecodeOutput out;
+  {
+    py::gil_scoped_release release;
+    out = decoder.Decode(refs.data(), n, num_threads);
+  }
+  return DecodeResult(decoder, out);
+}
+
+// The envelope scan: (ok, is_object, members, error); members: one (present, begin, end,
+// is_array, count, element starts, element ends) per name; error: None or (what, offset,
+// at_end, too_deep, member, element, in_message, message, reason).
+py::tuple ScanJsonEnvelope(const py::bytes& body, const std::vector<std::string>& members,
+                           size_t max_depth, size_t max_elements) {
+  pj::EnvelopeOptions options;
+  options.members = members;
+  options.max_depth = max_depth;
+  options.max_elements = max_elements;
+  const char* data = PyBytes_AS_STRING(body.ptr());
+  const auto size = static_cast<size_t>(PyBytes_GET_SIZE(body.ptr()));
+  pj::Envelope out;
+  {
+    py::gil_scoped_release release;
+    out = pj::ScanEnvelope(data, size, true, options);
+  }
+  py::list spans;
+  for (const pj::EnvelopeMember& m : out.members) {
+    const auto count = static_cast<py::ssize_t>(m.elements.size());
+    py::array_t<int64_t> begins(count), ends(count);
+    int64_t* b = begins.mutable_data();
+    int64_t* e = ends.mutable_data();
+    for (py::ssize_t i = 0; i < count; ++i) {
+      b[i] = static_cast<int64_t>(m.elements[static_cast<size_t>(i)].begin);
+      e[i] = static_cast<int64_t>(m.elements[static_cast<size_t>(i)].end);
+    }
+    spans.append(py::make_tuple(m.present, m.value.begin, m.value.end, m.is_array, m.count,
+                                begins, ends));
+  }
+  py::object error = py::none();
+  if (!out.ok) {
+    const pj::EnvelopeError& e = out.error;
+    // the texts are UTF-8 (field names were validated); "replace" guards the conversion anyway
+    auto text = [](const std::string& t) {
+      PyObject* o = PyUnicode_DecodeUTF8(t.data(), static_cast<py::ssize_t>(t.size()), "replace");
+      if (o == nullptr) throw py::error_already_set();
+      return py::reinterpret_steal<py::str>(o);
+    };
+    error = py::make_tuple(text(e.what), e.offset, e.at_end, e.too_deep, e.member, e.element,
+                           e.in_message, e.message, text(e.reason));
+  }
+  return py::make_tuple(out.ok, out.is_object, spans, error);
+}
+
 void BindJsonSamples(py::module_& m) {
   py::class_<pj::JsonSampleDecoder>(m, "JsonSampleDecoder")
       .def(py::init(&MakeJsonDecoder), py::arg("columns"), py::arg("max_message_bytes"))
       .def_property_readonly("max_message_bytes", &pj::JsonSampleDecoder::max_message_bytes)
       .def("decode", &DecodeJson, py::arg("values"), py::arg("num_threads"),
-           py::arg("copy_messages") = false);
+           py::arg("copy_messages") = false)
+      .def("decode_spans", &DecodeJsonSpans, py::arg("data"), py::arg("starts"), py::arg("ends"),
+           py::arg("num_threads"));
+  m.def("scan_json_envelope", &ScanJsonEnvelope, py::arg("body"), py::arg("members"),
+        py::arg("max_depth"), py::arg("max_elements"));
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 
 #include "internal/iso8601.h"
 #include "internal/json_bytes.h"
+#include "internal/json_lexer.h"
 #include "internal/json_number.h"
 #include "internal/py_repr.h"
 
@@ -72,7 +73,7 @@ std::string Describe(const ColumnSpec& c) {
   return "?";
 }
 
-class Parser {
+class Parser : private Lexer {
  public:
   Parser(const std::vector<ColumnSpec>& columns, size_t max_message_bytes)
       : columns_(columns), max_message_bytes_(max_message_bytes), state_(columns.size()) {
@@ -265,156 +266,11 @@ class Parser {
 
   // --- errors -------------------------------------------------------------------------------
 
-  const uint8_t* Syntax(const uint8_t* at, const char* what) {
-    if (syntax_what_ == nullptr) {
-      syntax_what_ = what;
-      syntax_at_ = at;
-    }
-    return nullptr;
-  }
-
+  // The reason of a syntax error; a field is named when the error lies inside its value.
   bool SyntaxReason() {
-    const bool at_end = syntax_at_ >= end_;
-    std::string where = at_end ? "the message ends too early"
-                               : std::string(syntax_what_) + " at byte " +
-                                     std::to_string(syntax_at_ - begin_);
-    reason_ = "not a valid sample: not JSON (" + where + ")";
+    reason_ = NotJsonReason(syntax_what_, static_cast<size_t>(syntax_at_ - begin_),
+                            SyntaxAtEnd(), syntax_field_);
     return false;
-  }
-
-  // --- scanning -----------------------------------------------------------------------------
-
-  // p just after the opening quote. Writes the decoded UTF-8 bytes into out (appending) and
-  // returns the position after the closing quote, or nullptr (syntax error).
-  const uint8_t* ScanString(const uint8_t* p, PodBuffer<uint8_t>* out) {
-    // Decoded bytes never outnumber the encoded ones.
-    out->reserve(out->size() + static_cast<size_t>(end_ - p) + 4);
-    uint8_t* w = out->data() + out->size();
-    for (;;) {
-      const uint8_t c = *p;
-      if (c >= 0x20 && c != '"' && c != '\\' && c < 0x80) {
-        *w++ = c;
-        ++p;
-        continue;
-      }
-      if (c == '"') {
-        out->set_size(static_cast<size_t>(w - out->data()));
-        return p + 1;
-      }
-      if (c == '\\') {
-        const uint8_t e = p[1];
-        switch (e) {
-          case '"': *w++ = '"'; p += 2; continue;
-          case '\\': *w++ = '\\'; p += 2; continue;
-          case '/': *w++ = '/'; p += 2; continue;
-          case 'b': *w++ = '\b'; p += 2; continue;
-          case 'f': *w++ = '\f'; p += 2; continue;
-          case 'n': *w++ = '\n'; p += 2; continue;
-          case 'r': *w++ = '\r'; p += 2; continue;
-          case 't': *w++ = '\t'; p += 2; continue;
-          case 'u': {
-            int cp = Hex4(p + 2);
-            if (cp < 0) return Syntax(p, "invalid \\u escape in a string");
-            p += 6;
-            if (cp >= 0xDC00 && cp <= 0xDFFF) {
-              return Syntax(p - 6, "invalid surrogate pair in a string");
-            }
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-              const int lo = (p[0] == '\\' && p[1] == 'u') ? Hex4(p + 2) : -1;
-              if (lo < 0xDC00 || lo > 0xDFFF) {
-                return Syntax(p - 6, "invalid surrogate pair in a string");
-              }
-              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-              p += 6;
-            }
-            w = PutUtf8(w, static_cast<uint32_t>(cp));
-            continue;
-          }
-          default:
-            return Syntax(p, "invalid escape in a string");
-        }
-      }
-      if (c < 0x20) {
-        return Syntax(p, p >= end_ ? "unterminated string" : "control character in a string");
-      }
-      const size_t n = Utf8Length(p);
-      if (n == 0) return Syntax(p, "invalid UTF-8 in a string");
-      std::memcpy(w, p, n);
-      w += n;
-      p += n;
-    }
-  }
-
-  static int Hex4(const uint8_t* p) {
-    int v = 0;
-    for (int k = 0; k < 4; ++k) {  // stops at the first non-hex byte (the sentinel included)
-      const int h = HexValue(p[k]);
-      if (h < 0) return -1;
-      v = (v << 4) | h;
-    }
-    return v;
-  }
-
-  const uint8_t* ScanNumber(const uint8_t* p, Number* n) {
-    const uint8_t* start = p;
-    n->negative = *p == '-';
-    p += n->negative;
-    if (*p == 'N') {
-      if (p[1] == 'a' && p[2] == 'N') {
-        n->special = 1;
-        return p + 3;
-      }
-      return Syntax(start, "invalid value");
-    }
-    if (*p == 'I') {
-      if (p[1] == 'n' && p[2] == 'f') {
-        p += 3;
-        if (*p == 'i') {
-          if (!(p[1] == 'n' && p[2] == 'i' && p[3] == 't' && p[4] == 'y')) {
-            return Syntax(start, "invalid value");
-          }
-          p += 5;
-        }
-        n->special = 2;
-        return p;
-      }
-      return Syntax(start, "invalid value");
-    }
-    n->int_digits = p;
-    if (*p == '0') {
-      ++p;
-    } else if (*p >= '1' && *p <= '9') {
-      while (IsDigit(*p)) ++p;
-    } else {
-      return Syntax(start, "expected a value");
-    }
-    n->int_len = static_cast<size_t>(p - n->int_digits);
-    if (*p == '.') {
-      ++p;
-      if (!IsDigit(*p)) return Syntax(p, "expected a digit after the decimal point");
-      n->frac_digits = p;
-      while (IsDigit(*p)) ++p;
-      n->frac_len = static_cast<size_t>(p - n->frac_digits);
-    }
-    if (*p == 'e' || *p == 'E') {
-      ++p;
-      n->has_exp = true;
-      if (*p == '+' || *p == '-') {
-        n->exp_negative = *p == '-';
-        ++p;
-      }
-      if (!IsDigit(*p)) return Syntax(p, "expected a digit in the exponent");
-      int64_t e = 0;
-      while (IsDigit(*p)) {
-        if (e < (int64_t{1} << 40)) e = e * 10 + (*p - '0');
-        ++p;
-      }
-      n->exp = e;
-      if (!n->exp_negative && e > 308 && RapidJsonTooBig(*n)) {
-        return Syntax(start, "number too big to be stored in a double");
-      }
-    }
-    return p;
   }
 
   // Skips one JSON value of any type starting at p (whitespace already skipped) and returns
@@ -444,30 +300,9 @@ class Parser {
           }
           stack_.push_back(']');
           continue;
-        case '"':
-          scratch_.clear();
-          p = ScanString(p + 1, &scratch_);
+        default:
+          p = ScanScalar(p, &scratch_);
           if (p == nullptr) return nullptr;
-          break;
-        case 't':
-          if (!(p[1] == 'r' && p[2] == 'u' && p[3] == 'e')) return Syntax(p, "invalid value");
-          p += 4;
-          break;
-        case 'f':
-          if (!(p[1] == 'a' && p[2] == 'l' && p[3] == 's' && p[4] == 'e')) {
-            return Syntax(p, "invalid value");
-          }
-          p += 5;
-          break;
-        case 'n':
-          if (!(p[1] == 'u' && p[2] == 'l' && p[3] == 'l')) return Syntax(p, "invalid value");
-          p += 4;
-          break;
-        default: {
-          Number n;
-          p = ScanNumber(p, &n);
-          if (p == nullptr) return nullptr;
-        }
       }
       // After a value: close finished containers, or move to the next element.
       for (;;) {
@@ -751,10 +586,8 @@ class Parser {
   // --- a message ----------------------------------------------------------------------------
 
   bool ParseMessage(const uint8_t* begin, const uint8_t* end) {
-    begin_ = begin;
-    end_ = end;
-    syntax_what_ = nullptr;
-    syntax_at_ = nullptr;
+    StartInput(begin, end);
+    syntax_field_.clear();
     type_error_.clear();
     if (!unknown_.empty()) {
       unknown_.clear();
@@ -823,7 +656,14 @@ class Parser {
           p = q;
           next = col + 1;
         }
-        if (p == nullptr) return SyntaxReason();
+        if (p == nullptr) {
+          // the error lies inside this field's value: name the field, as the envelope
+          // scanner of trainer.serve names it for the same bytes (json_envelope.cc)
+          syntax_field_ = PyRepr(col == ncols ? std::string(reinterpret_cast<const char*>(
+                                                                key_.data()), key_.size())
+                                              : columns_[col].name);
+          return SyntaxReason();
+        }
         p = SkipWs(p);
         if (*p == ',') {
           p = SkipWs(p + 1);
@@ -955,11 +795,7 @@ class Parser {
   PodBuffer<uint8_t> scratch_;
   PodBuffer<uint8_t> key_;
   PodBuffer<uint8_t> stack_;
-  const uint8_t* begin_ = nullptr;
-  const uint8_t* end_ = nullptr;
-
-  const char* syntax_what_ = nullptr;
-  const uint8_t* syntax_at_ = nullptr;
+  std::string syntax_field_;  // the field whose value holds the syntax error (a repr), or empty
   FailKind fail_ = FailKind::kType;
   const uint8_t* fail_at_ = nullptr;
   std::string type_error_;

@@ -99,9 +99,18 @@ TEST_CASE("each kind of rejection gives the Python path's reason") {
   CHECK(ReasonOf(R"({"user": 7, "items": [1, null], "emb": [0.5, 1], "click": 1})") ==
         "column 'items': null inside the list; lists may be empty but cannot hold nulls");
   CHECK(ReasonOf(R"({"user": 7, "items": [], "emb": [0.5, 1], "click": 1, "price": 1e400})") ==
-        "not a valid sample: not JSON (number too big to be stored in a double at byte 63)");
+        "not a valid sample: not JSON (number too big to be stored in a double at byte 63, in "
+        "field 'price')");
   CHECK(ReasonOf("{\"user\": 7, \"items\": [], \"emb\": [0.5, 1], \"click\": 1, \"price\": \"\xff\"}") ==
-        "not a valid sample: not JSON (invalid UTF-8 in a string at byte 64)");
+        "not a valid sample: not JSON (invalid UTF-8 in a string at byte 64, in field 'price')");
+  // a syntax error inside a field's value names the field (known or not); one outside does not
+  CHECK(ReasonOf(R"({"user": 7, "items": [], "emb": [0.5, 1], "click": 1, "x": {"y": "\ud800"}})") ==
+        "not a valid sample: not JSON (invalid surrogate pair in a string at byte 66, in field "
+        "'x')");
+  CHECK(ReasonOf(R"({"user": 7, "items": [1 2], "emb": [0.5, 1], "click": 1})") ==
+        "not a valid sample: not JSON (expected ',' or ']' in a list at byte 24, in field 'items')");
+  CHECK(ReasonOf(R"({"user": 7 "items": []})") ==
+        "not a valid sample: not JSON (expected ',' or '}' after a field value at byte 11)");
   CHECK(ReasonOf("  ") == "empty message; expected one JSON object");
 }
 

@@ -279,8 +279,10 @@ def test_deliberate_differences_from_the_reference():
                                      with_index=True, max_message_bytes=999)
     assert good.num_rows == 0
     assert [r for _, r in dead] == [
-        "not a valid sample: not JSON (invalid UTF-8 in a string at byte 29)",
-        "not a valid sample: not JSON (control character in a string at byte 30)",
+        "not a valid sample: not JSON (invalid UTF-8 in a string at byte 29, in field "
+        "'user_name')",
+        "not a valid sample: not JSON (control character in a string at byte 30, in field "
+        "'user_name')",
         "not a valid sample: expected a JSON object, got null",
         "oversized: 1000 bytes, the limit is 999 (max_message_bytes)"]
     # pyarrow accepts the first two (the first as an invalid string array, the second with the

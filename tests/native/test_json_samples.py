@@ -284,6 +284,19 @@ def test_each_malformed_message_gets_a_reason_and_its_neighbours_are_kept(value,
     assert out.rejected_reason[0].startswith(reason), out.rejected_reason[0]
 
 
+def test_a_bad_string_names_its_field():
+    """A lone surrogate escape or invalid UTF-8 is a syntax error; inside a field's value (a
+    column's or an unknown field's) the reason names the field, as the prediction service's
+    scanner names it for the same bytes."""
+    for raw in (b'"\\ud800"', b'"a\\udfff"', b'"\xff"', b'"\xed\xa0\x80"'):
+        for field, value in (("pid", sample(pid="x").replace(b'"x"', raw)),
+                             ("tags", sample(tags=["x"]).replace(b'["x"]', b"[" + raw + b"]")),
+                             ("other", sample()[:-1] + b', "other": ' + raw + b"}")):
+            (reason,) = DECODER.decode([value]).rejected_reason
+            assert reason.startswith("not a valid sample: not JSON (invalid "), reason
+            assert reason.endswith(f", in field {field!r})"), reason
+
+
 def test_unknown_field_names_are_quoted_as_python_does():
     out = DECODER.decode([sample(**{"it's": 1, 'say "hi"': 2, "a\nb": 3, "é\u00a0": 4})])
     assert out.rejected_reason == [

@@ -2,15 +2,20 @@
 publishes versions into: one version per answer, equal to the Predictor at every version,
 problems never applied, bad requests answered, SIGTERM drains."""
 
+import asyncio
+import contextlib
+import http.client
 import json
 import os
 import shutil
 import signal
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import uvicorn
 
 import compression
 import schemas
@@ -18,6 +23,8 @@ from service import Service
 from trainer import models
 from trainer.config import TrainConfig
 from trainer.live import LiveModel
+from trainer.requests import BadRequest
+from trainer.serve import build_app, listen
 from trainer.serving import Predictor, export_increment, version_path
 from trainer.trainer import Trainer
 
@@ -239,29 +246,48 @@ def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(s
             (b'{"samples": [', 400, "malformed JSON"),
             ({"samples": []}, 400, "empty"),
             ({"rows": PROBE}, 400, 'no "samples"'),
-            ({"samples": [PROBE[0], 7]}, 400, "sample 1: not a JSON object"),
-            ({"samples": [PROBE[0], {"uid": 1, "age": 1}]}, 400, "sample 1: column 'item'"),
+            # a sample's verdict is the one a file or a Kafka message would give it
+            ({"samples": [PROBE[0], 7]}, 400,
+             "sample 1: not a valid sample: expected a JSON object, got int"),
+            ({"samples": [PROBE[0], {"uid": 1, "age": 1}]}, 400,
+             "sample 1: key column 'item': null value"),
             ({"samples": [PROBE[0], {**PROBE[1], "age": "old"}]}, 400,
-             "sample 1: column 'age' is 'old'"),
+             "sample 1: not a valid sample: field 'age': expected an integer (kind id, dtype "
+             "int64), got a string"),
             ({"samples": [{**PROBE[0], "colour": 3}]}, 400, "'colour'"),
             ({"root": {"uid": 1, "age": 1}, "candidates": [{"item": 1, "uid": 2}]}, 400,
              "candidate 0: 'uid' is a feature of the root layer"),
             ({"root": {"uid": 1, "age": 1}, "candidates": [{"item": 1}, {"item": 2, "x": 1}]},
-             400, "candidate 1: unexpected column 'x'"),
+             400, "candidate 1: not a valid sample: unexpected field(s) 'x'"),
             ({"root": {"uid": 1, "age": 1, "item": 3}, "candidates": [{"item": 1}]}, 400,
              "root: 'item' is not a feature of the root layer"),
             ({"root": {"uid": 1, "age": 1}, "candidates": [{"item": 1}, {"item": None}]}, 400,
              "candidate 1"),
             ({"root": {"uid": 1, "age": "x"}, "candidates": [{"item": 1}]}, 400,
-             "root: column 'age'"),
+             "root: not a valid sample: field 'age': expected an integer"),
             ({"samples": PROBE * 300}, 413, "the limit is 3000"),
             (json.dumps({"samples": PROBE, "pad": "x" * 300_000}).encode(), 413,
              "--max-body-bytes"),
+            # issue 39: these were 500s with a traceback (RecursionError, UnicodeEncodeError)
+            (b"[" * 100_000, 400, "malformed JSON: arrays and objects nested deeper than 64"),
+            (b'{"samples": [' + b"[" * 50_000 + b"]" * 50_000 + b"]}", 400,
+             "sample 0: arrays and objects nested deeper than 64 levels"),
+            ({"samples": [PROBE[0], {**PROBE[1], "age": "\ud800"}]}, 400,
+             "sample 1: not a valid sample: not JSON (invalid surrogate pair in a string at "
+             "byte 19, in field 'age')"),
+            ({"samples": [{**PROBE[1], "uid": 2**64}]}, 400,
+             "sample 0: not a valid sample: field 'uid': expected an integer (kind id, dtype "
+             "int64), got 18446744073709551616, out of the int64 range"),
+            (b'{"samples": [{"uid": 1, "age": 1, "item": 1, "note": "\xff"}]}', 400,
+             "sample 0: not a valid sample: not JSON (invalid UTF-8 in a string at byte 41, in "
+             "field 'note')"),
         ]
         for body, status, words in cases:
             got, answer = service.predict(body)
             assert (got, words in answer["error"]) == (status, True), (body, answer)
             assert service.predict(good)[0] == 200  # still serving
+        # nothing a client sent was a fault of the service (and no traceback: checked below)
+        assert service.metric("prefixrec_serve_internal_errors_total") == 0
         # a ranking request: the user once, the candidates under it; as flat samples
         root = {"uid": 3, "age": 3}
         candidates = [{"item": i} for i in range(40)]
@@ -323,18 +349,117 @@ def test_bad_requests_get_a_clear_answer_and_sigterm_answers_what_was_accepted(s
         assert service.child.wait(120) == 0, service.stderr
         assert results == [200] * 4, results
         assert "stopped on SIGTERM" in service.stderr
+        assert "Traceback" not in service.stderr, service.stderr  # read up to its last line
     finally:
         service.stop(signal.SIGKILL)
 
 
-def test_a_tree_request_runs_the_root_once_and_equals_flat_scoring(small_export):
+@pytest.fixture(scope="module")
+def live(small_export):
+    model = LiveModel(small_export)
+    yield model
+    model.close()
+
+
+def test_a_tree_request_runs_the_root_once_and_equals_flat_scoring(live):
     """In process, over the same export: the candidates' answers equal flat scoring."""
-    live = LiveModel(small_export)
+    candidates = [{"item": i} for i in range(25)]
+    tree, info = live.predict_tree({"uid": 5, "age": 0}, candidates)
+    flat, _ = live.predict([{"uid": 5, "age": 0, **c} for c in candidates])
+    np.testing.assert_allclose(tree, flat, rtol=1e-5)
+    assert tree.shape == (25, 1) and info["version"] == 0
+
+
+def test_request_bodies_are_scored_as_the_library_scores_rows(live):
+    """The service's path (a body, decoded natively) answers what the library calls on rows
+    (json.loads + pyarrow, as the service did before) answer."""
+    kind, got, info = live.predict_request(json.dumps({"samples": PROBE}).encode())
+    want, _ = live.predict(PROBE)
+    assert kind == "samples" and info["version"] == 0
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    root, candidates = {"uid": 5, "age": 0}, [{"item": i, "click": 1} for i in range(30)]
+    kind, got, _ = live.predict_request(json.dumps({"root": root, "candidates": candidates})
+                                        .encode())
+    want, _ = live.predict_tree(root, [{"item": c["item"]} for c in candidates])
+    assert kind == "tree" and got.shape == (30, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("flaw", [b'"age": "\\ud800"', b'"age": 99999999999999999999',
+                                  b'"age": [1]', b'"age": 1, "colour": "red"', b'"age": 1 1'])
+def test_a_requests_sample_gets_the_verdict_of_a_kafka_message(live, flaw):
+    sample = b'{"uid": 3, ' + flaw + b', "item": 4, "click": 1}'
+    _, dead = compression.decode_json_samples([sample], SCHEMA)
+    with pytest.raises(BadRequest) as error:
+        live.predict_request(b'{"samples": [' + sample + b"]}")
+    assert (error.value.status, str(error.value)) == (400, f"sample 0: {dead[0][1]}")
+
+
+def test_a_fault_of_the_service_is_a_counted_500_and_it_keeps_serving(live):
+    """A served model that outputs NaN (dense weights gone bad) cannot be answered in JSON:
+    500, counted for an operator to alert on; once the weights are back, 200 again."""
+    body = json.dumps({"samples": PROBE[:3]}).encode()
+    version = live.version
+    variables = version.base.slots[version.slot].variables_
+    saved = [v.numpy() for v in variables]
+    with _serving(build_app(live)) as connection:
+        def post():
+            connection.request("POST", "/v1/predict", body)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        assert post()[0] == 200
+        try:
+            for v in variables:
+                v.assign(np.full(v.shape, np.nan, v.dtype.as_numpy_dtype))
+            status, answer = post()
+            assert status == 500 and answer["error"].startswith("internal error: ValueError")
+        finally:
+            for v, value in zip(variables, saved):
+                v.assign(value)
+        assert post()[0] == 200
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    assert "prefixrec_serve_internal_errors_total 1.0" in text
+    assert 'prefixrec_serve_requests_total{endpoint="predict",status="500"} 1.0' in text
+
+
+def test_a_content_length_header_of_other_digits_is_not_a_fault(live):
+    """'²' passes str.isdigit() but not int(): the app (called as an ASGI server calls it, for
+    servers that hand such a header on) reads the body instead of failing."""
+    body = json.dumps({"samples": PROBE[:2]}).encode()
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/predict", "raw_path": b"",
+             "root_path": "", "query_string": b"", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 1), "headers": [(b"content-length", "²".encode("latin-1"))]}
+    asyncio.run(build_app(live)(scope, receive, send))
+    assert sent[0]["status"] == 200, sent
+
+
+@contextlib.contextmanager
+def _serving(app):
+    """``app`` served over HTTP by uvicorn in a thread of this process; a connection to it."""
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    connection = http.client.HTTPConnection(*sock.getsockname()[:2], timeout=60)
     try:
-        candidates = [{"item": i} for i in range(25)]
-        tree, info = live.predict_tree({"uid": 5, "age": 0}, candidates)
-        flat, _ = live.predict([{"uid": 5, "age": 0, **c} for c in candidates])
-        np.testing.assert_allclose(tree, flat, rtol=1e-5)
-        assert tree.shape == (25, 1) and info["version"] == 0
+        deadline = time.monotonic() + 60
+        while not server.started:  # uvicorn sets it once it accepts connections
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        yield connection
     finally:
-        live.close()
+        connection.close()
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
