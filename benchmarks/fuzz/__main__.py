@@ -252,7 +252,12 @@ def collect(run: TargetRun, elapsed: float) -> bool:
             "out of memory" if "out-of-memory" in text else
             "sanitizer report" if "Sanitizer" in text else "crash")
         run.signatures.append(f"{kind} (see {run.logs[-1]})")
-    return bool(new) or "Test unit written to" in text
+    # a worker that reported a new finding stopped on it, even when its input's file was
+    # there already (a finding seen before under another signature) or the worker died on
+    # the way out before libFuzzer wrote its report (a process holding TensorFlow takes
+    # seconds to end; SIGALRM was seen to kill it meanwhile, exit status 142)
+    return bool(new) or "Test unit written to" in text or bool(
+        re.search(r"^fuzz worker: new finding", text, re.M))
 
 
 def _artifacts(base: str) -> list[str]:

@@ -60,9 +60,9 @@ def main(argv: list[str]) -> None:
                 return
             with open(known_path, "a") as f:
                 f.write(sig + "\n")
-            # the input under the name libFuzzer gives it, written here too: a worker of the
-            # service target (TensorFlow and the server's threads alive) was seen to end on
-            # the way out without libFuzzer's report, and its finding's input was lost
+            # the input under the name libFuzzer gives it, written here too: a worker holding
+            # TensorFlow takes seconds to end, and SIGALRM was seen to kill one meanwhile,
+            # before libFuzzer's report, its finding's input lost
             with open(os.path.join(_artifact_dir(flags),
                                    f"crash-{hashlib.sha1(data).hexdigest()}"), "wb") as f:
                 f.write(data)
