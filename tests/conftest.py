@@ -81,6 +81,7 @@ SLOW_FIRST = (
     "tests/serve/test_serve_online.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_serving_benchmark_tiny",
     "tests/serve/test_serve.py",
+    "tests/serve/test_serve_bad_clients.py",
     "tests/trainer/test_train_out_s3.py",
     "tests/pipelines/test_compress_dask.py",
     "tests/trainer/test_export_s3.py",

@@ -18,7 +18,13 @@ from benchmarks.fuzz import targets as T
 
 # Kept inputs that still show a finding in code this change does not own; each entry says
 # where. The test fails once the input stops being a finding: then remove it from here.
-PENDING: dict[tuple[str, str], str] = {}  # (target, file name) -> where the bug is
+PENDING: dict[tuple[str, str], str] = {  # (target, file name) -> where the bug is
+    ("serve_request", "finding-bad-chunk-under-a-get"):
+        "uvicorn's h11 protocol (h11_impl.py): a malformed chunked body under a request the "
+        "app answers without reading it; the protocol answers 400 and closes, the app's task, "
+        "already scheduled, then sends its answer into the closed h11 state and "
+        "LocalProtocolError is logged",
+}
 
 CASES = [(name, path) for name, target in T.TARGETS.items() if not target.native
          for path in T.corpus_files(name)]
@@ -82,6 +88,87 @@ def test_a_refusal_without_a_file_is_clean_for_targets_without_a_file():
     target = T.Target("t", lambda data: (_ for _ in ()).throw(ValueError("bad")),
                       names_file=False)
     assert T.run_input(target, b"").kind == "refused"
+
+
+# -- the service target's verdicts ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def buggy_app():
+    """uvicorn's protocol in the fuzz harness around a small app with one bug per route."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Mount, Route
+
+    async def raises(request):
+        return 1 / 0
+
+    async def prints(request):
+        try:
+            return {}["missing"]
+        except KeyError:
+            traceback.print_exc()  # what a handler that answers 500 itself does
+        return PlainTextResponse("hidden")
+
+    async def unfinished(scope, receive, send):
+        return None  # an ASGI app that answers nothing
+
+    def answer(status=200, body=b"ok", kind="text/plain"):
+        async def endpoint(request):
+            await request.body()
+            return Response(body, status, media_type=kind)
+        return endpoint
+
+    async def wrong_count(request):
+        await request.body()
+        return JSONResponse({"predictions": [{"click": 0.5}], "model": {"version": 0,
+                                                                         "lineage": "l"}})
+    return T.HttpHarness(Starlette(routes=[
+        Route("/raises", raises), Route("/prints", prints), Mount("/unfinished", unfinished),
+        Route("/busy", answer(503)), Route("/bad-json", answer(kind="application/json")),
+        Route("/ok", answer()), Route("/gone", answer(410)),
+        Route("/v1/predict", wrong_count, methods=["POST"])]))
+
+
+def _get(path: str) -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+@pytest.mark.parametrize("payload,kind,what", [
+    (_get("/raises"), "finding",
+     "ServerError/ZeroDivisionError at tests/test_fuzz_corpus.py:"),
+    (_get("/prints"), "finding", "ServerError/KeyError at tests/test_fuzz_corpus.py:"),
+    (_get("/unfinished/"), "finding",
+     "ServerError/uvicorn.error: ASGI callable returned without starting response"),
+    (_get("/busy"), "finding", "ServerError/status 503 of /busy"),
+    (_get("/bad-json"), "finding", "answer 0 (200) is not JSON"),
+    (b"POST /v1/predict HTTP/1.1\r\nHost: t\r\nContent-Length: 33\r\n\r\n"
+     b'{"samples": [{"a": 1}, {"a": 2}]}', "finding", "2 samples asked"),
+    (_get("/ok") + _get("/gone"), "refused", "answered [200, 410]"),
+    (_get("/ok") + b"GET /ok HTTP/1.1\r\nHo", "accepted", ""),
+    (_get("/ok") + b"\x00\r\n\r\n", "refused", "answered [200, 400]"),
+])
+def test_the_service_target_judges_what_the_service_answers(buggy_app, payload, kind, what):
+    outcome = T.run_input(T.Target("t", lambda data: T.judge(buggy_app, data),
+                                   names_file=False), payload)
+    assert outcome.kind == kind, outcome.describe()
+    if kind == "finding":
+        assert what in T.signature(outcome.error) + str(outcome.error), outcome.describe()
+    elif what:
+        assert what in str(outcome.error)
+
+
+def test_the_service_target_reads_answers_as_a_client_does():
+    whole = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    calls = [{"method": "GET"}, {"method": "HEAD"}, {"method": "GET"}]
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"  # no body: a HEAD's answer
+    assert [a[0] for a in T._http_answers(whole + head + whole, calls)] == [200, 200, 200]
+    with pytest.raises(T.Inconsistent, match="after 2 whole answers: peer closed"):
+        T._http_answers(whole + head + whole[:-1], calls)
+    closing = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+    with pytest.raises(T.Inconsistent, match="expecting EOF"):
+        T._http_answers(closing + whole, calls)
+    with pytest.raises(T.Inconsistent, match="not well-formed"):
+        T._http_answers(whole + b"HTTP/1.1 2x0 OK\r\n\r\n", calls)
 
 
 # -- the command -----------------------------------------------------------------------------

@@ -19,6 +19,10 @@ Endpoints:
   ``--max-samples`` samples or ``--max-body-bytes``; 503 before a model is loaded. A 500 is a
   fault of the service (or of the model it serves), counted in
   ``prefixrec_serve_internal_errors_total``. The service keeps serving.
+  A request whose body never arrives whole (the client leaves, or its framing breaks and the
+  connection is closed) is counted as status 499 in the requests metric, nothing logged; a
+  client that stalls halfway is waited for (no read timeout: put a proxy with one in front of
+  untrusted clients).
 - ``GET /livez`` (200 while the process serves), ``GET /readyz`` (200 once a model is loaded and
   warmed, the newest published version is applied and, with ``--max-lag``, the freshness lag is
   under it; else 503 with the reason), ``GET /metrics`` (Prometheus), ``GET /v1/model``.

@@ -26,7 +26,7 @@ PROG = "python -m benchmarks.fuzz"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET_NAMES = ("json_decoder", "request_envelope", "csv_file", "parquet_file", "jsonl_file",
                 "tree_parquet", "tree_ipc", "store_snapshot", "store_delta", "store_rebase",
-                "checkpoint", "schema_yaml", "config_yaml")
+                "checkpoint", "schema_yaml", "config_yaml", "serve_request")
 NATIVE_TARGETS = ("json_decoder", "request_envelope", "store_snapshot", "store_delta",
                   "store_rebase")
 ASAN_DIR = os.path.join("build", "fuzz-asan")
@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                     "Parquet and JSON lines files, tree Parquet files and Arrow IPC tree "
                     "messages, Kafka JSON sample messages (the native decoder), prediction "
                     "request bodies (the native envelope scanner), store "
-                    "snapshots and deltas, trainer checkpoints, schema and config YAML. "
+                    "snapshots and deltas, trainer checkpoints, schema and config YAML, and "
+                    "HTTP requests to the prediction service. "
                     "A finding is any outcome but a result or a clean refusal (a ValueError "
                     "naming the file): another exception, a crash, a sanitizer report, a "
                     "timeout, too much memory, or an accepted input that contradicts itself."),
@@ -251,7 +252,12 @@ def collect(run: TargetRun, elapsed: float) -> bool:
             "out of memory" if "out-of-memory" in text else
             "sanitizer report" if "Sanitizer" in text else "crash")
         run.signatures.append(f"{kind} (see {run.logs[-1]})")
-    return bool(new) or "Test unit written to" in text
+    # a worker that reported a new finding stopped on it, even when its input's file was
+    # there already (a finding seen before under another signature) or the worker died on
+    # the way out before libFuzzer wrote its report (a process holding TensorFlow takes
+    # seconds to end; SIGALRM was seen to kill it meanwhile, exit status 142)
+    return bool(new) or "Test unit written to" in text or bool(
+        re.search(r"^fuzz worker: new finding", text, re.M))
 
 
 def _artifacts(base: str) -> list[str]:

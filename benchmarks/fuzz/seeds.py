@@ -242,7 +242,82 @@ def seeds() -> dict[str, dict[str, bytes]]:
         "numbers": b"batch_size: 1e999\nseed: -0x10\nembedding: {dim: .inf, l2: .nan}\n",
         "function-spec": b"embedding: {expire: {every_steps: 1, function: 'no_module:fn'}}\n",
     })
+    out["serve_request"].update(_serve_seeds())
     return out
+
+
+def _serve_seeds() -> dict[str, bytes]:
+    """Requests to the prediction service, encoded as ``targets.serve_request_bytes`` reads
+    them (the first byte picks raw HTTP bytes, a body, a generated body or extra headers
+    plus a body, and the framing); valid flat and ranking requests of ``SERVE_SCHEMA``."""
+    body, repeat, headers = 1, 2, 3  # what the rest is
+    chunked, cut, half_close, no_type, text, latin1, expect = 4, 8, 16, 32, 64, 96, 128
+    flat = json.dumps({"samples": [
+        {"uid": 1, "city": "paris", "aid": 3, "tags": ["a", "é"], "price": [1.5]},
+        {"uid": 9, "city": "", "aid": 99, "tags": [], "price": [0.0]}]}).encode()
+    ranking = json.dumps({"root": {"uid": 1, "city": "lyon"}, "candidates": [
+        {"aid": 1, "tags": ["b"], "price": [2.0]}, {"aid": 4, "tags": [], "price": [1.0]},
+        {"aid": 5, "tags": ["a", "b"], "price": [-3.0]}]}).encode()
+
+    def raw(*requests: bytes) -> bytes:
+        return b"\x00" + b"".join(requests)
+
+    def generated(n: int, *parts: bytes) -> bytes:
+        return bytes([repeat]) + n.to_bytes(3, "big") + b"\0".join(parts)
+
+    def post(head: bytes, payload: bytes = b"") -> bytes:
+        return b"POST /v1/predict HTTP/1.1\r\nHost: fuzz\r\n" + head + b"\r\n" + payload
+
+    def get(path: bytes, head: bytes = b"") -> bytes:
+        return b"GET " + path + b" HTTP/1.1\r\nHost: fuzz\r\n" + head + b"\r\n"
+
+    length = b"Content-Length: %d\r\n" % len(flat)
+    return {
+        "valid-flat": bytes([body]) + flat,
+        "valid-ranking": bytes([body]) + ranking,
+        "valid-ranking-chunked": bytes([body | chunked]) + ranking,
+        "valid-expect-continue": bytes([body | expect]) + ranking,
+        "valid-pipelined": raw(get(b"/livez"), post(length, flat),
+                               b"HEAD /readyz HTTP/1.1\r\nHost: fuzz\r\n\r\n",
+                               get(b"/v1/model"), get(b"/metrics")),
+        "valid-connection-close": bytes([headers]) + b"Connection: close\0" + ranking,
+        "valid-http10": raw(b"POST /v1/predict HTTP/1.0\r\nContent-Length: %d\r\n\r\n"
+                            % len(ranking) + ranking),
+        "text-plain": bytes([body | text]) + flat,
+        "no-content-type": bytes([body | no_type]) + ranking,
+        "nested-brackets": generated(100_000, b"", b"["),
+        "nested-samples": generated(50_000, b'{"samples": ', b"[", b"]", b"}"),
+        "lone-surrogate": bytes([body]) + flat.replace(b'"paris"', b'"\\ud800"'),
+        "lone-surrogate-root": bytes([body]) + ranking.replace(b'"lyon"', b'"\\udfff"'),
+        "non-utf8": bytes([body]) + flat.replace(b'"paris"', b'"p\xe4ris"'),
+        "latin1-declared": bytes([body | latin1]) + flat.replace(b'"paris"', b'"p\xe4ris"'),
+        "utf16": bytes([body]) + flat.decode().encode("utf-16"),
+        "too-many-samples": generated(10_000, b'{"samples": [', b'{"uid": 1},', b"",
+                                      b'{"uid": 2}]}'),
+        "truncated": bytes([body | cut]) + flat,
+        "truncated-chunked": bytes([body | chunked | cut]) + ranking,
+        "truncated-after-continue": bytes([body | expect | cut]) + ranking,
+        "half-close": bytes([body | half_close]) + flat,
+        "content-length-short": raw(post(b"Content-Length: 10\r\n", flat)),
+        "content-length-long": raw(post(b"Content-Length: 1000\r\n", flat)),
+        "content-length-negative": raw(post(b"Content-Length: -1\r\n", flat)),
+        "content-length-huge": raw(post(b"Content-Length: 17000000\r\n", flat)),
+        "content-length-twice": raw(post(length + b"Content-Length: 5\r\n", flat)),
+        "content-length-and-chunked": raw(post(length + b"Transfer-Encoding: chunked\r\n",
+                                               flat)),
+        "chunk-size-bad": raw(post(b"Transfer-Encoding: chunked\r\n",
+                                   b"zz\r\n{}\r\n0\r\n\r\n")),
+        "chunk-size-huge": raw(post(b"Transfer-Encoding: chunked\r\n",
+                                    b"fffffffffffffffff\r\n{}\r\n")),
+        "get-predict": raw(get(b"/v1/predict")),
+        "unknown-path": raw(get(b"/v1/model%ff/../x?q=%00")),
+        "bad-request-line": raw(b"GET\r\n\r\n"),
+        "header-obs-text": raw(get(b"/livez", b"X-Name: caf\xe9\r\n")),
+        "forwarded-for": bytes([headers]) + b"X-Forwarded-For: \xff, 1.2.3.4\r\n"
+                         b"X-Forwarded-Proto: gopher\0" + flat,
+        "upgrade-websocket": raw(get(b"/livez", b"Connection: Upgrade\r\n"
+                                               b"Upgrade: websocket\r\n")),
+    }
 
 
 def _retyped_trees(trees):

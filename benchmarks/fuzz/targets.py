@@ -92,15 +92,24 @@ class Outcome:
 
 def signature(error: BaseException) -> str:
     """What tells findings apart: the exception's type and the innermost frame of the
-    project's code where it was raised (the cause's, for a refusal without the file name)."""
+    project's code where it was raised (the cause's, for a refusal without the file name);
+    for a finding of the service, what went wrong where (:attr:`ServerError.where`)."""
     import traceback
 
+    if getattr(error, "where", None):
+        return f"{type(error).__name__}/{error.where}"
     root = error.__cause__ if isinstance(error, Finding) and error.__cause__ else error
     frames = traceback.extract_tb(root.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(ROOT) or "/native/" in f.filename]
+    return f"{type(error).__name__}/{type(root).__name__} at {project_place(frames)}"
+
+
+def project_place(frames) -> str:
+    """``path:line`` of the innermost frame in the project's code (not in the installed
+    packages, even with the virtualenv inside the repository), else the innermost frame."""
+    ours = [f for f in frames if (f.filename.startswith(ROOT) and "site-packages" not in
+                                  f.filename) or "/native/" in f.filename]
     where = (ours or frames)[-1] if (ours or frames) else None
-    place = f"{os.path.relpath(where.filename, ROOT)}:{where.lineno}" if where else "?"
-    return f"{type(error).__name__}/{type(root).__name__} at {place}"
+    return f"{os.path.relpath(where.filename, ROOT)}:{where.lineno}" if where else "?"
 
 
 def acceptable_refusal(error: BaseException) -> bool:
@@ -711,6 +720,482 @@ def config_yaml(data: bytes) -> None:
         raise ConfigError(f"{path} against the schema {fuzz_schema().name!r}: {e}") from None
 
 
+# -- the prediction service ------------------------------------------------------------------
+
+# A string id in each layer, so the request tables' string paths are reached too.
+SERVE_SCHEMA = {"name": "fuzz_serve", "labels": ["click"], "layers": [
+    {"name": "user", "key": ["uid"], "features": [
+        {"name": "uid", "kind": "id"}, {"name": "city", "kind": "id", "dtype": "string"}]},
+    {"name": "ad", "key": ["aid"], "features": [
+        {"name": "aid", "kind": "id"}, {"name": "tags", "kind": "ids", "dtype": "string"},
+        {"name": "price", "kind": "dense", "dim": 1}]}]}
+SERVE_CONFIG = {"batch_size": 40, "seed": 5, "threads": 1,
+                "embedding": {"dim": 2, "optimizer": {"name": "adagrad", "lr": 0.3}}}
+SERVE_REPEAT_MAX = 200_000   # a generated body's repeat count is capped here (mode 2)
+SERVE_SEGMENT = 4096         # bytes handed to the protocol per data_received, as TCP reads
+SERVE_DEADLINE = 20.0        # seconds an exchange may take before it is a hang (a finding)
+_CONTENT_TYPES = (b"application/json", None, b"text/plain",
+                  b"application/json; charset=latin-1")
+
+
+class ServerError(Exception):
+    """The service answered 5xx, logged or printed a traceback, or its HTTP protocol code
+    raised or hung (a finding). ``where``: what and where, to tell findings apart."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
+class RefusedRequest(ValueError):
+    """The service refused the request: a 4xx answer, or no answer because the request never
+    arrived whole (a clean refusal)."""
+
+
+def serve_request_bytes(data: bytes) -> tuple[bytes, bool]:
+    """What the ``serve_request`` target sends for an input, and whether the client then
+    half-closes its side of the connection. The first byte ``m`` says how to read the rest:
+
+    - ``m & 3`` 0: the rest as it is: raw HTTP/1.1 (request lines, headers, any framing,
+      pipelined requests);
+      1: the rest is the body of ``POST /v1/predict``;
+      2: the body is generated: the rest is a 3-byte big-endian count ``n`` (at most
+      200,000) and up to four parts ``a, b, c, d`` separated by NUL bytes, the body
+      ``a + b * n + c * n + d`` (100,000 nested ``[`` from 6 bytes);
+      3: the rest is extra header lines, a NUL, then the body of ``POST /v1/predict``;
+    - ``m & 4``: the body is sent chunked (``Transfer-Encoding: chunked``, chunks of 1, 2,
+      4 ... bytes) instead of with ``Content-Length``;
+    - ``m & 8``: the body is cut in half (the headers announce all of it; chunked: no end);
+    - ``m & 16``: the client half-closes after sending (else it keeps the connection open
+      until the service has nothing left to do, then drops it);
+    - ``(m >> 5) & 3``: ``Content-Type``: application/json, none, text/plain,
+      application/json; charset=latin-1;
+    - ``m & 128``: ``Expect: 100-continue``.
+    """
+    if not data:
+        return b"", False
+    m, rest = data[0], data[1:]
+    kind, half_close = m & 3, bool(m & 16)
+    if kind == 0:
+        return rest, half_close
+    extra = b""
+    if kind == 2:
+        count = min(int.from_bytes(rest[:3], "big"), SERVE_REPEAT_MAX)
+        a, b, c, d = (rest[3:].split(b"\0", 3) + [b""] * 4)[:4]
+        body = a + b * count + c * count + d
+    elif kind == 3:
+        extra, _, body = rest.partition(b"\0")
+        if extra and not extra.endswith(b"\r\n"):
+            extra += b"\r\n"
+    else:
+        body = rest
+    headers = b"POST /v1/predict HTTP/1.1\r\nHost: fuzz\r\n"
+    content_type = _CONTENT_TYPES[(m >> 5) & 3]
+    if content_type is not None:
+        headers += b"Content-Type: " + content_type + b"\r\n"
+    if m & 128:
+        headers += b"Expect: 100-continue\r\n"
+    cut = bool(m & 8)
+    if m & 4:
+        headers += b"Transfer-Encoding: chunked\r\n"
+        chunks, at, size = [], 0, 1
+        while at < len(body):
+            chunks.append(b"%x\r\n%s\r\n" % (len(body[at:at + size]), body[at:at + size]))
+            at, size = at + size, min(size * 2, 8192)
+        framed = b"".join(chunks)
+        framed = framed[:len(framed) // 2] if cut else framed + b"0\r\n\r\n"
+    else:
+        headers += b"Content-Length: %d\r\n" % len(body)
+        framed = body[:len(body) // 2] if cut else body
+    return headers + extra + b"\r\n" + framed, half_close
+
+
+class _Transport:
+    """An in-memory asyncio transport between the client (this harness) and uvicorn's HTTP
+    protocol object: what the service writes is kept; the service closing it ends in the
+    protocol's ``connection_lost`` on the next loop turn, as a socket transport does; the
+    client leaving (:meth:`drop`) at once."""
+
+    def __init__(self, loop):
+        self.loop, self.protocol = loop, None
+        self.written = bytearray()
+        self.closing = self.lost = False
+        self.reading = True
+
+    def get_extra_info(self, name, default=None):
+        return {"sockname": ("127.0.0.1", 8500),
+                "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def write(self, data) -> None:
+        if not self.lost:
+            self.written += data
+
+    def writelines(self, lines) -> None:
+        for data in lines:
+            self.write(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.loop.call_soon(self._lose)
+
+    def abort(self) -> None:
+        self.close()
+
+    def drop(self) -> None:
+        """The client goes away."""
+        self.closing = True
+        self._lose()
+
+    def _lose(self) -> None:
+        if not self.lost:
+            self.lost = True
+            self.protocol.connection_lost(None)
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_reading(self) -> bool:
+        return self.reading
+
+    def set_protocol(self, protocol) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self):
+        return self.protocol
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def can_write_eof(self) -> bool:
+        return False
+
+
+class _Exchange:
+    """What the app saw and said on one connection: per request (in order) its method, path,
+    body and the status it answered while the client was still there; and which requests'
+    tasks are blocked waiting for more of their body."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.waiting: dict = {}  # task -> the uvicorn request cycle it waits on
+
+
+class HttpHarness:
+    """An ASGI app behind uvicorn's HTTP protocol class (the one ``trainer.serve.run`` gets),
+    configured as ``trainer.serve.run`` configures it, on an event loop of its own; one
+    in-memory connection per :meth:`talk`."""
+
+    def __init__(self, app):
+        import asyncio
+
+        import uvicorn
+        from uvicorn.server import ServerState
+
+        self.exchange = _Exchange()
+
+        async def watched(scope, receive, send):
+            """The app, noting per request what the harness needs to judge the answers."""
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            exchange = self.exchange
+            call = {"method": scope["method"], "path": scope["path"], "body": bytearray(),
+                    "status": None}
+            exchange.calls.append(call)
+            cycle = getattr(receive, "__self__", None)
+
+            async def receive_watched():
+                task = asyncio.current_task()
+                exchange.waiting[task] = cycle
+                try:
+                    message = await receive()
+                finally:
+                    exchange.waiting.pop(task, None)
+                if message["type"] == "http.request":
+                    call["body"] += message.get("body", b"")
+                return message
+
+            async def send_watched(message):
+                if message["type"] == "http.response.start" and not getattr(
+                        cycle, "disconnected", False):
+                    call["status"] = message["status"]
+                await send(message)
+
+            await app(scope, receive_watched, send_watched)
+
+        # as trainer.serve.run configures uvicorn, without its logging set-up: this process'
+        # logging stays as it was, and the harness reads the records itself
+        self.config = uvicorn.Config(watched, log_level="warning", access_log=False,
+                                     timeout_graceful_shutdown=30, lifespan="off",
+                                     log_config=None)
+        self.config.load()
+        self.state = ServerState()
+        self.state.default_headers = [(b"date", b"Thu, 01 Jan 2026 00:00:00 GMT"),
+                                      *self.config.encoded_headers]
+        self.loop = asyncio.new_event_loop()
+        atexit.register(self.loop.close)
+
+    def quiet(self) -> bool:
+        """Nothing will happen without more bytes from the client: every request task is done
+        or blocked waiting for more of its body."""
+        for task in self.state.tasks:
+            if task.done():
+                continue
+            if task not in self.exchange.waiting:
+                return False
+            cycle = self.exchange.waiting[task]
+            event = getattr(cycle, "message_event", None)
+            if event is not None and event.is_set():
+                return False
+        return True
+
+    async def talk(self, payload: bytes, half_close: bool) -> _Transport:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SERVE_DEADLINE
+        transport = _Transport(loop)
+        protocol = self.config.http_protocol_class(config=self.config,
+                                                   server_state=self.state, app_state={},
+                                                   _loop=loop)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+        async def step(what: str):
+            if loop.time() > deadline:
+                for task in self.state.tasks:
+                    task.cancel()
+                transport.drop()
+                raise ServerError(f"no progress in {SERVE_DEADLINE:.0f} s while {what}",
+                                  f"hang while {what}")
+            await asyncio.sleep(0.0005)  # threads finish scoring meanwhile
+
+        try:
+            at = 0
+            while at < len(payload) and not transport.closing:
+                if not transport.reading:  # pipelining or a body past the high-water mark
+                    if self.quiet():
+                        break  # the service waits for nothing it could read: give up
+                    await step("the service had reading paused")
+                    continue
+                protocol.data_received(payload[at:at + SERVE_SEGMENT])
+                at += SERVE_SEGMENT
+                await asyncio.sleep(0)
+            if half_close and not transport.closing and not protocol.eof_received():
+                transport.close()  # what a socket transport does when the protocol says so
+            while not transport.lost and not self.quiet():
+                await step("answering")
+            transport.drop()
+            while any(not t.done() for t in self.state.tasks):
+                await step("finishing after the client left")
+        except ServerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an asyncio transport logs these as fatal
+            transport.drop()
+            raise ServerError(f"the HTTP protocol raised {type(e).__name__}: {e}",
+                              signature(e)) from e
+        return transport
+
+
+@functools.cache
+def serve_base() -> HttpHarness:
+    """The prediction service the ``serve_request`` target talks to: ``build_app`` over a
+    LiveModel of a small model of :data:`SERVE_SCHEMA`, trained and exported once per
+    process."""
+    import pyarrow as pa
+
+    import compression
+    import schemas
+    from trainer import models
+    from trainer.config import TrainConfig
+    from trainer.live import LiveModel
+    from trainer.serve import build_app
+    from trainer.serving import export_increment
+    from trainer.trainer import Trainer
+
+    schema = schemas.from_dict(SERVE_SCHEMA)
+    trainer = Trainer(schema, models.MLP(hidden=(3,)), TrainConfig.from_dict(SERVE_CONFIG))
+    rows = [{"uid": i % 7, "city": ("paris", "lyon", "")[i % 3], "aid": i % 11,
+             "tags": ["a", "b", "é"][: i % 4], "price": [float(i % 5)],
+             "click": float(i % 3 == 0)} for i in range(80)]
+    table = pa.Table.from_pylist(rows).cast(schema.raw_arrow_schema())
+    for batch in compression.iter_batches(compression.build_trees(table, schema), schema, 40):
+        trainer.train_batch(batch)
+    export = os.path.join(workdir(), "serve-export")
+    export_increment(trainer, export)
+    live = LiveModel(export)
+    atexit.register(live.close)
+    return HttpHarness(build_app(live))
+
+
+def _http_answers(written: bytes, calls: list[dict]) -> list[tuple[int, dict, bytes]]:
+    """``(status, headers, body)`` of every answer in what the service wrote before the
+    connection closed, read as an HTTP/1.1 client reads it (h11, the methods the requests
+    had: a HEAD answer has no body); :class:`Inconsistent` if it is not well-formed HTTP."""
+    import h11
+
+    client = h11.Connection(h11.CLIENT)
+
+    def ask(i):
+        method = calls[i]["method"] if i < len(calls) else "GET"
+        client.send(h11.Request(method=method, target="/",
+                                headers=[("Host", "fuzz"), ("Content-Length", "0")]))
+        client.send(h11.EndOfMessage())
+
+    answers, response, body = [], None, bytearray()
+    if not written:
+        return answers
+    ask(0)
+    client.receive_data(bytes(written))
+    closed = False
+    while True:
+        try:
+            event = client.next_event()
+        except h11.RemoteProtocolError as e:
+            raise Inconsistent(f"the service's bytes are not well-formed HTTP/1.1 after "
+                               f"{len(answers)} whole answers: {e}: "
+                               f"{bytes(written)[:300]!r}") from None
+        if event is h11.NEED_DATA:
+            if closed or (response is None and not client.trailing_data[0]):
+                break  # every byte read, between answers (a 100 Continue may end it)
+            # the connection is closed by now: h11 calls an answer cut short a protocol
+            # error, and reads an answer without a length to the end
+            client.receive_data(b"")
+            closed = True
+            continue
+        if event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
+            break
+        if isinstance(event, h11.Response):
+            response, body = event, bytearray()
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in response.headers}
+            answers.append((response.status_code, headers, bytes(body)))
+            response = None
+            if not client.trailing_data[0]:
+                break
+            if client.our_state is h11.DONE and client.their_state is h11.DONE:
+                client.start_next_cycle()
+                ask(len(answers))
+            # else the answer closes the connection: h11 calls bytes after it an error
+    return answers
+
+
+def _check_prediction(call: dict, body: bytes) -> None:
+    """A 200 answer of /v1/predict: one prediction per sample or candidate, probabilities
+    of the model's head, the version named."""
+    import math
+
+    answer = json.loads(body)
+    request = json.loads(bytes(call["body"]))
+    items = request["samples"] if "samples" in request else request["candidates"]
+    predictions = answer.get("predictions")
+    if not isinstance(predictions, list) or len(predictions) != len(items):
+        raise Inconsistent(f"{len(items)} samples asked, answer {str(answer)[:300]}")
+    for p in predictions:
+        if set(p) != {"click"} or not (math.isfinite(p["click"]) and 0 <= p["click"] <= 1):
+            raise Inconsistent(f"a prediction {p} is not a probability of the head 'click'")
+    model = answer.get("model") or {}
+    if not isinstance(model.get("version"), int) or not model.get("lineage"):
+        raise Inconsistent(f"the answer does not name its version: {model}")
+
+
+def _traceback_place(printed: str, logged: list) -> str:
+    """What a traceback the service printed (the first) or logged was and where: the
+    exception's type and the innermost frame of the project's code."""
+    import re
+    import traceback
+
+    match = re.search(r"Traceback \(most recent call last\):\n(.*?)^(\w[\w.]*)(?::|$)",
+                      printed, re.S | re.M)
+    if match:
+        frames = [traceback.FrameSummary(path, int(line), "") for path, line in
+                  re.findall(r'^  File "([^"]+)", line (\d+)', match.group(1), re.M)]
+        return f"{match.group(2).rsplit('.', 1)[-1]} at {project_place(frames)} (printed)"
+    for record in logged:
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            frames = traceback.extract_tb(error.__traceback__)
+            return f"{type(error).__name__} at {project_place(frames)} (logged)"
+    return f"{logged[0].name}: {logged[0].getMessage()[:80]} (logged)"
+
+
+def serve_request(data: bytes) -> None:
+    """HTTP/1.1 bytes (see :func:`serve_request_bytes`) fed, in process, to the prediction
+    service as it runs: uvicorn's HTTP protocol class over an in-memory transport, bound to
+    ``trainer.serve.build_app`` over a LiveModel of a small model trained once per process
+    (:func:`serve_base`), the answers read back as a client reads them (see :func:`judge`)."""
+    judge(serve_base(), *serve_request_bytes(data))
+
+
+def judge(harness: HttpHarness, payload: bytes, half_close: bool = False) -> None:
+    """Send ``payload`` on one connection of ``harness`` and judge what came back. A finding:
+    a 5xx answer, a traceback logged or printed, bytes that are not well-formed HTTP, an
+    answer of the app that does not reach the client, a 200 prediction that does not match
+    its request, a hang. A refusal (:class:`RefusedRequest`): a 4xx answer, or no answer
+    because the request never arrived whole. Accepted: every request answered below 400."""
+    import contextlib
+    import io
+    import logging
+
+    harness.exchange = exchange = _Exchange()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    # the records go to the harness alone meanwhile: a refusal's warning ("Invalid HTTP
+    # request received.") is no news at thousands of inputs a second
+    root, printed = logging.getLogger(), io.StringIO()
+    handlers, root.handlers = root.handlers, [Keep(logging.WARNING)]
+    try:
+        with contextlib.redirect_stderr(printed):
+            transport = harness.loop.run_until_complete(
+                harness.talk(payload, half_close))
+    finally:
+        root.handlers = handlers
+    logged = [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
+    if logged or "Traceback (most recent call last)" in printed.getvalue():
+        text = "\n".join(logging.Formatter().format(r) for r in logged) + printed.getvalue()
+        raise ServerError(f"the service logged or printed an error:\n{text[-3000:]}",
+                          _traceback_place(printed.getvalue(), logged))
+    answers = _http_answers(transport.written, exchange.calls)
+    statuses = [status for status, _, _ in answers]
+    if any(status >= 500 for status in statuses):
+        i = next(i for i, s in enumerate(statuses) if s >= 500)
+        path = exchange.calls[i]["path"] if i < len(exchange.calls) else "the protocol"
+        raise ServerError(f"answer {i} is {statuses[i]}: {answers[i][2][:300]!r}",
+                          f"status {statuses[i]} of {path}")
+    said = [call["status"] for call in exchange.calls if call["status"] is not None]
+    extra = statuses[len(said):]
+    if statuses[:len(said)] != said or extra not in ([], [400]):
+        raise Inconsistent(f"the app answered {said}, the client read {statuses}")
+    for i, (status, headers, body) in enumerate(answers):
+        if "json" in headers.get("content-type", ""):
+            try:
+                json.loads(body)
+            except ValueError:
+                raise Inconsistent(f"answer {i} ({status}) is not JSON: {body[:300]!r}") \
+                    from None
+        if status == 200 and i < len(exchange.calls) and exchange.calls[i]["path"] == \
+                "/v1/predict":
+            _check_prediction(exchange.calls[i], body)
+    refused = [(s, b) for s, _, b in answers if 400 <= s < 500]
+    if refused:
+        raise RefusedRequest(f"answered {statuses}: {refused[0][1][:300]!r}")
+    if not answers or len(said) < len(exchange.calls):
+        raise RefusedRequest(f"{len(exchange.calls)} requests reached the app, "
+                             f"{len(answers)} answers: the rest never arrived whole")
+
+
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("json_decoder", json_decoder, native=True, names_file=False, max_len=8192,
            doc=json_decoder.__doc__),
@@ -728,6 +1213,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("checkpoint", checkpoint, max_len=8192, doc=checkpoint.__doc__),
     Target("schema_yaml", schema_yaml, max_len=8192, doc=schema_yaml.__doc__),
     Target("config_yaml", config_yaml, max_len=8192, doc=config_yaml.__doc__),
+    Target("serve_request", serve_request, names_file=False, max_len=16384,
+           doc=serve_request.__doc__),
 ]}
 
 

@@ -8,6 +8,7 @@ under ``atheris.instrument_imports`` so libFuzzer gets coverage of their Python 
 and libFuzzer writes the input as a ``crash-*`` artifact.
 """
 
+import hashlib
 import os
 import sys
 import traceback
@@ -27,9 +28,16 @@ def main(argv: list[str]) -> None:
     import pyarrow.parquet  # noqa: F401
     import yaml  # noqa: F401
 
-    if name == "checkpoint":
+    if name in ("checkpoint", "serve_request"):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import tensorflow  # noqa: F401
+    if name == "serve_request":  # the HTTP stack is not the project's: no coverage of it
+        import h11  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import starlette.applications  # noqa: F401
+        import starlette.routing  # noqa: F401
+        import uvicorn  # noqa: F401
+        import uvicorn.protocols.http.auto  # noqa: F401
     with atheris.instrument_imports(include=PROJECT_PACKAGES):
         from benchmarks.fuzz import targets
 
@@ -52,6 +60,12 @@ def main(argv: list[str]) -> None:
                 return
             with open(known_path, "a") as f:
                 f.write(sig + "\n")
+            # the input under the name libFuzzer gives it, written here too: a worker holding
+            # TensorFlow takes seconds to end, and SIGALRM was seen to kill one meanwhile,
+            # before libFuzzer's report, its finding's input lost
+            with open(os.path.join(_artifact_dir(flags),
+                                   f"crash-{hashlib.sha1(data).hexdigest()}"), "wb") as f:
+                f.write(data)
             print(f"fuzz worker: new finding {sig}", flush=True)
             traceback.print_exception(outcome.error)  # where it happened, before libFuzzer's
             raise targets.Finding(outcome.describe()) from outcome.error
