@@ -18,13 +18,7 @@ from benchmarks.fuzz import targets as T
 
 # Kept inputs that still show a finding in code this change does not own; each entry says
 # where. The test fails once the input stops being a finding: then remove it from here.
-PENDING: dict[tuple[str, str], str] = {  # (target, file name) -> where the bug is
-    ("serve_request", "finding-bad-chunk-under-a-get"):
-        "uvicorn's h11 protocol (h11_impl.py): a malformed chunked body under a request the "
-        "app answers without reading it; the protocol answers 400 and closes, the app's task, "
-        "already scheduled, then sends its answer into the closed h11 state and "
-        "LocalProtocolError is logged",
-}
+PENDING: dict[tuple[str, str], str] = {}  # (target, file name) -> where the bug is
 
 CASES = [(name, path) for name, target in T.TARGETS.items() if not target.native
          for path in T.corpus_files(name)]

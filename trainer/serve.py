@@ -220,7 +220,69 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
         Route("/metrics", prometheus, methods=["GET"]),
     ])
     app.state.metrics = metrics
-    return app
+    return _AnswerGuard(app, max_body_bytes)
+
+
+class _ConnectionAnswered(Exception):
+    """The server's connection refused an answer: the protocol answered the request itself
+    already, or the connection is closed."""
+
+
+class _AnswerGuard:
+    """The app as uvicorn calls it. Every endpoint but ``/v1/predict`` (which reads its own
+    body, under ``--max-body-bytes``) answers without reading a body: the request's body is
+    read (and dropped) first, so that a body whose framing breaks (bad chunked encoding) ends
+    the request as a client gone, counted as status 499, instead of uvicorn answering 400
+    while the endpoint's answer is on its way and logging the clash. An answer the connection
+    still refuses is counted as 499 too, never logged with a traceback as the service's fault.
+    """
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.state, self.max_body_bytes = app, app.state, max_body_bytes
+
+    def _client_gone(self, scope) -> None:
+        endpoint = "predict" if scope.get("path") == "/v1/predict" else "other"
+        self.state.metrics["requests"].labels(endpoint, "499").inc()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope.get("path") != "/v1/predict":
+            read = 0
+            while read <= self.max_body_bytes:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return self._client_gone(scope)
+                read += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            receive = _after_body(receive)
+
+        async def guarded(message):
+            try:
+                await send(message)
+            except Exception as e:  # noqa: BLE001 - any refusal of the connection's
+                raise _ConnectionAnswered(str(e)) from e
+
+        try:
+            await self.app(scope, receive, guarded)
+        except _ConnectionAnswered:
+            self._client_gone(scope)
+
+
+def _after_body(receive):
+    """``receive`` for an app whose request body was read: an empty body first, then what
+    the connection says next (its close)."""
+    given = False
+
+    async def receive_after():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return await receive()
+
+    return receive_after
 
 
 class Follower:

@@ -1154,14 +1154,20 @@ def judge(harness: HttpHarness, payload: bytes, half_close: bool = False) -> Non
 
     # the records go to the harness alone meanwhile: a refusal's warning ("Invalid HTTP
     # request received.") is no news at thousands of inputs a second
+    # uvicorn's own logging set-up (by a uvicorn.Server run earlier in this process) keeps its
+    # records from the root logger (the "uvicorn" logger does not propagate): they are read
+    # there too, and printed by neither meanwhile
     root, printed = logging.getLogger(), io.StringIO()
+    own = logging.getLogger("uvicorn")
     handlers, root.handlers = root.handlers, [Keep(logging.WARNING)]
+    own_handlers, own_propagate, own.handlers, own.propagate = own.handlers, own.propagate, [], True
     try:
         with contextlib.redirect_stderr(printed):
             transport = harness.loop.run_until_complete(
                 harness.talk(payload, half_close))
     finally:
         root.handlers = handlers
+        own.handlers, own.propagate = own_handlers, own_propagate
     logged = [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
     if logged or "Traceback (most recent call last)" in printed.getvalue():
         text = "\n".join(logging.Formatter().format(r) for r in logged) + printed.getvalue()
