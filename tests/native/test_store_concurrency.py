@@ -80,11 +80,16 @@ def test_expiry_and_delta_export_while_training_keep_a_follower_exact(tmp_path):
     config = native.StoreConfig(dim=DIM, optimizer=native.Adagrad(0.05), num_shards=8,
                                 entry_filter=native.CounterFilter(2))
     trainer, follower = native.EmbeddingStore(config), native.EmbeddingStore(config)
-    stop = threading.Event()
+    stop, expired = threading.Event(), threading.Event()
 
     def train(seed):
         rng = np.random.default_rng(seed)
         for step in range(1, 25):
+            if step == 13:
+                # training goes on only once the maintainer removed rows: expiry then surely
+                # runs while this thread trains (the threads' interleaving is the scheduler's,
+                # and a loaded machine may not run the maintainer at all otherwise)
+                assert expired.wait(timeout=120), "the maintainer expired no row in 120 s"
             ids = rng.zipf(1.2, size=10000) % 20000
             unique, _, _ = trainer.lookup_unique(ids)
             trainer.apply_gradients(unique, rng.normal(size=(len(unique), DIM)), step)
@@ -93,7 +98,8 @@ def test_expiry_and_delta_export_while_training_keep_a_follower_exact(tmp_path):
         while not stop.is_set():
             trainer.expire(max_idle_steps=3)
             follower.apply_delta(trainer.export_delta(tmp_path))
-            trainer.stats()
+            if trainer.stats().expired:
+                expired.set()
             len(trainer.to_numpy()["ids"])
 
     maintainer = threading.Thread(target=maintain)
