@@ -422,14 +422,28 @@ def test_flags_without_a_meaning_on_ray_are_refused_with_the_reason(kafka_broker
 
 class Streaming:
     """A thread producing chunks of new sample ids until :meth:`stop` (each chunk delivered
-    before the next one starts)."""
+    before the next one starts). With ``run_dir``, a chunk is produced only while the run's
+    latest checkpoint trails the messages produced by at most ``ahead`` samples (``base``:
+    the samples the run started with): the data grows with the run's steps, not with the
+    wall time. On a loaded machine the time-paced stream had produced 12,800-36,700 samples by
+    the time the kills were done, and the run's float-rounding distance to its replay (the
+    union batch's sums are ordered otherwise than the workers') had hundreds of steps to flip
+    a ReLU and grow past the comparison's tolerance."""
 
-    def __init__(self, messages: Messages, broker, topic, first: int, chunk=100, pause=0.2):
+    def __init__(self, messages: Messages, broker, topic, first: int, chunk=100, pause=0.2,
+                 run_dir=None, base=0, ahead=600):
         self.next = first
         self._stop = threading.Event()
 
+        def trails() -> bool:
+            state = latest_state(run_dir)
+            return state is not None and state["samples"] - base >= self.next - ahead
+
         def stream():
             while not self._stop.is_set():
+                if run_dir is not None and not trails():
+                    self._stop.wait(0.05)
+                    continue
                 messages.produce(broker, topic, range(self.next, self.next + chunk))
                 self.next += chunk
                 self._stop.wait(pause)
@@ -518,7 +532,8 @@ def test_sigkills_of_a_worker_a_shard_and_the_driver_lose_and_repeat_nothing(
         try:
             first = wait_for_checkpoint(process, run_dir,
                                         lambda s: s["step"] > batch_steps)["step"]
-            producer = Streaming(messages, kafka_broker, topic, 1000)  # while it trains on
+            producer = Streaming(messages, kafka_broker, topic, 1000,  # while it trains on
+                                     run_dir=run_dir, base=batch_samples)
             try:
                 # a worker, then a shard, each killed once the run trained past its latest
                 # checkpoint (as reported): the run rolls every actor back to it, trains on
