@@ -79,7 +79,12 @@ def command(files, broker, topic, group, run_dir, ray_address, *extra, workers=2
 def batch_run(run_dir, sids, shards=None, config=None) -> str:
     """A batch run (``RUN_DIR/checkpoint``, as ``trainer.train`` keeps it) that trained the
     samples ``sids`` in batches of 200 with ``config`` (default CONFIG): in process, or with
-    ``shards`` on the module's Ray cluster (1 worker). What ``--init-from`` starts from."""
+    ``shards`` on the module's Ray cluster (1 worker). What ``--init-from`` starts from, so
+    the Ray run and its replay train its model: an MLP with tanh, not ReLU, so that their float
+    rounding (two workers' gradients summed, not one union batch's) stays float rounding: with
+    ReLU, a hidden unit's input within ~1e-7 of zero has opposite signs in the two now and then,
+    Adam turns that step's gradient difference into a ~1e-4 weight difference, and over a few
+    hundred steps the gap outgrows the tolerance."""
     from trainer import Trainer, models
     from trainer.config import TrainConfig
     from trainer.distributed import DistributedTrainer
@@ -88,12 +93,12 @@ def batch_run(run_dir, sids, shards=None, config=None) -> str:
     config = TrainConfig.from_dict(config or CONFIG)
     table, _ = decode_json_samples([sample(s)[1] for s in sids], schema)
     if shards:
-        with DistributedTrainer(schema, models.MLP(), config, workers=1,
+        with DistributedTrainer(schema, models.MLP(activation="tanh"), config, workers=1,
                                 shards=shards) as trainer:
             trainer.fit(table, shuffle=False)
             trainer.save(os.path.join(run_dir, "checkpoint"))
         return run_dir
-    trainer = Trainer(schema, models.MLP(), config)
+    trainer = Trainer(schema, models.MLP(activation="tanh"), config)
     for batch in compression.iter_batches(compression.build_trees(table, schema), schema,
                                           CONFIG["batch_size"]):
         trainer.train_batch(batch)
