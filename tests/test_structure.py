@@ -100,8 +100,13 @@ def _known(module: str, sources: dict) -> str | None:
 
 
 def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected component of more than one module, each as one cycle through
-    it (``a -> b -> a``), sorted: the import circles."""
+    """One cycle (``a -> b -> a``) through each import circle, sorted."""
+    return sorted(_one_cycle(component, edges) for component in import_circles(edges))
+
+
+def import_circles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """Every strongly connected component of more than one module: the modules that reach
+    each other through imports."""
     index, low, on_stack, stack, components = {}, {}, set(), [], []
     counter = [0]
 
@@ -130,7 +135,7 @@ def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     for v in sorted(edges):
         if v not in index:
             visit(v)
-    return sorted(_one_cycle(component, edges) for component in components)
+    return sorted(components, key=min)
 
 
 def _one_cycle(component: set[str], edges: dict) -> list[str]:
@@ -151,8 +156,12 @@ def _one_cycle(component: set[str], edges: dict) -> list[str]:
     raise AssertionError(f"no cycle through {start}")  # a component always has one
 
 
-def _cycle_lines(cycles) -> str:
-    return "\n".join(" -> ".join(cycle) for cycle in cycles)
+def _cycle_lines(edges) -> str:
+    """One line per circle: a cycle through it, and every module in it."""
+    return "\n".join(
+        " -> ".join(_one_cycle(circle, edges))
+        + (f" (the circle holds {', '.join(sorted(circle))})" if len(circle) > 2 else "")
+        for circle in import_circles(edges))
 
 
 def test_no_import_cycle_in_the_house():
@@ -160,8 +169,9 @@ def test_no_import_cycle_in_the_house():
     # circle at import time still depends on it, and the circle is still there for a reader
     # (compression.cli -> compression.fs -> compression.cli was such a circle). A deferred
     # import to keep a heavy framework off a start-up path is no cycle and is not affected.
-    cycles = import_cycles(import_edges(house_sources(), function_level=True))
-    assert not cycles, "import cycles in the house:\n" + _cycle_lines(cycles)
+    edges = import_edges(house_sources(), function_level=True)
+    circles = [sorted(circle) for circle in import_circles(edges)]
+    assert not circles, "import cycles in the house:\n" + _cycle_lines(edges)
 
 
 # --- argparse stays in the command modules ------------------------------------------------
@@ -336,7 +346,19 @@ def test_cycle_checker_names_a_planted_cycle_also_inside_a_function(tmp_path):
     })
     assert import_cycles(import_edges(sources, function_level=False)) == []
     assert import_cycles(import_edges(sources)) == [["pkg.cli", "pkg.fs", "pkg.cli"]]
-    assert "pkg.cli -> pkg.fs -> pkg.cli" in _cycle_lines(import_cycles(import_edges(sources)))
+    assert _cycle_lines(import_edges(sources)) == "pkg.cli -> pkg.fs -> pkg.cli"
+
+
+def test_cycle_checker_names_every_module_of_a_longer_circle(tmp_path):
+    sources = _house(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/cli.py": "from pkg import fs, io\n",
+        "pkg/io.py": "from pkg import fs\n",
+        "pkg/fs.py": "def check():\n    from pkg.cli import UsageError\n",
+        "pkg/trees.py": "from pkg import io\n",
+    })
+    assert _cycle_lines(import_edges(sources)) == (
+        "pkg.cli -> pkg.fs -> pkg.cli (the circle holds pkg.cli, pkg.fs, pkg.io)")
 
 
 def test_cycle_checker_leaves_type_checking_imports_out(tmp_path):
