@@ -1,6 +1,6 @@
 """The shape of the house, read from the sources with ``ast`` (nothing is imported): no import
-cycle between its modules, and no argparse object below a command module
-(docs/architecture.md, "Structure")."""
+cycle between its modules, no argparse object below a command module, and no class taken from
+a command module (docs/architecture.md, "Structure the tests enforce")."""
 
 from __future__ import annotations
 
