@@ -22,7 +22,7 @@ with ``--allowed-lateness-seconds 0`` (the default) samples behind the watermark
 the runner; with more, each late sample comes out in a ``LATE`` pane.
 
 Locally no runner executes a Kafka source with live window firing (Beam 2.77, no Prism binary
-offline; see ARCHITECTURE.md): use ``--bounded``, which reads to the end offsets taken at
+offline; see docs/architecture.md): use ``--bounded``, which reads to the end offsets taken at
 start (or until the input is idle) and then finishes, on the in-process FnApiRunner (the
 default when no ``--runner`` is given). Unbounded runs need a streaming runner: Dataflow, or
 Flink, with ``--kafka-io xlang`` (Java KafkaIO) or the Python IO.

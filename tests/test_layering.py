@@ -1,4 +1,4 @@
-"""The dependency direction of ARCHITECTURE.md: heavy frameworks stay in their own package."""
+"""The dependency direction of docs/architecture.md: heavy frameworks stay in their own package."""
 
 import ast
 import pathlib
