@@ -27,7 +27,7 @@ $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt require
 
 # pytest-xdist: TEST_WORKERS processes share the cores (TEST_WORKERS=0: serial, ~23 min here).
 # tests/conftest.py hands the slowest tests out first and keeps test_distributed_faults.py on
-# one worker; times in benchmarks/RESULTS.md (Session 14).
+# one worker; times in benchmarks/RESULTS.md ("Test suite time").
 TEST_WORKERS ?= 4
 test:
 	@# the install (mostly one core: pip) and the C++ unit tests' build side by side

@@ -1,4 +1,4 @@
-"""Benchmark of object storage and of the Beam job on a Dask cluster (issue 27), each a ratio
+"""Benchmark of object storage and of the Beam job on a Dask cluster, each a ratio
 against a baseline of the same run.
 
     python -m benchmarks.cloud --samples 2000000 --train-samples 2000000 --repeats 2

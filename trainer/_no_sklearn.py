@@ -2,7 +2,7 @@
 
 Keras 3 imports scikit-learn whenever it is installed, for its scikit-learn wrappers
 (``keras/src/wrappers``: ``try: import sklearn`` in three modules), which prefixrec never uses.
-That import costs ~1-2 CPU-s per process (measured in benchmarks/RESULTS.md, "Session 14"),
+That import costs ~1-2 CPU-s per process (measured in benchmarks/RESULTS.md, "Test suite time"),
 paid by every command, every Ray actor and every test child that loads TensorFlow; scikit-learn
 is installed here only for ``benchmarks/quality.py``.
 

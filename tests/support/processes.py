@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # `nohup`, some CI runners) with SIGINT ignored, an ignored signal stays ignored across fork
 # and exec, and Python then installs no KeyboardInterrupt handler, so the child never sees the
 # test's SIGINT (a `pipelines.generate` child ran to completion, exit 0, in make test runs
-# started that way; benchmarks/RESULTS.md, Session 14). preexec_fn could reset it in the forked
+# started that way; benchmarks/RESULTS.md, "Test suite time"). preexec_fn could reset it in the forked
 # child, but is unsafe in a process with threads (a test worker that loaded TensorFlow or Ray
 # has many), so a small interpreter resets the signals and execs the command in its place.
 _DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
