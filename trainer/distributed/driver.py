@@ -31,6 +31,7 @@ from trainer.data import count_samples
 from trainer.distributed.manifest import (MANIFEST_VERSION, schema_difference,
                                           shard_snapshot_spec, single_process_manifest,
                                           read_manifest)
+from trainer.distributed import steps
 from trainer.distributed.placement import shard_of
 from trainer.distributed.shard import RESTARTED, Shard, table_specs
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
@@ -61,11 +62,6 @@ def failure_summary(error: BaseException) -> str:
     cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the death
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).strip()
     return f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
-
-
-def _refs(value, n: int) -> list:
-    """``num_returns=n`` gives a single ref for n == 1, a list otherwise."""
-    return [value] if n == 1 else list(value)
 
 
 def run_checkpoint(run_dir) -> tuple[str, dict]:
@@ -291,59 +287,11 @@ class DistributedTrainer:
         ray.get([w.release.remote(stream) for w in self._workers])
 
     def _lookup(self, request_refs, train: bool) -> list:
-        """Every shard's rows for every worker: ``[shard][worker]`` refs. ``request_refs``:
-        ``[worker][shard]`` refs of the workers' requests."""
-        W = self.workers
-        return [_refs(shard.lookup.options(num_returns=W).remote(
-            train, *[request_refs[w][s] for w in range(W)]), W)
-            for s, shard in enumerate(self._shards)]
-
-    def _submit_step(self, step: int, mean: bool, rows, lookup_next: bool,
-                     dense_before=None, apply_dense: bool = True) -> dict:
-        """Submit training step ``step``: every worker's ``train_step`` on ``rows``
-        (``[shard][worker]`` refs), a dense update of every worker right after it (it runs
-        while the shards work), and every shard's ``step``: apply this step's row gradients
-        and, with ``lookup_next``, look the workers' next batches up. Returns the refs:
-        ``results`` (per worker), ``applied`` (rows expired, per shard), ``dense_applied``,
-        ``messages`` (``[worker][shard]``: gradients and next requests), ``next_rows``
-        (``[shard][worker]``; None without ``lookup_next``) and ``dense`` (per worker, its
-        dense message).
-
-        Without ``apply_dense`` the dense update is left to the caller (``dense_applied`` is
-        empty): it passes ``dense`` as the next step's ``dense_before``, and each worker
-        applies it at the start of that step's ``train_step``, which saves an actor call per
-        worker and step."""
-        W, S = self.workers, self.shards
-        dense_args = [] if dense_before is None else list(dense_before)
-        outs = [_refs(worker.train_step.options(num_returns=S + 2).remote(
-            *[None if v == w else dense_args[v] for v in range(len(dense_args))],
-            *[rows[s][w] for s in range(S)], dense_messages=len(dense_args),
-            dense=self._dense_trains), S + 2)
-            for w, worker in enumerate(self._workers)]
-        dense_applied = ([worker.apply_dense.remote(
-            *[None if v == w else outs[v][1] for v in range(W)])
-            for w, worker in enumerate(self._workers)]
-            if self.dense_messages and apply_dense else [])
-        messages = [o[2:] for o in outs]
-        applied, next_rows = [], [] if lookup_next else None
-        for s, shard in enumerate(self._shards):
-            to_shard = [messages[w][s] for w in range(W)]
-            if lookup_next:
-                refs = _refs(shard.step.options(num_returns=W + 1).remote(
-                    step, mean, self.row_l2_scale, W, True, *to_shard), W + 1)
-                applied.append(refs[0])
-                next_rows.append(refs[1:])
-            else:
-                applied.append(shard.step.remote(step, mean, self.row_l2_scale, W, False,
-                                                 *to_shard))
-        return {"results": [o[0] for o in outs], "applied": applied,
-                "dense_applied": dense_applied, "messages": messages, "next_rows": next_rows,
-                "dense": [o[1] for o in outs]}
+        """Every shard's rows for every worker (:func:`steps.lookup`)."""
+        return steps.lookup(self._shards, request_refs, train)
 
     def _next(self, stream: str, dense_refs=None):
-        dense_refs = list(dense_refs or [])
-        return [_refs(w.next_step.options(num_returns=self.shards + 1).remote(
-            stream, len(dense_refs), *dense_refs), self.shards + 1) for w in self._workers]
+        return steps.next_batches(self._workers, self.shards, stream, dense_refs)
 
     def fit(self, data, epochs: int = 1, *, progress: bool = False,
             log_dir: str | None = None, shuffle: bool = True, callback=None,
@@ -406,59 +354,18 @@ class DistributedTrainer:
 
     def _train_steps(self, mean: bool, pause):
         """The steps of the pass the workers are reading, to its end, one
-        :class:`fitting.Step` each; ``pause(step)``: whether the fit will evaluate,
-        checkpoint or stop after step ``step`` (then the pipeline is drained: that step is
-        submitted without looking the next one up, and the Step is ``pausable``).
-
-        Each step's calls are submitted before the previous step's results are read (Ray
-        runs an actor's calls in the order one caller submitted them, so a shard applies
-        step k before it looks up step k+1, in the same call). A step past the end of the
-        data changes nothing. Before a pause the pipeline drains instead: the shards apply
-        the step without looking the next one up, and nothing of the next step has run (its
-        batches are taken but not looked up or trained)."""
+        :class:`fitting.Step` each (:class:`~trainer.distributed.steps.StepScheduler`);
+        ``pause(step)``: whether the fit will evaluate, checkpoint or stop after step
+        ``step`` (then the pipeline is drained and the Step is ``pausable``). A step past the
+        end of the data changes nothing."""
+        scheduler = steps.StepScheduler(self, self._workers, self._shards, mean=mean,
+                                        dense=self._dense_trains, pass_end=True)
         nxt = self._next("train")
-        current = self._submit_step(self.step + 1, mean,
-                                    self._lookup([refs[1:] for refs in nxt], True),
-                                    not pause(self.step + 1))
-        while True:
-            following = None if current["next_rows"] is None else self._submit_step(
-                self.step + 2, mean, current["next_rows"], not pause(self.step + 2))
-            results = ray.get(current["results"])
-            if not any(r["n"] for r in results):
-                outstanding = [current] + ([following] if following else [])
-                ray.get([ref for c in outstanding for ref in c["results"] + c["applied"]
-                         + c["dense_applied"]])
-                return
-            self.expired += sum(ray.get(current["applied"]))
-            self.step += 1
-            for w, r in enumerate(results):
+        for scheduled in scheduler.run(self._lookup([refs[1:] for refs in nxt], True), pause):
+            for w, r in enumerate(scheduled.results):
                 if r["n"]:
                     self._positions[w] += 1
-            step = self._stepped(results)
-            if following is not None:
-                yield step
-                current = following
-                continue
-            ray.get(current["dense_applied"])
-            step.pausable = True
-            yield step
-            current = self._submit_step(self.step + 1, mean,
-                                        self._lookup(current["messages"], True),
-                                        not pause(self.step + 1))
-
-    def _stepped(self, results) -> fitting.Step:
-        """The driver's counters after a step with the workers' ``results``."""
-        trained = [r for r in results if r["n"]]
-        n = sum(r["n"] for r in trained)
-        loss = sum(r["loss"] * r["n"] for r in trained) / n
-        self.losses.append(loss)
-        self.samples += n
-        self.ids_fed += sum(r.get("ids_fed", 0) for r in results)
-        self.leaf_ids += sum(r.get("leaf_ids", 0) for r in results)
-        self._count_bytes([r.get("meta", {}) for r in results], results)
-        return fitting.Step(loss, n, len(trained),
-                            [(r["probabilities"], r["labels"]) for r in trained], (loss,),
-                            pausable=False)
+            yield scheduled.step
 
     def _attempt(self, body, progress=None, pass_index: int | None = None):
         """``body()``; when an actor dies in it, roll back to the last checkpoint fit wrote
@@ -532,19 +439,6 @@ class DistributedTrainer:
                     raise RuntimeError(f"{name} did not come back within {timeout:g} s after "
                                        "an actor died") from error
 
-    def _count_bytes(self, metas, results) -> None:
-        """Bytes each step moves between actors (array payloads, not Ray's framing): ids out
-        and rows back, row gradients to the shards, dense gradients to every worker."""
-        W = self.workers
-        request = sum(m.get("request_bytes", 0) for m in metas)
-        rows = sum(m.get("rows_bytes", 0) for m in metas)
-        grads = sum(r.get("grad_bytes", 0) for r in results)
-        dense = sum(r.get("dense_bytes", 0) for r in results)
-        self.bytes["worker_sent"] += request + grads + dense * (W - 1)
-        self.bytes["worker_received"] += rows + dense * (W - 1)
-        self.bytes["shard_received"] += request + grads
-        self.bytes["shard_sent"] += rows
-
     def evaluate(self, data, *, progress: bool = False) -> dict:
         """AUC and log loss over ``data`` (no update, no admission), as ``Trainer.evaluate``:
         each worker scores its own trees, the driver joins the predictions."""
@@ -602,7 +496,7 @@ class DistributedTrainer:
         """Whether a step's dense update travels between workers and needs its
         ``apply_dense`` call: with several workers in a pass that trains the dense weights
         (a lone worker applies its update in its ``train_step``)."""
-        return self._dense_trains and self.workers > 1
+        return steps.dense_messages(self._dense_trains, self.workers)
 
     def table_rows(self) -> dict:
         """Every table's rows gathered from all shards (``EmbeddingStore.to_numpy`` columns,
