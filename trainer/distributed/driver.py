@@ -3,7 +3,8 @@ roles: the actors (:mod:`~trainer.distributed.actors`), the step and its schedul
 (:mod:`~trainer.distributed.steps`), recovery from a dead actor
 (:mod:`~trainer.distributed.recovery`), the checkpoint format
 (:mod:`~trainer.distributed.manifest`) and serving exports
-(:mod:`~trainer.distributed.exports`); and ``trainer.train --workers/--shards``."""
+(:mod:`~trainer.distributed.exports`). ``trainer.train --workers/--shards`` runs it through
+:mod:`~trainer.distributed.train_run`."""
 
 from __future__ import annotations
 
@@ -21,15 +22,14 @@ import ray
 import compression
 import schemas
 from compression.cli import replace_directory
-from compression.signal_points import signal_point
 from schemas import Schema
 from trainer import models as models_lib
-from trainer import fitting, runs
+from trainer import fitting
 from trainer.checkpoints import config_before_l2, dense_name
-from trainer.config import ConfigError, TrainConfig, resolve_function
+from trainer.config import TrainConfig, resolve_function
 from trainer.data import count_samples
 from trainer.distributed import exports, steps
-from trainer.distributed.actors import Actors, check_count, join_ray, start_ray  # noqa: F401
+from trainer.distributed.actors import Actors, check_count, join_ray
 from trainer.distributed.manifest import (config_difference, dense_difference,
                                           distributed_manifest, expired_per_shard,
                                           read_manifest, run_checkpoint,  # noqa: F401
@@ -39,7 +39,7 @@ from trainer.distributed.placement import shard_of
 from trainer.distributed.recovery import (RollbackPoint, await_actors,  # noqa: F401
                                           failure_summary, is_actor_failure, retrying)
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
-                                        unresolved_dense, worker_batch_size)
+                                        unresolved_dense)
 from trainer.fitting import FitState
 from trainer.metrics import evaluation
 
@@ -543,89 +543,6 @@ class DistributedTrainer:
         from trainer import serving
 
         return serving.export_increment(self, directory, newest_sample_time)
-
-
-# -- the command line (trainer/train.py dispatches here) ----------------------------------
-
-def run_cli(args, parser, schema: Schema, config: TrainConfig, model, staged,
-            settings: dict, resume: dict | None = None, go_on: str = "") -> dict:
-    """``python -m trainer.train ... --workers W --shards S [--ray-address ADDR]``: train on
-    Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the result dict train.py prints
-    and writes. ``staged``: the run directory (a :class:`compression.cli.StagedOutput`; this
-    writes into ``staged.tmp``, train.py commits it).
-    As in process: with ``--eval-data`` the model is evaluated after every pass (and every
-    ``--eval-every`` steps), training stops after ``--patience`` evaluations without a better
-    AUC and ``OUT/checkpoint`` holds the best model. A shard or worker whose process dies is
-    restarted by Ray and the run rolls back to its last checkpoint (``OUT/checkpoint`` or,
-    while the best one is kept there, ``OUT/rollback``: written before the first step and
-    after every pass).
-
-    SIGINT or SIGTERM (``settings``: train.py's, for ``interrupted.json``) stops as in
-    process: the pipeline drains, ``OUT/checkpoint`` (and with early stopping ``OUT/latest``)
-    and ``OUT/interrupted.json`` (with the fit's state) are written, the run directory is put
-    in place and ``trainer.runs.Interrupted`` is raised (exit 130/143; its message ends with
-    ``go_on``); a second signal stops at once. ``resume``: that ``interrupted.json`` (checked
-    by train.py against this command): the trainer is restored from the interrupted run's
-    checkpoint and its fit goes on to the result of an uninterrupted run (the run directory
-    ``staged.tmp`` then starts as a copy of the interrupted one)."""
-    for name in ("workers", "shards"):
-        value = getattr(args, name)
-        if value < 1:
-            parser.error(f"--{name}: expected a number >= 1, got {value}")
-    if args.shards > MAX_SHARDS:
-        parser.error(f"--shards {args.shards}: more than {MAX_SHARDS} shards is not sensible "
-                     "(each shard is a process holding a part of every table)")
-    try:
-        if resume is None:
-            trainer = DistributedTrainer(schema, model, config, workers=args.workers,
-                                         shards=args.shards, ray_address=args.ray_address)
-        else:  # the interrupted run's checkpoint: its step, stores, input positions
-            trainer = DistributedTrainer.restore(
-                os.path.join(staged.path, resume["checkpoint"]), model, workers=args.workers,
-                shards=args.shards, ray_address=args.ray_address)
-    except (ConnectionError, ValueError, ConfigError) as e:
-        parser.error(str(e))
-    try:
-        epochs = args.epochs or (runs.DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
-        keep_best = bool(args.eval_data) and args.patience > 0
-        checkpoint = os.path.join(staged.tmp, "checkpoint")
-        rollback = os.path.join(staged.tmp, "rollback") if keep_best else checkpoint
-        # a signal from here on finishes the step and writes the checkpoint; before, it ends
-        # the command with nothing written (start_ray holds one that comes during ray.init)
-        with runs.StopOnSignal() as stop:
-            signal_point("run.started")
-            history = trainer.fit(args.train_data, epochs=epochs,
-                                  progress=not args.no_progress, log_dir=staged.tmp,
-                                  eval_data=args.eval_data, eval_every=args.eval_every,
-                                  patience=args.patience if keep_best else None,
-                                  best_dir=checkpoint if keep_best else None,
-                                  checkpoint_dir=rollback,
-                                  should_stop=lambda: stop.signum is not None,
-                                  resume=None if resume is None else resume["fit"])
-            if keep_best:
-                shutil.rmtree(rollback, ignore_errors=True)
-            if history["interrupted"]:
-                raise runs.write_interrupted(
-                    trainer, staged, stop.signum,
-                    {"settings": settings, "fit": history["fit_state"],
-                     "distributed": {"workers": args.workers, "shards": args.shards}},
-                    keep_best, history.get("best"), go_on)
-            if not keep_best:
-                trainer.save(checkpoint)
-        if args.export_dir:
-            trainer.export(args.export_dir)  # the kept model: fit went back to the best
-        stats = trainer.store_stats()
-        rows = stats.get("rows", 0)
-        if history["samples"] and rows and args.shards > rows:
-            print(f"warning: {args.shards} shards for {rows} rows: most shards hold nothing; "
-                  "use fewer shards", file=sys.stderr)
-        return runs.fit_result(args, config, history, stats, keep_best, epochs, extra={
-            "workers": args.workers, "shards": args.shards,
-            "worker_batch_size": worker_batch_size(config.batch_size, 0, args.workers),
-            "bytes_per_step": history["bytes_per_step"],
-            "recoveries": len(history["recoveries"])})
-    finally:
-        trainer.close()
 
 
 class _Passes:
