@@ -255,9 +255,48 @@ class DistributedTrainer:
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                            should_stop=should_stop, resume=state, carried=carried)
 
-    def fit_passes(self, data, shuffle: bool, carried: dict) -> "_Passes":
-        """The passes of one fit over ``data`` (the engine side of :func:`fitting.fit`)."""
-        return _Passes(self, data, shuffle, carried)
+    def fit_passes(self, data, shuffle: bool, carried: dict) -> "RayPasses":
+        """The passes of one fit over ``data`` (the engine side of :class:`fitting.FitLoop`)."""
+        return RayPasses(self, data, shuffle, carried)
+
+    # -- passes (what RayPasses runs a fit with) ----------------------------------------------
+
+    def begin_pass(self, new: bool) -> int:
+        """The pass the workers train next, by number: with ``new``, a new one, unless a pass
+        is in progress (a resumed fit's, or that of a checkpoint taken in it)."""
+        if new and self._positions is None:
+            self.passes += 1
+            self._positions = [0] * self.workers
+        return self.passes
+
+    def train_pass(self, data, pass_index: int, shuffle: bool, dense: bool, pause):
+        """The rest of pass ``pass_index`` over ``data`` from the workers' positions, one
+        :class:`fitting.Step` a step (``pause``: as :meth:`_train_steps`); nothing when the
+        pass is trained already (a resumed fit stopped before evaluating). ``dense``: whether
+        its steps train the dense network (as in process: in a fit's first
+        ``dense_optimizer.epochs`` passes; later ones train the rows only)."""
+        self._dense_trains = dense
+        if self._positions is None:
+            return
+        self._start_pass(data, pass_index, shuffle, "train", self._positions)
+        yield from self._train_steps(self.config.row_gradients == "mean", pause)
+        self._positions = None
+
+    @property
+    def pass_batches(self) -> int:
+        """The batches the workers took from the pass in progress (0 when none is)."""
+        return sum(self._positions or [])
+
+    def save_rollback_point(self, directory, progress: dict) -> str:
+        """:meth:`save` to ``directory``, the checkpoint an actor's death rolls back to
+        (:meth:`attempt`) with the driver's counters and the fit's ``progress`` now."""
+        path = self.save(directory)
+        self._rollback = RollbackPoint.of(self, path, progress)
+        return path
+
+    def clear_rollback_point(self) -> None:
+        """A new fit: no checkpoint of it to roll back to yet."""
+        self._rollback = None
 
     def _train_steps(self, mean: bool, pause):
         """The steps of the pass the workers are reading, to its end, one
@@ -274,7 +313,7 @@ class DistributedTrainer:
                     self._positions[w] += 1
             yield scheduled.step
 
-    def _attempt(self, body, progress=None, pass_index: int | None = None):
+    def attempt(self, body, progress=None, pass_index: int | None = None):
         """``body()``; when an actor dies in it, roll back to the last checkpoint fit wrote
         and call ``body`` again (the pass it trains resumes at the checkpoint's input
         positions)."""
@@ -545,8 +584,8 @@ class DistributedTrainer:
         return serving.export_increment(self, directory, newest_sample_time)
 
 
-class _Passes:
-    """The passes of one fit on Ray (see :mod:`trainer.fitting`): pass numbers run on across
+class RayPasses:
+    """The passes of one fit on Ray (a :class:`fitting.FitPasses`): pass numbers run on across
     fits (``DistributedTrainer.passes``; pass k deals worker w's trees in the order of seed
     (config.seed, k, w)), a checkpoint records every worker's position in the pass, and an
     actor's death rolls everything back to the last checkpoint of this fit."""
@@ -563,31 +602,18 @@ class _Passes:
                        for k in set(trainer.bytes) | set(carried["bytes"])}
         self.recoveries0 = len(trainer.recoveries)
         self.pass_index = None
-        trainer._rollback = None
+        trainer.clear_rollback_point()
 
     def first_epoch(self, state: FitState) -> int | None:
         # the pass the interrupted fit was in is pass `passes` of the restored trainer
         return state.epoch if state.epoch >= 1 and self.trainer.passes >= 1 else None
 
     def begin(self, epoch: int, continued: bool) -> None:
-        t = self.trainer
-        if not continued and t._positions is None:
-            t.passes += 1
-            t._positions = [0] * t.workers
-        # else: the pass in progress (a resumed fit's, or that of a checkpoint taken in it)
-        self.pass_index = t.passes
+        self.pass_index = self.trainer.begin_pass(new=not continued)
 
     def train(self, epoch: int, skip: int, dense: bool, pause):
         """The rest of the pass (from the workers' positions: ``skip`` is for in process)."""
-        t = self.trainer
-        # as in process: the dense network trains in this fit's first
-        # dense_optimizer.epochs passes, later ones train the rows only
-        t._dense_trains = dense
-        if t._positions is None:  # trained already (a resumed fit stopped before evaluating)
-            return
-        t._start_pass(self.data, self.pass_index, self.shuffle, "train", t._positions)
-        yield from t._train_steps(t.config.row_gradients == "mean", pause)
-        t._positions = None
+        return self.trainer.train_pass(self.data, self.pass_index, self.shuffle, dense, pause)
 
     def evaluate(self, data, log_dir: str | None) -> dict:
         # no TensorBoard scalars of evaluations: the run directory of a Ray run has "train"
@@ -595,12 +621,10 @@ class _Passes:
         return self.trainer.evaluate(data)
 
     def guard(self, body, progress):
-        return self.trainer._attempt(body, progress, self.pass_index)
+        return self.trainer.attempt(body, progress, self.pass_index)
 
     def checkpoint(self, directory, snapshot: dict) -> None:
-        t = self.trainer
-        path = t.save(directory)
-        t._rollback = RollbackPoint.of(t, path, snapshot)
+        self.trainer.save_rollback_point(directory, snapshot)
 
     def result(self, steps: int, state: FitState) -> dict:
         t = self.trainer
@@ -609,7 +633,7 @@ class _Passes:
         per_step = {k: v / max(steps, 1) for k, v in fit_bytes.items()}
         recoveries = self.carried["recoveries"] + t.recoveries[self.recoveries0:]
         fit_state = state.to_dict()
-        fit_state["batches"] = sum(t._positions or [])
+        fit_state["batches"] = t.pass_batches
         return {"recoveries": recoveries,
                 "bytes_per_step": {
                     "per_worker": (per_step.get("worker_sent", 0)
