@@ -5,26 +5,10 @@ engine. The loop owns everything a fit means: its arguments' checks, which passe
 dense network (``dense_optimizer.epochs``), the rows' L2 scale (1 / samples of a pass), the
 evaluations (after every pass and every ``eval_every`` steps) with the best checkpoint and
 early stopping, periodic checkpoints, stop requests, the progress bar, TensorBoard scalars,
-the counters of a resumed fit and the result dict. An engine owns how steps run:
-
-``engine.fit_passes(data, shuffle, carried)`` returns the passes of one fit, an object with
-
-- ``samples``: samples in one pass when cheap to know (else None: counted in pass 1);
-- ``first_epoch(state)``: the epoch a fit resumed from ``state`` goes on in (None: a new one);
-- ``begin(epoch, continued)``: pass ``epoch`` starts (or, ``continued``, goes on);
-- ``train(epoch, skip, dense, pause)``: the steps of pass ``epoch`` (``skip``: batches a
-  resumed fit trained already), yielding a :class:`Step` after each; a step is ``pausable``
-  when nothing of a later step has run (the loop evaluates, checkpoints or stops only there);
-  ``pause(step)`` says whether the loop will want to pause after step ``step``;
-- ``evaluate(data, log_dir)``: the model's evaluation dict on ``data``, now;
-- ``guard(body, progress)``: ``body()``, rolled back and run again when the engine can recover
-  from a failure in it (``progress.restore`` puts the loop back to the checkpoint's point);
-- ``checkpoint(directory, snapshot)``: a checkpoint the engine may roll back to;
-- ``result(steps, state)``: what the engine adds to the result dict.
-
-and the engine itself has the counters ``step``, ``samples``, ``ids_fed``, ``leaf_ids``, a
-writable ``row_l2_scale``, and ``save``, ``load``,
-``store_rows()``, ``store_stats()``.
+the counters of a resumed fit and the result dict: :class:`FitLoop`. An engine owns how steps
+run: the loop knows it as a :class:`FitEngine`, whose ``fit_passes(data, shuffle, carried)``
+returns the passes of one fit, a :class:`FitPasses` (each engine's adapter calls only its
+trainer's public methods).
 """
 
 from __future__ import annotations
@@ -34,7 +18,9 @@ import copy
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -102,7 +88,7 @@ class Step:
     pausable: bool = True       # nothing of a later step has run yet
 
 
-class _Progress:
+class FitProgress:
     """What a fit accumulates besides the engine's counters; copied at every checkpoint so
     that a rollback forgets the steps it replays."""
 
@@ -136,199 +122,298 @@ def check_fit_arguments(epochs, eval_data, eval_every, patience, best_dir, check
         raise ValueError("checkpoint_dir and best_dir must be different directories")
 
 
-def fit(engine, data, epochs: int = 1, *, progress: bool = False, log_dir: str | None = None,
-        callback=None, eval_data=None, eval_every: int | None = None,
-        patience: int | None = None, best_dir: str | None = None, shuffle: bool = True,
-        checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-        should_stop=None, resume: FitState | None = None, carried: dict | None = None) -> dict:
-    """Train ``engine`` up to ``epochs`` passes over ``data`` (see ``Trainer.fit`` for the
-    arguments); returns the result dict. ``engine.fit_state`` is the :class:`FitState` after
-    every step. ``carried``: what the engine kept of the fit ``resume`` continues (it reads it in
-    ``fit_passes``)."""
-    check_fit_arguments(epochs, eval_data, eval_every, patience, best_dir, checkpoint_dir,
-                        checkpoint_every)
-    passes = engine.fit_passes(data, shuffle, carried or {})
-    state = engine.fit_state = resume if resume is not None else FitState()
-    if state.pass_samples is None and passes.samples:
-        state.pass_samples = passes.samples
-    run = _Progress(state)
-    bar = progress_bar(progress, None if passes.samples is None else passes.samples * epochs,
-                       "train")
-    if state.samples:
-        bar.update(state.samples)
-    writer = scalar_writer(log_dir, "train")
-    started = time.perf_counter() - state.seconds
-    # this fit's counters start where the interrupted fit's started
-    samples0, steps0 = engine.samples - state.samples, engine.step - state.steps
-    ids0, leaf_ids0 = engine.ids_fed - state.ids_fed, engine.leaf_ids - state.leaf_ids
-    marks = {"time": time.perf_counter(), "samples": engine.samples, "step": engine.step}
-    stop_asked = False
-    dense_epochs = engine.config.dense_optimizer.epochs
+class FitPasses(Protocol):
+    """The passes of one fit, as an engine runs them (what ``engine.fit_passes`` returns)."""
 
-    def stop_requested() -> bool:
+    samples: int | None  # samples in one pass when cheap to know (else None: counted in pass 1)
+
+    def first_epoch(self, state: FitState) -> int | None:
+        """The epoch a fit resumed from ``state`` goes on in (None: a new one)."""
+
+    def begin(self, epoch: int, continued: bool) -> None:
+        """Pass ``epoch`` starts (or, ``continued``, goes on)."""
+
+    def train(self, epoch: int, skip: int, dense: bool,
+              pause: Callable[[int], bool]) -> Iterator[Step]:
+        """The steps of pass ``epoch`` (``skip``: batches a resumed fit trained already), a
+        :class:`Step` after each; a step is ``pausable`` when nothing of a later step has run
+        (the loop evaluates, checkpoints or stops only there); ``pause(step)`` says whether
+        the loop will want to pause after step ``step``."""
+
+    def evaluate(self, data, log_dir: str | None) -> dict:
+        """The model's evaluation dict on ``data``, now."""
+
+    def guard(self, body: Callable[[], bool], progress: "FitProgress") -> bool:
+        """``body()``, rolled back and run again when the engine can recover from a failure
+        in it (``progress.restore`` puts the loop back to the checkpoint's point)."""
+
+    def checkpoint(self, directory, snapshot: dict) -> None:
+        """A checkpoint the engine may roll back to (``snapshot``: the loop's progress)."""
+
+    def result(self, steps: int, state: FitState) -> dict:
+        """What the engine adds to the result dict."""
+
+
+class FitEngine(Protocol):
+    """What the fit loop needs of an engine (``Trainer`` in process, ``DistributedTrainer``
+    on Ray): its counters, a writable ``row_l2_scale``, where the latest fit is
+    (``fit_state``), and these methods."""
+
+    config: Any
+    step: int
+    samples: int
+    ids_fed: int
+    leaf_ids: int
+    row_l2_scale: float
+    fit_state: FitState | None
+
+    def fit_passes(self, data, shuffle: bool, carried: dict) -> FitPasses:
+        """The passes of one fit over ``data``; ``carried``: what the engine kept of the fit a
+        resumed one continues."""
+
+    def save(self, directory) -> str: ...
+
+    def load(self, directory) -> None: ...
+
+    def store_rows(self) -> int: ...
+
+    def store_stats(self) -> dict: ...
+
+
+class FitLoop:
+    """One fit of ``engine`` up to ``epochs`` passes over ``data`` (see ``Trainer.fit`` for
+    the arguments): :meth:`run` trains and returns the result dict. ``engine.fit_state`` is
+    the :class:`FitState` after every step. ``carried``: what the engine kept of the fit
+    ``resume`` continues (it reads it in ``fit_passes``)."""
+
+    def __init__(self, engine: FitEngine, data, epochs: int = 1, *, progress: bool = False,
+                 log_dir: str | None = None, callback=None, eval_data=None,
+                 eval_every: int | None = None, patience: int | None = None,
+                 best_dir: str | None = None, shuffle: bool = True,
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 should_stop=None, resume: FitState | None = None,
+                 carried: dict | None = None):
+        check_fit_arguments(epochs, eval_data, eval_every, patience, best_dir, checkpoint_dir,
+                            checkpoint_every)
+        self.engine, self.epochs, self.resume = engine, epochs, resume
+        self.progress, self.log_dir, self.callback = progress, log_dir, callback
+        self.eval_data, self.eval_every, self.patience = eval_data, eval_every, patience
+        self.best_dir, self.should_stop = best_dir, should_stop
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.passes = engine.fit_passes(data, shuffle, carried or {})
+        state = engine.fit_state = resume if resume is not None else FitState()
+        if state.pass_samples is None and self.passes.samples:
+            state.pass_samples = self.passes.samples
+        self.run_progress = FitProgress(state)
+        self.bar = progress_bar(progress, None if self.passes.samples is None
+                                else self.passes.samples * epochs, "train")
+        if state.samples:
+            self.bar.update(state.samples)
+        self.writer = scalar_writer(log_dir, "train")
+        self.started = time.perf_counter() - state.seconds
+        # this fit's counters start where the interrupted fit's started
+        self.samples0, self.steps0 = engine.samples - state.samples, engine.step - state.steps
+        self.ids0 = engine.ids_fed - state.ids_fed
+        self.leaf_ids0 = engine.leaf_ids - state.leaf_ids
+        self.marks = {"time": time.perf_counter(), "samples": engine.samples,
+                      "step": engine.step}
+        self.stop_asked = False
+        self.dense_epochs = engine.config.dense_optimizer.epochs
+
+    @property
+    def state(self) -> FitState:
+        return self.run_progress.state
+
+    def stop_requested(self) -> bool:
         """Whether should_stop asked to stop, once or since (a stop is not taken back)."""
-        nonlocal stop_asked
-        stop_asked = stop_asked or (should_stop is not None and bool(should_stop()))
-        return stop_asked
+        self.stop_asked = self.stop_asked or (self.should_stop is not None
+                                              and bool(self.should_stop()))
+        return self.stop_asked
 
-    def due(every) -> bool:
-        return every is not None and engine.step % every == 0
+    def due(self, every) -> bool:
+        return every is not None and self.engine.step % every == 0
 
-    def pause(step: int) -> bool:
+    def pause(self, step: int) -> bool:
         """Whether the loop pauses after step ``step`` (evaluation, checkpoint or stop)."""
         return any(every is not None and step % every == 0
-                   for every in (eval_every, checkpoint_every)) or stop_requested()
+                   for every in (self.eval_every, self.checkpoint_every)) or \
+            self.stop_requested()
 
-    def evaluated_now() -> bool:
-        s = run.state
-        return bool(s.evaluations) and s.evaluations[-1]["step"] == engine.step
+    def evaluated_now(self) -> bool:
+        s = self.state
+        return bool(s.evaluations) and s.evaluations[-1]["step"] == self.engine.step
 
-    def evaluate(epoch: int) -> bool:
+    def evaluate(self, epoch: int) -> bool:
         """Evaluate now (between steps); True when training should stop."""
-        s = run.state
-        result = passes.evaluate(eval_data, log_dir)
-        result.update(epoch=epoch, step=engine.step, samples_trained=engine.samples - samples0)
+        s, engine = self.state, self.engine
+        result = self.passes.evaluate(self.eval_data, self.log_dir)
+        result.update(epoch=epoch, step=engine.step,
+                      samples_trained=engine.samples - self.samples0)
         s.evaluations.append(result)
-        if progress:
-            bar.write(f"eval after epoch {epoch} (step {engine.step}): AUC {result['auc']:.4f}"
-                      f" logloss {result['logloss']:.5f}", file=sys.stderr)
+        if self.progress:
+            self.bar.write(f"eval after epoch {epoch} (step {engine.step}): AUC "
+                           f"{result['auc']:.4f} logloss {result['logloss']:.5f}",
+                           file=sys.stderr)
         if s.best is None or result["auc"] > s.evaluations[s.best]["auc"]:
             s.best, s.stale = len(s.evaluations) - 1, 0
-            if best_dir:
-                engine.save(best_dir)
+            if self.best_dir:
+                engine.save(self.best_dir)
         else:
             s.stale += 1
-        return patience is not None and s.stale >= patience
+        return self.patience is not None and s.stale >= self.patience
 
-    def checkpoint() -> None:
-        passes.checkpoint(checkpoint_dir, run.snapshot())
+    def checkpoint(self) -> None:
+        self.passes.checkpoint(self.checkpoint_dir, self.run_progress.snapshot())
 
-    def log_scalars() -> None:
+    def log_scalars(self) -> None:
+        engine, run, marks = self.engine, self.run_progress, self.marks
         now = time.perf_counter()
         rate = (engine.samples - marks["samples"]) / max(now - marks["time"], 1e-9)
         marks.update(time=now, samples=engine.samples, step=engine.step)
         window = run.window_auc.result()
-        bar.set_postfix(loss=f"{run.state.loss:.4f}", auc=f"{window:.4f}",
-                        rows=engine.store_rows(), refresh=False)
-        if writer is not None:
+        self.bar.set_postfix(loss=f"{run.state.loss:.4f}", auc=f"{window:.4f}",
+                             rows=engine.store_rows(), refresh=False)
+        if self.writer is not None:
             stats = engine.store_stats()
             scalars = {"loss": run.state.loss, "samples_per_sec": rate,
                        **{f"store/{k}": stats.get(k, 0)
                           for k in ("rows", "admitted", "rejected", "expired")}}
             if np.isfinite(window):
                 scalars["auc"] = window
-            write_scalars(writer, engine.step, scalars)
+            write_scalars(self.writer, engine.step, scalars)
         run.window_auc.reset()
 
-    def after_step(step: Step) -> None:
+    def after_step(self, step: Step) -> None:
+        engine, run = self.engine, self.run_progress
         s = run.state
         for probabilities, labels in step.predictions:
             run.label = run.label or next(iter(probabilities))
             s.train_auc.add(probabilities[run.label], labels[run.label])
             run.window_auc.add(probabilities[run.label], labels[run.label])
-        bar.update(step.samples)
+        self.bar.update(step.samples)
         s.batches += step.batches
-        s.samples, s.steps = engine.samples - samples0, engine.step - steps0
-        s.ids_fed, s.leaf_ids = engine.ids_fed - ids0, engine.leaf_ids - leaf_ids0
-        s.seconds, s.loss = time.perf_counter() - started, step.loss
-        if callback is not None:
-            callback(engine, *step.callback_args)
+        s.samples, s.steps = engine.samples - self.samples0, engine.step - self.steps0
+        s.ids_fed, s.leaf_ids = engine.ids_fed - self.ids0, engine.leaf_ids - self.leaf_ids0
+        s.seconds, s.loss = time.perf_counter() - self.started, step.loss
+        if self.callback is not None:
+            self.callback(engine, *step.callback_args)
         if engine.step % engine.config.log_every == 0:
-            log_scalars()
+            self.log_scalars()
 
-    def one_pass(epoch: int, continued: bool, dense: bool) -> bool:
+    def one_pass(self, epoch: int, continued: bool, dense: bool) -> bool:
         """The rest of pass ``epoch``, its evaluation and checkpoint; True to stop training.
         Run again after a rollback."""
-        s = run.state
-        if continued and eval_every and s.batches and due(eval_every) and not evaluated_now():
+        s = self.state
+        if continued and self.eval_every and s.batches and self.due(self.eval_every) and \
+                not self.evaluated_now():
             # the resumed fit stopped right after the step this evaluation follows
-            if stop_requested() or evaluate(epoch):
+            if self.stop_requested() or self.evaluate(epoch):
                 return True
-        with contextlib.closing(passes.train(epoch, s.batches if continued else 0, dense,
-                                             pause)) as steps:
+        with contextlib.closing(self.passes.train(epoch, s.batches if continued else 0, dense,
+                                                  self.pause)) as steps:
             for step in steps:
-                after_step(step)
+                self.after_step(step)
                 if not step.pausable:
                     continue
-                if stop_requested():
+                if self.stop_requested():
                     return True
-                if due(eval_every) and evaluate(epoch):
+                if self.due(self.eval_every) and self.evaluate(epoch):
                     return True
-                if due(checkpoint_every):
-                    checkpoint()
-        if epoch == 1 and not run.state.pass_samples:
-            run.state.pass_samples = run.state.samples  # the data's size, counted
-        if stop_requested():  # the pass is trained; its evaluation is not waited for
+                if self.due(self.checkpoint_every):
+                    self.checkpoint()
+        if epoch == 1 and not self.state.pass_samples:
+            self.state.pass_samples = self.state.samples  # the data's size, counted
+        if self.stop_requested():  # the pass is trained; its evaluation is not waited for
             return True
         stop = False
-        if eval_data is not None and not evaluated_now():
-            stop = evaluate(epoch)
-        if checkpoint_dir:
-            checkpoint()
+        if self.eval_data is not None and not self.evaluated_now():
+            stop = self.evaluate(epoch)
+        if self.checkpoint_dir:
+            self.checkpoint()
         return stop
 
-    stopped = completed = False
-    # a resumed fit goes on in the pass it stopped in: its rest, or the evaluation it did not
-    # wait for (None: the engine cannot, the fit starts a pass)
-    first = passes.first_epoch(state) if resume is not None else None
-    epoch, continued = (first - 1, True) if first is not None else (0, False)
-    try:
-        if checkpoint_dir:
-            passes.guard(checkpoint, run)  # the state before this fit: roll back to it
+    def train(self) -> bool:
+        """Every pass of the fit; whether training stopped before ``epochs`` passes."""
+        engine, passes, run = self.engine, self.passes, self.run_progress
+        stopped = False
+        # a resumed fit goes on in the pass it stopped in: its rest, or the evaluation it did
+        # not wait for (None: the engine cannot, the fit starts a pass)
+        first = passes.first_epoch(self.state) if self.resume is not None else None
+        epoch, continued = (first - 1, True) if first is not None else (0, False)
+        if self.checkpoint_dir:
+            passes.guard(self.checkpoint, run)  # the state before this fit: roll back to it
         # a stop request is honoured after a step (or when a pass's steps end, before its
         # evaluation), never before this fit's first step: "finishing the current step"
-        while epoch < epochs and not stopped:
+        while epoch < self.epochs and not stopped:
             epoch += 1
             if not continued:
                 run.state.batches = 0
             run.state.epoch = epoch
             # The dense network trains in this fit's first ``dense_epochs`` passes; later
             # passes train the rows only. (Per fit: a fit on new data trains it again.)
-            dense = dense_epochs is None or epoch <= dense_epochs
+            dense = self.dense_epochs is None or epoch <= self.dense_epochs
             # the rows' L2 once a pass's samples are known (from the data, or pass 1)
             pass_samples = run.state.pass_samples
             engine.row_l2_scale = 1.0 / pass_samples if pass_samples else 0.0
             passes.begin(epoch, continued)
             stopped = passes.guard(
-                lambda c=continued, e=epoch, d=dense: one_pass(e, c, d), run)
+                lambda c=continued, e=epoch, d=dense: self.one_pass(e, c, d), run)
             continued = False
-        completed = True
-    finally:
-        engine.row_l2_scale = 0.0
+        return stopped
+
+    def run(self) -> dict:
+        """Train; the result dict."""
+        engine = self.engine
+        stopped = completed = False
         try:
-            if engine.step != marks["step"]:
-                # the last step's scalars, so a run shorter than log_every has some too
-                try:
-                    log_scalars()
-                except Exception:
-                    if completed:
-                        raise  # otherwise the error that stopped training is the one shown
+            stopped = self.train()
+            completed = True
         finally:
-            close_bar(bar, completed and not stop_asked)
-            if writer is not None:
-                writer.flush()
-                writer.close()
-    state = run.state
-    engine.fit_state = state
-    seconds = time.perf_counter() - started
-    samples, steps = engine.samples - samples0, engine.step - steps0
-    out = {"samples": samples, "steps": steps, "seconds": seconds,
-           "id_compression": (engine.leaf_ids - leaf_ids0) / max(engine.ids_fed - ids0, 1),
-           "samples_per_sec": samples / max(seconds, 1e-9), "loss": state.loss,
-           "train_auc": state.train_auc.result(), "store_rows": engine.store_rows()}
-    evaluations = state.evaluations
-    best = None if state.best is None else evaluations[state.best]
-    if eval_data is not None:
-        out.update(evaluations=evaluations, best=best,
-                   stopped_early=(stopped and not stop_asked) or (
-                       patience is not None and state.stale >= patience))
-        if best_dir and best is not None and state.best != len(evaluations) - 1 \
-                and not stop_asked:
-            engine.load(best_dir)  # back to the best model
-    out["interrupted"] = stop_asked
-    state.seconds = seconds
-    out.update(passes.result(steps, state))
-    return out
+            engine.row_l2_scale = 0.0
+            try:
+                if engine.step != self.marks["step"]:
+                    # the last step's scalars, so a run shorter than log_every has some too
+                    try:
+                        self.log_scalars()
+                    except Exception:
+                        if completed:
+                            raise  # otherwise the error that stopped training is the one shown
+            finally:
+                close_bar(self.bar, completed and not self.stop_asked)
+                if self.writer is not None:
+                    self.writer.flush()
+                    self.writer.close()
+        return self.result(stopped)
+
+    def result(self, stopped: bool) -> dict:
+        engine, state = self.engine, self.state
+        engine.fit_state = state
+        seconds = time.perf_counter() - self.started
+        samples, steps = engine.samples - self.samples0, engine.step - self.steps0
+        out = {"samples": samples, "steps": steps, "seconds": seconds,
+               "id_compression": ((engine.leaf_ids - self.leaf_ids0)
+                                  / max(engine.ids_fed - self.ids0, 1)),
+               "samples_per_sec": samples / max(seconds, 1e-9), "loss": state.loss,
+               "train_auc": state.train_auc.result(), "store_rows": engine.store_rows()}
+        evaluations = state.evaluations
+        best = None if state.best is None else evaluations[state.best]
+        if self.eval_data is not None:
+            out.update(evaluations=evaluations, best=best,
+                       stopped_early=(stopped and not self.stop_asked) or (
+                           self.patience is not None and state.stale >= self.patience))
+            if self.best_dir and best is not None and state.best != len(evaluations) - 1 \
+                    and not self.stop_asked:
+                engine.load(self.best_dir)  # back to the best model
+        out["interrupted"] = self.stop_asked
+        state.seconds = seconds
+        out.update(self.passes.result(steps, state))
+        return out
+
+
+def fit(engine: FitEngine, data, epochs: int = 1, **options) -> dict:
+    """Train ``engine`` up to ``epochs`` passes over ``data``: :class:`FitLoop`'s result
+    (``options``: its keyword arguments)."""
+    return FitLoop(engine, data, epochs, **options).run()
 
 
 # -- progress bar and TensorBoard scalars (TensorFlow imported only when a log is written) ----

@@ -46,6 +46,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
                           StopOnSignal, check_export_dir, fit_result, interrupted_run, link_tree,
                           load_tensorflow, result_line, run_settings, write_interrupted)
+from trainer.train_options import OptionError, TrainOptions
 
 PROG = "python -m trainer.train"
 def _parser() -> argparse.ArgumentParser:
@@ -128,57 +129,60 @@ def _non_negative(text: str) -> int:
 def run(argv=None) -> dict:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = parser.parse_args(argv)
-    if args.resume and args.overwrite:
+    options = TrainOptions.from_parsed(vars(parser.parse_args(argv)))
+    if options.resume and options.overwrite:
         parser.error("--resume continues the run in --out and --overwrite replaces it; pass "
                      "one of them")
     signal_point("args.parsed")
-    if not fs.is_local(args.out):
-        return _run_with_out_on_store(argv, args)
+    if not fs.is_local(options.out):
+        return _run_with_out_on_store(argv, options)
     try:
-        schema = schemas.load(args.schema)
-        config = TrainConfig.load(args.config) if args.config else TrainConfig()
-        overrides = {k: v for k, v in (("compute", args.compute), ("batch_size", args.batch_size),
-                                       ("seed", args.seed)) if v is not None}
+        schema = schemas.load(options.schema)
+        config = TrainConfig.load(options.config) if options.config else TrainConfig()
+        overrides = {k: v for k, v in (("compute", options.compute),
+                                       ("batch_size", options.batch_size),
+                                       ("seed", options.seed)) if v is not None}
         config = config.replace(**overrides)
         config.check(schema)  # the config against the schema, before TensorFlow is imported
     except (schemas.SchemaError, ConfigError) as e:
         parser.error(str(e))
     model_args = {}
-    if args.hidden:
+    if options.hidden:
         try:
-            model_args["hidden"] = tuple(int(x) for x in args.hidden.split(","))
+            model_args["hidden"] = tuple(int(x) for x in options.hidden.split(","))
         except ValueError:
-            parser.error(f"--hidden: expected sizes like 200,80, got {args.hidden!r}")
-    if args.eval_every and not args.eval_data:
+            parser.error(f"--hidden: expected sizes like 200,80, got {options.hidden!r}")
+    if options.eval_every and not options.eval_data:
         parser.error("--eval-every needs --eval-data")
     # Every input and the run directory are checked before any work (and before TensorFlow
     # is imported): globs that match nothing, unreadable or empty files, another run.
-    train_files = cli.check_inputs(args.train_data, "--train-data")
-    eval_files = cli.check_inputs(args.eval_data, "--eval-data") if args.eval_data else []
+    train_files = cli.check_inputs(options.train_data, "--train-data")
+    eval_files = (cli.check_inputs(options.eval_data, "--eval-data") if options.eval_data
+                  else [])
     inputs = train_files + eval_files
-    distributed_run = args.workers > 1 or args.shards > 1 or args.ray_address
-    epochs = args.epochs or (DEFAULT_EPOCHS_WITH_EVAL if args.eval_data else 1)
-    settings = run_settings(args, schema, config, model_args, train_files, eval_files, epochs)
+    distributed_run = options.distributed
+    epochs = options.epochs or (DEFAULT_EPOCHS_WITH_EVAL if options.eval_data else 1)
+    settings = run_settings(options, schema, config, model_args, train_files, eval_files,
+                            epochs)
     interrupted = None
-    if args.resume:
-        cli.check_output(args.out, True, "--out", inputs)
-        interrupted = interrupted_run(args.out, settings, {
-            "workers": args.workers, "shards": args.shards} if distributed_run else None)
+    if options.resume:
+        cli.check_output(options.out, True, "--out", inputs)
+        interrupted = interrupted_run(options.out, settings, {
+            "workers": options.workers, "shards": options.shards} if distributed_run else None)
     else:
-        cli.check_output(args.out, args.overwrite, "--out", inputs)
-    if args.export_dir:
-        check_export_dir(args.export_dir, args.out, inputs)
-    if args.ray_address:
+        cli.check_output(options.out, options.overwrite, "--out", inputs)
+    if options.export_dir:
+        check_export_dir(options.export_dir, options.out, inputs)
+    if options.ray_address:
         # before TensorFlow is imported (~10 s): an address where nothing answers is told now
         from trainer.ray_address import check_ray_address
 
         try:
-            check_ray_address(args.ray_address)
+            check_ray_address(options.ray_address)
         except (ConnectionError, ValueError) as e:
             parser.error(str(e))
     signal_point("config.loaded")
-    load_tensorflow(args.debug)
+    load_tensorflow(options.debug)
     from trainer import models
     from trainer.fitting import FitState
     from trainer.trainer import Trainer
@@ -189,36 +193,39 @@ def run(argv=None) -> dict:
     go_on = ("continue the run where it stopped with the same command plus --resume: "
              f"{PROG} {shlex.join(again)}")
     if distributed_run:
-        from trainer import distributed
+        from trainer.distributed.train_run import run_training
 
         # as in process: a failed run leaves no run directory, --overwrite replaces one whole,
-        # an interrupted one is put in place with its checkpoint (run_cli raises Interrupted),
+        # an interrupted one is put in place with its checkpoint (it raises Interrupted),
         # a resumed one starts as a copy of the interrupted one (which a failure or a second
         # interrupt leaves as it was)
-        with cli.StagedOutput(args.out, args.overwrite or args.resume, "--out",
+        with cli.StagedOutput(options.out, options.overwrite or options.resume, "--out",
                               inputs) as staged:
             if interrupted is not None:
                 link_tree(staged.path, staged.tmp, skip=("interrupted.json", "latest"))
-            result = distributed.run_cli(args, parser, schema, config,
-                                         models.MODELS[args.model](**model_args), staged,
-                                         settings, resume=interrupted,
-                                         go_on=go_on[0].upper() + go_on[1:])
+            try:
+                result = run_training(options, schema, config,
+                                      models.MODELS[options.model](**model_args), staged,
+                                      settings, resume=interrupted,
+                                      go_on=go_on[0].upper() + go_on[1:])
+            except OptionError as e:
+                parser.error(str(e))
             with open(os.path.join(staged.tmp, "result.json"), "w") as f:
                 json.dump(result, f, indent=1)
             staged.commit()
         return result
     try:
-        trainer = Trainer(schema, models.MODELS[args.model](**model_args), config)
+        trainer = Trainer(schema, models.MODELS[options.model](**model_args), config)
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
-    progress = not args.no_progress
-    keep_best = bool(args.eval_data) and args.patience > 0
+    progress = not options.no_progress
+    keep_best = bool(options.eval_data) and options.patience > 0
     # Written through a temporary directory next to --out, renamed into place at the end: a
     # failed run leaves no run directory. The best checkpoint is kept there during training.
     # A resumed run starts that directory as a copy of the interrupted one, so a failure or a
     # second interrupt leaves the interrupted run directory as it was, resumable again.
-    with cli.StagedOutput(args.out, args.overwrite or args.resume, "--out", inputs) as staged, \
-            StopOnSignal() as stop:
+    with cli.StagedOutput(options.out, options.overwrite or options.resume, "--out",
+                          inputs) as staged, StopOnSignal() as stop:
         run_dir = staged.tmp
         checkpoint = os.path.join(run_dir, "checkpoint")
         resume = None
@@ -229,8 +236,8 @@ def run(argv=None) -> dict:
         signal_point("run.started")
         history = trainer.fit(train_files, epochs=epochs, progress=progress,
                               log_dir=run_dir, should_stop=lambda: stop.signum is not None,
-                              eval_data=eval_files or None, eval_every=args.eval_every,
-                              patience=args.patience if keep_best else None,
+                              eval_data=eval_files or None, eval_every=options.eval_every,
+                              patience=options.patience if keep_best else None,
                               best_dir=checkpoint if keep_best else None, resume=resume)
         if history["interrupted"]:
             raise write_interrupted(
@@ -241,34 +248,34 @@ def run(argv=None) -> dict:
                 f"{go_on}") from None
         if not keep_best:
             trainer.save(checkpoint)
-        if args.export_dir:
-            trainer.export(args.export_dir)  # the kept model: fit went back to the best
-        result = fit_result(args, config, history, trainer.store_stats(), keep_best, epochs)
+        if options.export_dir:
+            trainer.export(options.export_dir)  # the kept model: fit went back to the best
+        result = fit_result(options, config, history, trainer.store_stats(), keep_best, epochs)
         with open(os.path.join(run_dir, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
         staged.commit()
     return result
 
 
-def _run_with_out_on_store(argv: list[str], args) -> dict:
+def _run_with_out_on_store(argv: list[str], options: TrainOptions) -> dict:
     """The run with ``--out`` on an object store: in a local working directory (the published
     run downloaded into it for ``--resume``), published to ``--out`` at the end or on an
     interrupt. Messages name ``--out``, never the working directory."""
-    out = args.out.rstrip("/")
-    inputs = [*args.train_data, *(args.eval_data or [])]
-    if args.export_dir:
-        check_export_dir(args.export_dir, out, [])
-    if args.resume:
+    out = options.out.rstrip("/")
+    inputs = [*options.train_data, *(options.eval_data or [])]
+    if options.export_dir:
+        check_export_dir(options.export_dir, out, [])
+    if options.resume:
         if fs.published_manifest(out) is None:
             fs.check_bucket(out)
-            raise cli.UsageError(f"--out {args.out}: no interrupted run to resume (nothing "
+            raise cli.UsageError(f"--out {options.out}: no interrupted run to resume (nothing "
                                  "published there); run without --resume to start one")
     else:  # the bucket, the output policy and the inputs, before any work
-        fs.StagedObjectOutput(out, args.overwrite, "--out", inputs)
+        fs.StagedObjectOutput(out, options.overwrite, "--out", inputs)
     work = tempfile.mkdtemp(prefix="prefixrec-run-")
     local = os.path.join(work, "run")
     try:
-        if args.resume:
+        if options.resume:
             fs.download_published(out, local)
         local_argv, i = [], 0
         while i < len(argv):  # --out URI -> --out LOCAL; --overwrite: the local one is new

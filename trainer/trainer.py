@@ -105,9 +105,17 @@ class Trainer(ModelCore):
                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                            should_stop=should_stop, resume=resume)
 
-    def fit_passes(self, data, shuffle: bool, carried: dict) -> "_Passes":
-        """The passes of one fit over ``data`` (the engine side of :func:`fitting.fit`)."""
-        return _Passes(self, data, shuffle)
+    def fit_passes(self, data, shuffle: bool, carried: dict) -> "InProcessPasses":
+        """The passes of one fit over ``data`` (the engine side of :class:`fitting.FitLoop`)."""
+        return InProcessPasses(self, data, shuffle)
+
+    def train_feeds(self, source, dense: bool = True):
+        """A training step on every batch of ``source()`` (a batch source, read, prepared and
+        looked up ahead by the input pipeline): yields ``(feed, loss, probabilities)`` after
+        each. ``dense`` False trains the rows only."""
+        for feed in self._pipeline(source, train=True):
+            loss, probabilities = self._train_on(feed, dense=dense)
+            yield feed, loss, probabilities
 
     def _train_on(self, feed: Feed, dense: bool = True):
         """One step on ``feed``: the dense network (unless ``dense`` is False) and the rows."""
@@ -490,8 +498,8 @@ def _close(batches) -> None:
         close()
 
 
-class _Passes:
-    """The passes of one in-process fit (see :mod:`trainer.fitting`): pass k's tree order
+class InProcessPasses:
+    """The passes of one in-process fit (a :class:`fitting.FitPasses`): pass k's tree order
     comes from (seed, k), so a resumed fit deals the orders of the passes before its own."""
 
     def __init__(self, trainer: Trainer, data, shuffle: bool):
@@ -517,9 +525,7 @@ class _Passes:
         source = self.source
         if skip:
             source = lambda: islice(self.source(), skip, None)  # noqa: E731
-        trainer = self.trainer
-        for feed in trainer._pipeline(source, train=True):
-            loss, probabilities = trainer._train_on(feed, dense=dense)
+        for feed, loss, probabilities in self.trainer.train_feeds(source, dense=dense):
             yield fitting.Step(loss, feed.num_leaves, 1, [(probabilities, feed.labels)],
                                (loss, probabilities, feed.labels))
 

@@ -92,7 +92,7 @@ import importlib
 
 # Imported on first use (PEP 562): a shard process imports trainer.distributed.shard without
 # the driver (Ray) or the worker (TensorFlow); serving imports placement without either.
-_LAZY = {"DistributedTrainer": "driver", "run_cli": "driver", "MAX_SHARDS": "driver",
+_LAZY = {"DistributedTrainer": "driver", "run_training": "train_run", "MAX_SHARDS": "driver",
          "read_manifest": "manifest", "MANIFEST_VERSION": "manifest",
          "shard_of": "placement", "tree_workers": "placement", "own_trees": "placement",
          "Shard": "shard", "worker_batches": "worker", "worker_batch_size": "worker",

@@ -90,6 +90,7 @@ from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_
                                         run_checkpoint)
 from trainer.distributed.manifest import read_manifest, schema_difference
 from trainer.distributed.online_worker import OnlineWorker
+from trainer.distributed.steps import StepScheduler
 from trainer.distributed.worker import resolve_dense, unresolved_dense
 from trainer.kafka_source import commit_offsets, consumer_lag
 from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
@@ -204,7 +205,6 @@ class OnlineDistributedTrainer(DistributedTrainer):
                 # not a pause once resolved: no checkpoint may hold statistics resolved on
                 # batches it has not trained (a restart could group them otherwise)
                 yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
-        mean = self.config.row_gradients == "mean"
         requests = [refs[1:] for refs in self._next("train")]
         if self.calibrate:
             self.calibrate = False
@@ -213,32 +213,28 @@ class OnlineDistributedTrainer(DistributedTrainer):
         # per worker, the batches of its unit left after the one the next step trains
         left = ray.get([w.left.remote() for w in self._workers])
         draining = False
-        dense = None  # the last step's dense messages, when its update is not applied yet
-        while True:
+
+        def paused(step: int) -> bool:
+            """Whether step ``step`` pauses; while a worker would hold a partly trained unit
+            after it, the workers drain instead (told before the step's train_step, in
+            order)."""
+            nonlocal draining
             wanted = bool(pause())
-            paused = wanted and not any(left)
-            if draining != (wanted and not paused):  # before the step's train_step (in order)
+            now = wanted and not any(left)
+            if draining != (wanted and not now):
                 draining = not draining
                 for worker in self._workers:
                     worker.drain.remote(draining)
-            # a step's dense update is applied by the next step's train_step (one call per
-            # worker and step, not two), except before a pause: then by its own apply_dense
-            defer = self.dense_messages and not paused
-            current = self._submit_step(self.step + 1, mean, rows, not paused,
-                                        dense_before=dense, apply_dense=not defer)
-            dense = current["dense"] if defer else None
-            waited = len(current["results"]) + len(current["dense_applied"])
-            got = ray.get(current["results"] + current["dense_applied"] + current["applied"])
-            results, expired = got[:len(current["results"])], sum(got[waited:])
-            left = [r["left"] for r in results]
-            if any(r["n"] for r in results):  # else the shards skipped it: no step
-                self.step += 1
-                self.expired += expired
-                self._stepped(results)
+            return now
+
+        scheduler = StepScheduler(self, self._workers, self._shards,
+                                  mean=self.config.row_gradients == "mean",
+                                  dense=self._dense_trains, pass_end=False)
+        for scheduled in scheduler.run(rows, paused):
+            left = [r["left"] for r in scheduled.results]
+            if scheduled.step is not None:
                 self.losses.clear()  # an online run does not keep every step's loss
-            yield results, paused
-            rows = (self._lookup(current["messages"], True) if paused
-                    else current["next_rows"])
+            yield scheduled.results, scheduled.paused
 
 
 class OnlineRun:
