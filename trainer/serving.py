@@ -62,7 +62,7 @@ import pyarrow as pa
 import tensorflow as tf
 
 import compression
-from compression.cli import replace_directory
+from compression.outputs import replace_directory
 import native
 from native.crash_points import crash_point
 import schemas

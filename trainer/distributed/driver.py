@@ -20,7 +20,7 @@ import ray
 
 import compression
 import schemas
-from compression.cli import replace_directory
+from compression.outputs import replace_directory
 from compression.signal_points import signal_point
 from schemas import Schema
 from trainer import models as models_lib
