@@ -17,12 +17,17 @@ def extensions(root):
     # PREFIXREC_BUILD_JOBS=N sets the number
     ParallelCompile("PREFIXREC_BUILD_JOBS").install()
 
+    # the native core (native/src/*.cc) and its Python binding, one file per bound class or
+    # area (native/src/bindings/*.cc; the C++ unit tests build the core without it)
     sources = sorted(
-        os.path.relpath(path, root) for path in glob.glob(os.path.join(root, "native", "src", "*.cc"))
+        os.path.relpath(path, root)
+        for pattern in ("native/src/*.cc", "native/src/bindings/*.cc")
+        for path in glob.glob(os.path.join(root, pattern))
     )
     headers = sorted(
         os.path.relpath(path, root)
-        for pattern in ("native/include/prefixrec/*.h", "native/src/internal/*.h")
+        for pattern in ("native/include/prefixrec/*.h", "native/src/internal/*.h",
+                        "native/src/bindings/*.h")
         for path in glob.glob(os.path.join(root, pattern))
     )
     compile_args = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra"]

@@ -1,5 +1,8 @@
 """What every ``python -m`` command of prefixrec shares: one error path, one exit-code
-convention, one output policy, and quiet framework start-up.
+convention, the input checks, and quiet framework start-up. The output policy the commands
+follow (:func:`check_output`, :class:`StagedOutput`, :func:`replace_directory`) lives in
+:mod:`compression.outputs` and its errors in :mod:`compression.errors`, below this command
+face; both are reachable from here too.
 
 Framework-free (standard library and pyarrow only), so the Beam jobs, the trainer commands and
 the in-process compression commands all use the same code::
@@ -28,15 +31,19 @@ import contextlib
 import gzip
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
 import traceback
-import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from compression import fs
+# The output policy and the usage errors live below the command face (the trainer's core and
+# the storage layer use them too); a command reaches them here as well.
+from compression.errors import OutputExistsError, UsageError  # noqa: F401
+from compression.outputs import StagedOutput, check_output, replace_directory  # noqa: F401
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -55,14 +62,6 @@ def _exit_codes(on_signal: str) -> str:
 EXIT_CODES = _exit_codes("130 interrupted (Ctrl-C), 143 terminated (SIGTERM)")
 # A service that stops cleanly on a signal (trainer.online, the local broker) exits 0 then.
 SERVICE_EXIT_CODES = _exit_codes("0 also after SIGINT or SIGTERM, which stop it cleanly")
-
-
-class UsageError(ValueError):
-    """The command cannot use what it was given (exit code 2)."""
-
-
-class OutputExistsError(UsageError):
-    """The output directory holds something and ``--overwrite`` was not given."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -174,7 +173,6 @@ def input_rows(path: str, format: str | None = None) -> int:
     """Rows of one input file: exact for Parquet (from the footer), 0 or 1 ("some") for CSV and
     JSON lines. Raises :class:`compression.RawDataError` naming the file when it cannot be
     read."""
-    from compression import fs
     from compression.io import raw_format
     from compression.validate import RawDataError
 
@@ -202,7 +200,6 @@ def input_rows(path: str, format: str | None = None) -> int:
 
 def _remote_text_rows(path: str, fmt: str) -> int:
     """:func:`input_rows` of a CSV or JSON-lines file on an object store (its first 1 MiB)."""
-    from compression import fs
     from compression.validate import RawDataError
 
     try:
@@ -234,98 +231,6 @@ def check_inputs(path_or_glob, flag: str, format: str | None = None) -> list[str
         raise UsageError(f"{flag} {shown}: the {len(files)} input file(s) hold no samples; "
                          "nothing to do")
     return files
-
-
-# -- the output policy ----------------------------------------------------------------------
-
-def check_output(path: str, overwrite: bool, flag: str = "--output", inputs=()) -> None:
-    """Refuse an output that is not an empty or missing directory, unless ``overwrite``; and
-    always one that holds the current directory or one of the ``inputs`` (replacing it whole
-    would delete them)."""
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: exists and is not a directory")
-    real = os.path.realpath(path)
-    for inner in (os.getcwd(), *inputs):
-        inner = os.path.realpath(inner)
-        if inner == real or inner.startswith(real.rstrip(os.sep) + os.sep):
-            what = "the current directory" if inner == os.path.realpath(os.getcwd()) \
-                else f"the input {inner}"
-            raise UsageError(f"{flag} {path}: holds {what}, which writing the output there "
-                             "would replace; choose another directory")
-    if os.path.isdir(path) and not overwrite:
-        entries = os.listdir(path)
-        if entries:
-            raise OutputExistsError(
-                f"{flag} {path}: the directory is not empty ({len(entries)} entr"
-                f"{'y' if len(entries) == 1 else 'ies'}); pass --overwrite to replace it "
-                "whole, or choose another directory")
-
-
-class StagedOutput:
-    """An output directory written through a temporary directory next to it.
-
-    On an object store (``s3://``, ``gs://``...), which cannot rename a directory,
-    ``StagedOutput(uri)`` is a :class:`compression.fs.StagedObjectOutput`: the files go under
-    a hidden unique prefix and a manifest written last publishes them.
-
-    ``StagedOutput(path, overwrite)`` checks the policy (:func:`check_output`) and creates
-    ``.<name>.tmp-XXXXXXXX`` in the same parent (same file system, so the final rename is
-    atomic); write into ``.tmp``; :meth:`commit` renames it into place (replacing the old
-    directory whole with ``overwrite``); :meth:`discard` (or leaving the ``with`` block with an
-    exception) removes it, so a failed job leaves nothing that looks like output.
-    """
-
-    def __new__(cls, path: str, overwrite: bool = False, flag: str = "--output", inputs=()):
-        from compression import fs
-
-        if cls is StagedOutput and not fs.is_local(path):
-            return fs.StagedObjectOutput(path, overwrite, flag, inputs)
-        return super().__new__(cls)
-
-    def __init__(self, path: str, overwrite: bool = False, flag: str = "--output", inputs=()):
-        check_output(path, overwrite, flag, inputs)
-        self.path = os.path.abspath(path)
-        self.overwrite = overwrite
-        self.flag = flag
-        parent, name = os.path.split(self.path)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-        os.mkdir(self.tmp)
-        self.committed = False
-
-    def commit(self) -> str:
-        check_output(self.path, self.overwrite, self.flag)  # another job may have written it
-        replace_directory(self.tmp, self.path)
-        self.committed = True
-        return self.path
-
-    def discard(self) -> None:
-        if not self.committed:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def __enter__(self) -> "StagedOutput":
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None or not self.committed:
-            self.discard()
-        return False
-
-
-def replace_directory(new: str, path: str) -> str:
-    """Put the complete directory ``new`` at ``path``: an existing ``path`` is renamed aside
-    first and removed only after ``new`` took its place, so ``path`` is never half-written (a
-    crash in between leaves the old one beside it, named ``.NAME.old-*``)."""
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    old = None
-    if os.path.isdir(path):
-        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(path, old)
-    os.rename(new, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 # -- quiet start-up -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 import time
 
 import schemas
-from compression import cli, fs
+from compression import cli, fs, outputs
 from compression.io import expand_paths, read_raw, write_trees
 from compression.stats import TreeStats, format_summary
 from compression.trees import build_trees
@@ -28,9 +28,9 @@ def compress_files(schema: schemas.Schema, inputs, output_dir: str, format: str 
     ``output_dir`` must be missing or empty unless ``overwrite`` (then it is replaced whole);
     it is written through a temporary directory next to it, renamed into place at the end (on
     an object store: published by a manifest written last), so a failure leaves nothing
-    behind (:class:`compression.cli.StagedOutput`)."""
+    behind (:class:`compression.outputs.StagedOutput`)."""
     files = expand_paths(inputs)
-    with cli.StagedOutput(output_dir, overwrite, inputs=files) as staged:
+    with outputs.StagedOutput(output_dir, overwrite, inputs=files) as staged:
         summary = _compress_into(schema, files, staged.tmp, format, roots_per_file)
         staged.commit()
     return summary

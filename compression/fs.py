@@ -39,6 +39,7 @@ import uuid
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from compression.errors import OutputExistsError, UsageError
 from native.crash_points import crash_point
 
 MANIFEST = "_MANIFEST.json"
@@ -620,7 +621,7 @@ def published_manifest(directory: str) -> dict | None:
 
 class StagedObjectOutput:
     """An object-store directory published all or nothing, the object-store form of
-    :class:`compression.cli.StagedOutput` (same ``path`` / ``tmp`` / ``commit`` /
+    :class:`compression.outputs.StagedOutput` (same ``path`` / ``tmp`` / ``commit`` /
     ``discard``).
 
     Write into ``tmp`` (``DIR/.gen-XXXXXXXX``, a prefix readers never look in); :meth:`commit`
@@ -637,8 +638,6 @@ class StagedObjectOutput:
         self.flag = flag
         for inner in inputs:
             if os.fspath(inner) == self.path or os.fspath(inner).startswith(self.path + "/"):
-                from compression.cli import UsageError
-
                 raise UsageError(f"{flag} {path}: holds the input {inner}, which writing the "
                                  "output there would replace; choose another directory")
         _check_bucket(self.path)  # before any work: a listing under a missing bucket is empty
@@ -657,8 +656,6 @@ class StagedObjectOutput:
             found = filesystem.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
         kept = [f for f in found if not f.base_name.startswith(GENERATION_PREFIX)]
         if kept:
-            from compression.cli import OutputExistsError
-
             raise OutputExistsError(
                 f"{self.flag} {self.path}: the directory is not empty ({len(kept)} entr"
                 f"{'y' if len(kept) == 1 else 'ies'}); pass --overwrite to replace it whole, "

@@ -1,4 +1,4 @@
-"""Type stub of the private compiled module native._store (see native/src/bindings.cc)."""
+"""Type stub of the private compiled module native._store (see native/src/bindings/)."""
 from typing import Any, Sequence
 
 import numpy as np

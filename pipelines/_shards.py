@@ -16,10 +16,6 @@ from schemas import Schema
 from schemas.hashing import tree_shards
 
 
-# Shard number (0 .. shards - 1) of every row: the root key's hash mod shards
-shard_of = tree_shards
-
-
 def _by_shard(shard: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:
     """(stable order of the rows by shard, rows per shard)."""
     small = shard.astype(np.uint16) if shards <= 1 << 16 else shard
@@ -30,7 +26,7 @@ def split_by_shard(table: pa.Table, schema: Schema, shards: int) -> list[tuple[i
     """(shard, rows of that shard) for every shard that has rows; one take, no per-row Python."""
     if table.num_rows == 0:
         return []
-    order, counts = _by_shard(shard_of(table, schema, shards), shards)
+    order, counts = _by_shard(tree_shards(table, schema, shards), shards)
     ordered = take_rows(table, order)
     out = []
     start = 0
@@ -55,7 +51,7 @@ def split_roots_by_shard(table: pa.Table, schema: Schema, shards: int
     code, rep = root_node_codes(table, schema)
     key = pa.Table.from_arrays([take_rows(table.select([name]), rep).column(0)
                                 for name in schema.root.key], names=list(schema.root.key))
-    node_shard = shard_of(key, schema, shards)
+    node_shard = tree_shards(key, schema, shards)
     node_order, node_counts = _by_shard(node_shard, shards)
     # renumber the nodes shard by shard, each shard's from 0
     node_start = np.zeros(shards, np.int64)

@@ -69,7 +69,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 import compression
 import schemas
-from compression import RawDataError, TreeStats, cli, fs
+from compression import RawDataError, TreeStats, cli, fs, outputs
 from compression.stats import format_summary
 from pipelines._runner import with_default_runner
 from pipelines._coders import ShardPart  # registers the Arrow table and part coders
@@ -636,7 +636,7 @@ def _run(args, options: PipelineOptions, schema: schemas.Schema) -> dict:
     for path in files:
         compression.raw_format(path, args.format)  # fail now, not in a worker
     FileSystems.set_options(options)  # for the job's own files before the pipeline exists
-    staged = cli.StagedOutput(args.output, args.overwrite, inputs=files)
+    staged = outputs.StagedOutput(args.output, args.overwrite, inputs=files)
     rejected = f"{staged.path}.dead_letter"
     try:
         log.info("compressing %d file(s) into %d shard(s) -> %s", len(files), args.shards,

@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import schemas
-from compression import cli, fs
+from compression import cli, fs, outputs
 from schemas import Feature, Schema, stable_hash
 from schemas.hashing import GOLDEN, mix64
 
@@ -1050,7 +1050,7 @@ def run(argv=None) -> dict:
     schema = schemas.load(args.schema)
     started = time.perf_counter()
     # the output policy of every command: a failed or interrupted run leaves no --out
-    with cli.StagedOutput(args.out, args.overwrite, "--out", [args.schema]) as staged:
+    with outputs.StagedOutput(args.out, args.overwrite, "--out", [args.schema]) as staged:
         truth = generate(schema, args.samples, staged.tmp, args.seed, shards=args.shards,
                          samples_per_user=args.samples_per_user, ctr=args.ctr,
                          progress=not args.no_progress and args.samples >= 200_000)

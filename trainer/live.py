@@ -64,8 +64,8 @@ from trainer.network import dummy_feed
 from compression.fs import StorageError, is_local
 from trainer.requests import RequestBody, decode_request, scan_request
 from trainer.serving import (EXPORT_VERSION, ShardedStore, mirror_export, one_node_per_sample,
-                             published_versions, read_lineage, read_manifest, request_table,
-                             request_tree, version_path)
+                             published_versions, read_lineage, read_version_manifest,
+                             request_table, request_tree, version_path)
 
 
 class Overlay:
@@ -393,7 +393,7 @@ class LiveModel:
                 return applied
             started = time.monotonic()
             try:
-                following = self._prepare(current, read_manifest(self.directory, number))
+                following = self._prepare(current, read_version_manifest(self.directory, number))
             except Exception as e:  # damaged, foreign or refused: never applied
                 self._refuse(lineage, number, f"version {number}: {e}")
                 return applied

@@ -62,7 +62,7 @@ import pyarrow as pa
 import tensorflow as tf
 
 import compression
-from compression.cli import replace_directory
+from compression.outputs import replace_directory
 import native
 from native.crash_points import crash_point
 import schemas
@@ -297,7 +297,7 @@ def mirror_export(source: str, local: str) -> bool:
     return changed
 
 
-def read_manifest(directory: str, version: int) -> dict:
+def read_version_manifest(directory: str, version: int) -> dict:
     """Version ``version``'s manifest, checked: ValueError naming the file if it is damaged."""
     path = f"{version_path(directory, version)}.json"
     with open(path) as f:
@@ -403,7 +403,7 @@ class Predictor:
             if version != self.version + 1:
                 raise ValueError(f"{self.directory}: version {self.version + 1} is missing "
                                  f"(found {version}); load the export again")
-            manifest = read_manifest(self.directory, version)
+            manifest = read_version_manifest(self.directory, version)
             if manifest["lineage"] != self.lineage:
                 raise ValueError(f"{self.directory}: version {version} belongs to lineage "
                                  f"{manifest['lineage']}, this Predictor holds {self.lineage}; "

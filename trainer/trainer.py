@@ -29,7 +29,7 @@ import tensorflow as tf
 import native
 import schemas
 from compression import TreeBatch
-from compression.cli import replace_directory
+from compression.outputs import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting

@@ -23,8 +23,9 @@ from compression import RawDataError, cli
 from compression.compress import compress_files
 from pipelines import compress as job
 from pipelines._coders import ShardPart, ShardPartCoder
-from pipelines._shards import shard_of, split_by_shard, split_roots_by_shard
+from pipelines._shards import split_by_shard, split_roots_by_shard
 from sample_data import random_schemas, raw_tables, row_multiset, taobao_table
+from schemas.hashing import tree_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 TAOBAO_PATH = str(ROOT / "schemas" / "examples" / "taobao_like.yaml")
@@ -104,7 +105,7 @@ def test_shards_are_whole_trees_split_by_root_key(taobao_run):
         trees = pq.read_table(base / "beam" / f"part-{shard:05d}-of-00005.parquet")
         flat = compression.flatten(trees, TAOBAO)
         # every sample sits in the shard of its root key, and no root is in two shards
-        assert set(shard_of(flat, TAOBAO, 5).tolist()) <= {shard}
+        assert set(tree_shards(flat, TAOBAO, 5).tolist()) <= {shard}
         roots = set(trees.column("user_id").to_pylist())
         assert not roots & seen_roots
         seen_roots |= roots

@@ -17,7 +17,7 @@ import compression  # noqa: E402
 import native  # noqa: E402
 from trainer import TrainConfig, Trainer, models  # noqa: E402
 from trainer import distributed  # noqa: E402
-from trainer.distributed import DistributedTrainer, shard_of, tree_workers  # noqa: E402
+from trainer.distributed import DistributedTrainer, id_shards, tree_shards  # noqa: E402
 from ray_reference import assert_rows_equal, single_process_run, sorted_rows  # noqa: E402
 from trainer_data import ROOT, auc_tolerance, generated  # noqa: E402
 
@@ -57,11 +57,11 @@ def test_placement_is_stable_and_keeps_trees_whole(schema, trees):
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) % 2**64
     x ^= x >> 31
-    assert shard_of(ids, 7)[1] == x % 7
-    assert shard_of(ids, 1).tolist() == [0] * 6
-    counts = np.bincount(shard_of(np.arange(10000), 4), minlength=4)
+    assert id_shards(ids, 7)[1] == x % 7
+    assert id_shards(ids, 1).tolist() == [0] * 6
+    counts = np.bincount(id_shards(np.arange(10000), 4), minlength=4)
     assert counts.min() > 2300  # sequential ids spread evenly
-    owner = tree_workers(trees, schema, W)
+    owner = tree_shards(trees, schema, W)
     # the Beam job's root-key shard hash: its shard files split whole across workers
     from schemas.hashing import root_key_hash
 
@@ -117,7 +117,7 @@ def test_two_shards_two_workers_equal_single_process(cluster, schema, trees, mod
         per_shard = ray.get([s.rows.remote() for s in dt._shards])
         for table in single.stores:
             for s, rows in enumerate(per_shard):  # every id on its own shard
-                assert (shard_of(rows[table]["ids"], S) == s).all()
+                assert (id_shards(rows[table]["ids"], S) == s).all()
         assert_rows_equal(tables, single.stores)
         stats, want = dt.store_stats(), single.store_stats()
         for key in ("rows", "admitted", "rejected", "expired"):
@@ -300,7 +300,7 @@ def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
     ids = np.arange(-400, 400) * 7919
     for step in range(1, 4):
         for shard in old:
-            own = ids[shard_of(ids, 2) == shard.index]
+            own = ids[id_shards(ids, 2) == shard.index]
             for table in specs:
                 shard.stores[table].lookup_unique(own[:200 + 60 * step])
                 shard.stores[table].apply_gradients(
@@ -323,7 +323,7 @@ def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
                                           "last_steps")})
             parts = [s.stores[table].to_numpy() for s in new]
             for j, part in enumerate(parts):
-                assert (shard_of(part["ids"], shards) == j).all()
+                assert (id_shards(part["ids"], shards) == j).all()
             got = sorted_rows({k: np.concatenate([p[k] for p in parts]) for k in want})
             assert len(want["ids"]) > 100
             for key in want:
@@ -333,7 +333,7 @@ def test_reshard_two_into_one_and_three_moves_every_row_exactly(tmp_path):
             want = [s.stores[table].filter_state() for s in old]
             got = [s.stores[table].filter_state() for s in new]
             for j, state in enumerate(got):
-                assert (shard_of(state["ids"], shards) == j).all()
+                assert (id_shards(state["ids"], shards) == j).all()
             want_ids = np.concatenate([w["ids"] for w in want])
             got_ids = np.concatenate([g["ids"] for g in got])
             assert len(want_ids) > 50

@@ -15,11 +15,11 @@ Design (synchronous data parallelism over a sharded parameter server, all on Ray
 
 - **Store shards** (one actor each) own one native :class:`native.EmbeddingStore` per table,
   built with the table's settings (optimizer, initializer, seed, entry filter, expiry). An id
-  lives on shard :func:`shard_of` ``(id, S)``. The pybind11 stores never leave their actor; only
+  lives on shard :func:`id_shards` ``(id, S)``. The pybind11 stores never leave their actor; only
   numpy arrays cross processes.
 - **Workers** (one actor each) hold the TensorFlow network, built from the same schema, model
   and config (same seed), so their initial dense weights are equal. Trees are dealt to workers by
-  a hash of their root key (:func:`tree_workers`), so no tree crosses workers. ``batch_size`` is
+  a hash of their root key (:func:`tree_shards`), so no tree crosses workers. ``batch_size`` is
   the global batch: each worker's batches hold its share (:func:`worker_batch_size`), so a
   step trains on ``batch_size`` leaves whatever the number of workers.
 - **One synchronous step** ``k``, as a graph of actor calls whose arrays flow between the
@@ -94,7 +94,7 @@ import importlib
 # the driver (Ray) or the worker (TensorFlow); serving imports placement without either.
 _LAZY = {"DistributedTrainer": "driver", "run_training": "train_run", "MAX_SHARDS": "driver",
          "read_manifest": "manifest", "MANIFEST_VERSION": "manifest",
-         "shard_of": "placement", "tree_workers": "placement", "own_trees": "placement",
+         "id_shards": "placement", "tree_shards": "placement", "own_trees": "placement",
          "Shard": "shard", "worker_batches": "worker", "worker_batch_size": "worker",
          "resolve_dense": "worker",
          "dense_sample": "worker"}

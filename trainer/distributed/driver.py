@@ -21,7 +21,7 @@ import ray
 
 import compression
 import schemas
-from compression.cli import replace_directory
+from compression.outputs import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting
@@ -35,7 +35,7 @@ from trainer.distributed.manifest import (config_difference, dense_difference,
                                           read_manifest, run_checkpoint,  # noqa: F401
                                           schema_difference, shard_dir, shard_snapshot_spec,
                                           write_manifest)
-from trainer.distributed.placement import shard_of
+from trainer.distributed.placement import id_shards
 from trainer.distributed.recovery import (RollbackPoint, await_actors,  # noqa: F401
                                           failure_summary, is_actor_failure, retrying)
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
@@ -427,7 +427,7 @@ class DistributedTrainer:
         training (zeros for ids without a row)."""
         ids = np.asarray(ids, np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)
-        owner = shard_of(unique, self.shards)
+        owner = id_shards(unique, self.shards)
         rows = np.zeros((len(unique), self.config.table(table).dim), np.float32)
         positions = [np.flatnonzero(owner == s) for s in range(self.shards)]
         got = ray.get([shard.lookup.remote(False, {table: unique[pos]})

@@ -2,7 +2,8 @@
 
 numpy, pyarrow and ``schemas`` only (no TensorFlow, no Ray): the shard processes, serving and
 the driver all place ids the same way, by the functions of :mod:`schemas.hashing` that the
-Beam job shards its output by.
+Beam job shards its output by: an id lives on store shard :func:`id_shards` ``(ids, S)``, and
+a tree is trained by worker :func:`tree_shards` ``(table, schema, W)``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import pyarrow as pa
 
 from schemas import Schema
-from schemas.hashing import id_shards as shard_of  # noqa: F401 - the placement of an id
-from schemas.hashing import tree_shards as tree_workers  # the worker of every tree
+from schemas.hashing import id_shards, tree_shards
 
 
 def own_trees(table: pa.Table, schema: Schema, worker: int, workers: int) -> pa.Table:
     """The trees of ``table`` that ``worker`` of ``workers`` trains."""
     if workers == 1:
         return table
-    return table.filter(pa.array(tree_workers(table, schema, workers) == worker))
+    return table.filter(pa.array(tree_shards(table, schema, workers) == worker))

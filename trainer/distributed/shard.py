@@ -20,7 +20,7 @@ import numpy as np
 
 import native
 from trainer.config import row_l2, table_seed
-from trainer.distributed.placement import shard_of
+from trainer.distributed.placement import id_shards
 
 RESTARTED = "prefixrec: actor restarted"
 
@@ -58,7 +58,7 @@ def table_specs(config, tables, shards: int) -> dict:
 
 class Shard:
     """One shard of every table: ``stores[table]`` holds the ids ``i`` with
-    ``shard_of(i, shards) == index``."""
+    ``id_shards(i, shards) == index``."""
 
     def __init__(self, index: int, shards: int, tables: dict, restore=None):
         """``restore``: None (empty stores), ``(snapshot dir,)`` (this shard's own
@@ -103,7 +103,7 @@ class Shard:
         return os.getpid()
 
     def _owned(self, ids):
-        return shard_of(ids, self.shards) == self.index
+        return id_shards(ids, self.shards) == self.index
 
     def _reshard(self, table, config, directories):
         """A store of this shard's ids of ``table`` from the snapshots of another

@@ -21,7 +21,7 @@ from schemas import Schema
 from trainer import models as models_lib
 from trainer.config import TrainConfig
 from trainer.data import file_tables, is_tree_table
-from trainer.distributed.placement import own_trees, shard_of
+from trainer.distributed.placement import id_shards, own_trees
 from trainer.distributed.shard import RESTARTED, reconstructed
 
 
@@ -29,7 +29,7 @@ def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, worke
                    pass_index: int = 1, shuffle: bool = False):
     """The TreeBatches worker ``worker`` of ``workers`` trains on in pass ``pass_index`` of
     ``data`` (tree or raw files, a glob, or a pyarrow Table of trees or raw samples): its own
-    trees (:func:`tree_workers`), shuffled with the seed ``(config.seed, pass, worker)`` when
+    trees (:func:`tree_shards`), shuffled with the seed ``(config.seed, pass, worker)`` when
     ``shuffle``, in batches of :func:`worker_batch_size` leaves: ``config.batch_size`` is the
     global batch, as in TensorFlow's distribution strategies, so adding workers does not change
     the optimisation (one synchronous step trains on about ``batch_size`` leaves in all)."""
@@ -268,7 +268,7 @@ class Worker:
             if self.shards == 1:
                 requests[0][table], positions = unique, _ALL
             else:
-                owner = shard_of(unique, self.shards)
+                owner = id_shards(unique, self.shards)
                 positions = [np.flatnonzero(owner == s) for s in range(self.shards)]
                 for s, pos in enumerate(positions):
                     requests[s][table] = unique[pos]

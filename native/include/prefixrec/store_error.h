@@ -2,8 +2,8 @@
 //
 // Every failure the caller can cause (bad arguments, corrupt or incompatible files, deltas out
 // of order, I/O errors) is a StoreError carrying a code; the Python binding maps each code to
-// one Python exception class in a single place (native/src/bindings.cc). A method that throws
-// leaves the store as it was unless its comment says otherwise.
+// one Python exception class in a single place (native/src/bindings/module.cc). A method that
+// throws leaves the store as it was unless its comment says otherwise.
 #ifndef PREFIXREC_STORE_ERROR_H_
 #define PREFIXREC_STORE_ERROR_H_
 
