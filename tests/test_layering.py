@@ -190,7 +190,7 @@ def test_the_fit_loop_loads_neither_tensorflow_nor_an_engine():
     """trainer.fitting is the one fit loop that Trainer.fit and DistributedTrainer.fit hand
     their arguments to; it knows engines only by what they do."""
     assert loaded_by("trainer.fitting", ("tensorflow", "keras", "ray", "trainer.trainer",
-                                         "trainer.model", "trainer.distributed.driver")) == []
+                                         "trainer.model_core", "trainer.distributed.driver")) == []
 
 
 def test_tensorflow_loads_without_scikit_learn_which_stays_importable():
@@ -198,7 +198,7 @@ def test_tensorflow_loads_without_scikit_learn_which_stays_importable():
     process that loads TensorFlow): trainer/_no_sklearn.py hides it while keras and
     TensorFlow load, however TensorFlow is reached first; a later ``import sklearn`` works,
     and a process that imported it before keras keeps it."""
-    code = ("import sys, trainer.serving, trainer.model, keras, tensorflow\n"
+    code = ("import sys, trainer.serving, trainer.model_core, keras, tensorflow\n"
             "before = [m for m in ('tensorflow', 'keras', 'sklearn') if m in sys.modules]\n"
             "import sklearn.linear_model\n"
             "print([before, sys.modules['sklearn'] is not None, "
@@ -207,5 +207,5 @@ def test_tensorflow_loads_without_scikit_learn_which_stays_importable():
                          check=True, cwd=ROOT)
     assert ast.literal_eval(out.stdout.strip().splitlines()[-1]) == [
         ["tensorflow", "keras"], True, "SourceFileLoader"]
-    assert loaded_by("sklearn, trainer.model", ("sklearn", "keras.src.wrappers")) == [
+    assert loaded_by("sklearn, trainer.model_core", ("sklearn", "keras.src.wrappers")) == [
         "sklearn", "keras.src.wrappers"]

@@ -19,7 +19,7 @@ _no_sklearn.install()
 
 # Imported on first use (PEP 562), so ``python -m trainer.train --help`` and argument errors do
 # not pay for importing TensorFlow.
-_LAZY = {"models": "trainer.models", "Trainer": "trainer.trainer", "ModelCore": "trainer.model",
+_LAZY = {"models": "trainer.models", "Trainer": "trainer.trainer", "ModelCore": "trainer.model_core",
          "FitState": "trainer.fitting",
          **{name: "trainer.config" for name in ("ConfigError", "DenseOptimizerConfig",
                                                 "ExpiryConfig", "FeatureConfig", "TableConfig",

@@ -82,7 +82,7 @@ _MANIFEST = re.compile(r"^v(\d{8})\.json$")
 
 def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None = None,
            write_stores=None) -> str:
-    """Write ``core``'s dense network (a :class:`trainer.model.ModelCore`: a ``Trainer`` or
+    """Write ``core``'s dense network (a :class:`trainer.model_core.ModelCore`: a ``Trainer`` or
     a distributed run's model) as a SavedModel and the embedding snapshots, as of ``step``.
 
     ``stores``: ``{table: EmbeddingStore}`` to snapshot; or ``write_stores(tmp_dir)``, which

@@ -41,7 +41,7 @@ from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, Prepared
 from trainer.fitting import FitState
 from trainer.metrics import evaluation
-from trainer.model import ModelCore
+from trainer.model_core import ModelCore
 from trainer.network import sum_row_slices
 
 _END = object()
@@ -49,7 +49,7 @@ _END = object()
 
 class Trainer(ModelCore):
     """Trains ``model`` on data of ``schema`` as ``config`` says (see :class:`TrainConfig`): a
-    :class:`~trainer.model.ModelCore` plus one native embedding store per table, the
+    :class:`~trainer.model_core.ModelCore` plus one native embedding store per table, the
     three-stage input pipeline and checkpoints; ``fit`` is :func:`trainer.fitting.fit` over it."""
 
     def __init__(self, schema: Schema, model: models_lib.DenseNet | None = None,

@@ -550,7 +550,7 @@ class DistributedTrainer:
     # -- serving --------------------------------------------------------------------------
 
     def _serving_core(self):
-        """A :class:`~trainer.model.ModelCore` holding worker 0's dense weights: what
+        """A :class:`~trainer.model_core.ModelCore` holding worker 0's dense weights: what
         :mod:`trainer.serving` builds the SavedModel from."""
         return exports.serving_core(self.schema, self._model, self.config,
                                     self.dense_arrays(optimizer=True))

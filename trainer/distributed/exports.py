@@ -12,10 +12,10 @@ from trainer.distributed.manifest import PLACEMENT
 
 
 def serving_core(schema, model, config, dense_arrays: dict):
-    """A :class:`~trainer.model.ModelCore` holding ``dense_arrays`` (a worker's
+    """A :class:`~trainer.model_core.ModelCore` holding ``dense_arrays`` (a worker's
     ``dense.npz`` arrays) for ``model`` (a built-in DenseNet's spec or a function returning a
     fresh DenseNet): what :mod:`trainer.serving` builds the SavedModel from."""
-    from trainer.model import ModelCore
+    from trainer.model_core import ModelCore
 
     net = models_lib.from_spec(model) if isinstance(model, dict) else model()
     core = ModelCore(schema, net, config)

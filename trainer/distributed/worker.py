@@ -159,12 +159,12 @@ class _Stream:
 
 
 class Worker:
-    """A data-parallel worker: a :class:`~trainer.model.ModelCore` (the network and feed
+    """A data-parallel worker: a :class:`~trainer.model_core.ModelCore` (the network and feed
     builder, no stores) fed the rows by the shards."""
 
     def __init__(self, index: int, workers: int, shards: int, schema_dict: dict, model,
                  config_dict: dict):
-        from trainer.model import ModelCore
+        from trainer.model_core import ModelCore
 
         self.index, self.workers, self.shards = index, workers, shards
         self.schema = schemas.from_dict(schema_dict)
@@ -423,7 +423,7 @@ class Worker:
         return outputs, feed.labels
 
     def shift_output_biases(self, outputs: dict, labels: dict) -> dict:
-        """:meth:`trainer.model.ModelCore.shift_output_biases` of this worker's copy: every
+        """:meth:`trainer.model_core.ModelCore.shift_output_biases` of this worker's copy: every
         worker given the same union batch's outputs and labels shifts its biases alike."""
         self._check()
         return self.core.shift_output_biases(outputs, labels)
