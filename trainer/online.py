@@ -75,8 +75,8 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.kafka_source import DEFAULT_UNIT_BATCHES
 from trainer.metrics import DelayHistogram  # noqa: F401 - importable from here as before
 from trainer.online_loop import (DEFAULT_READER_NICE, PROBE_EVERY, PROBE_TIMEOUT,  # noqa: F401
-                                 OnlineOptions, OnlineStats, OnlineUsageError, metric_text,
-                                 run_online)
+                                 STEP_LOG, OnlineOptions, OnlineStats, OnlineUsageError,
+                                 metric_text, run_online)
 from trainer.online_process import OnlineTrainer, Unit, default_unit_samples  # noqa: F401
 from trainer.online_report import STATUS_FILE, TENSORBOARD_DIR
 from trainer.ray_address import check_ray_address
@@ -172,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a running Ray cluster's head (default with --workers/--shards: a "
                           "local cluster started for the run)")
     ray.add_argument("--step-log", action="store_true",
-                     help="with --workers/--shards: append which messages every step trained "
-                          "to RUN_DIR/steps.jsonl at each checkpoint (a single-process replay "
-                          "of it gives the same model)")
+                     help="append which messages every step trained to RUN_DIR/steps.jsonl "
+                          "at each checkpoint, on Ray and in one process alike (a "
+                          "single-process replay of it gives the same model)")
     kafka.add_options(parser, clients="consumer and the dead-letter producer")
     return parser
 
@@ -266,7 +266,8 @@ def _run(options: OnlineOptions, run_dir: str, publish_to: str | None = None) ->
             status_path=os.path.join(run_dir, STATUS_FILE),
             log_dir=os.path.join(run_dir, TENSORBOARD_DIR), report_every=options.report_every,
             reader_nice=options.reader_nice, unit_samples=options.unit_samples,
-            calibrate=latest is None and not options.init_from)
+            calibrate=latest is None and not options.init_from,
+            step_log=os.path.join(run_dir, STEP_LOG) if options.step_log else None)
         summary = run_online(online, options.metrics_host, options.metrics_port)
         checkpoints.publish()  # on a store: the final status and logs too
     finally:

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ log = logging.getLogger("trainer.online")
 PROBE_EVERY = 1.0
 PROBE_TIMEOUT = 2.0
 DEFAULT_READER_NICE = 10
+STEP_LOG = "steps.jsonl"  # under the run directory, with --step-log (see truncate_step_log)
 
 
 class OnlineUsageError(ValueError):
@@ -139,6 +142,9 @@ class OnlineStep:
     idle: bool = False      # nothing was read: the polls came back empty
     pausable: bool = True   # nothing of a later step has run: checkpoints and exports may
     waited: float = 0.0     # seconds the step waited for input
+    # per step trained (the last len(log) steps of the model), every worker's record for the
+    # step log: {"ranges": the unit's, on the step of its last batch, "samples", "batch"}
+    log: list = field(default_factory=list)
 
 
 class OnlineEngine(Protocol):
@@ -223,10 +229,12 @@ class OnlineLoop:
                  export_every: float = 10.0, max_samples: int | None = None,
                  idle_exit: float | None = None, status_path: str | None = None,
                  log_dir: str | None = None, report_every: float = 10.0, on_export=None,
-                 record_predictions: bool = False, topic: str = ""):
+                 record_predictions: bool = False, topic: str = "",
+                 step_log: str | None = None):
         """``positions``: partition -> next offset to train (the restored checkpoint's);
         ``status_path``: the status file (None: none); ``log_dir``: TensorBoard scalars
-        (None: none); ``on_export``: called with the loop after every export."""
+        (None: none); ``on_export``: called with the loop after every export; ``step_log``:
+        the step log's path (None: none; see :func:`truncate_step_log`)."""
         self.engine = engine
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
@@ -239,6 +247,8 @@ class OnlineLoop:
         self.report_every = report_every
         self.on_export = on_export
         self.topic = topic
+        self.step_log = step_log
+        self._pending_log: list[str] = []
         self.positions = {int(p): int(o) for p, o in positions.items()}
         self.ranges_since_checkpoint: dict[int, list] = {}
         self.stats = OnlineStats()
@@ -286,6 +296,8 @@ class OnlineLoop:
     def run(self, should_stop: Callable[[], bool] | None = None) -> dict:
         """Train until ``should_stop()`` (or :meth:`stop`), ``max_samples`` or ``idle_exit``;
         then the final export, checkpoint and commit. Returns the summary."""
+        if self.step_log:  # lines of steps after the checkpoint restored: trained again
+            truncate_step_log(self.step_log, self.engine.step)
         if should_stop is not None:
             self._should_stop = lambda: self._stop.is_set() or should_stop()
         # Python's cyclic collector runs whenever enough objects were allocated (every poll
@@ -401,6 +413,10 @@ class OnlineLoop:
                 and len(step.arrivals_ms)):
             # kept until the export holding them, with their step (a rollback drops later ones)
             self._pending_arrivals.append((self.engine.step, step.arrivals_ms))
+        if self.step_log and step.log:
+            first = self.engine.step - len(step.log) + 1
+            self._pending_log += [json.dumps({"step": first + i, "workers": workers})
+                                  for i, workers in enumerate(step.log)]
         stats.samples += step.samples
         stats.messages += step.messages
         stats.dead += step.dead
@@ -482,6 +498,9 @@ class OnlineLoop:
                                   if step <= self.engine.step]
         if self.export_dir is not None:
             self._trained_since_export = True  # the next export is of the model rolled back
+        self._pending_log = []  # steps after the checkpoint: trained again
+        if self.step_log:  # lines a checkpoint wrote before the failure in it
+            truncate_step_log(self.step_log, self.engine.step)
         self._finish, self._idle_since = False, None
 
     # -- checkpoint, then commit -------------------------------------------------------------
@@ -509,6 +528,7 @@ class OnlineLoop:
         if not engine.flush_dead_letters(flush_timeout):
             log.warning("checkpoint postponed: dead letters are not delivered yet")
             return False
+        self._write_step_log()
         started = time.monotonic()
         engine.save_checkpoint(self.checkpoints, positions, self.ranges_since_checkpoint)
         for observe in self.timing_observers:
@@ -518,6 +538,17 @@ class OnlineLoop:
         self._commit(positions, final)
         self.ranges_since_checkpoint = {}
         return True
+
+    def _write_step_log(self) -> None:
+        """The steps trained since the previous checkpoint, appended to the step log (before
+        the checkpoint that holds them)."""
+        if not self.step_log or not self._pending_log:
+            return
+        with open(self.step_log, "a") as f:
+            f.write("".join(line + "\n" for line in self._pending_log))
+            f.flush()
+            os.fsync(f.fileno())
+        self._pending_log = []
 
     def _commit(self, positions: dict, wait: bool) -> None:
         """Commit ``positions`` (held by a durable checkpoint); ``wait``: for the broker's
@@ -634,6 +665,28 @@ class OnlineLoop:
             "metrics_url": self.metrics_url,
             # workers, shards, assignment, bytes_per_step, recoveries, busy_seconds, timings
             **self.engine.summary(self, timings)}
+
+
+def truncate_step_log(path: str, step: int) -> None:
+    """Drop the lines of steps after ``step`` from the step log ``path`` (written before a
+    checkpoint that was never finished: those steps are trained again after the restart).
+
+    The step log (``--step-log``, ``RUN_DIR/steps.jsonl``) says which messages every step
+    trained, one line a step: ``{"step": k, "workers": [{"ranges": {partition: [first,
+    next]}, "samples": n, "batch": [i, m]}, ...]}``: ``batch`` says the worker (in process:
+    the one) trained the i-th of its unit's m batches, and ``ranges`` are the unit's, on the
+    step that trained its last batch, else empty. Lines are appended at every checkpoint, so
+    a single-process replay of the log reproduces the checkpoint's model."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def init_from(run_dir: str, schema, load: Callable):

@@ -191,11 +191,16 @@ class ProcessEngine:
                 continue
             waited = time.monotonic() - waiting
             unit = item
+            # the step log's records: each batch a step, the unit's ranges on its last one
+            m = len(unit.batches)
+            log = [[{"ranges": unit.ranges if i == m - 1 else {},
+                     "samples": int(batch.num_leaves), "batch": [i, m]}]
+                   for i, batch in enumerate(unit.batches)]
             self.train(unit)
             yield OnlineStep(samples=unit.samples, messages=unit.messages, dead=unit.dead,
                              positions=unit.positions, ranges=unit.ranges,
                              arrivals_ms=unit.timestamps_ms, predictions=unit.predictions,
-                             unit=True, read=True, waited=waited)
+                             unit=True, read=True, waited=waited, log=log)
 
     def train_unit(self, unit: Unit) -> None:
         """Train every batch of ``unit`` (its predictions, made before each update, kept in
@@ -311,7 +316,7 @@ class OnlineTrainer(OnlineLoop):
                  status_path: str | None = None, on_export=None, log_dir: str | None = None,
                  report_every: float = 10.0, reader_nice: int = DEFAULT_READER_NICE,
                  unit_samples: int | None = None, record_predictions: bool = False,
-                 calibrate: bool = False):
+                 calibrate: bool = False, step_log: str | None = None):
         engine = ProcessEngine(schema, trainer, source, poll_timeout=poll_timeout,
                                reader_nice=reader_nice, unit_samples=unit_samples,
                                calibrate=calibrate, train=lambda unit: self._train(unit))
@@ -320,7 +325,8 @@ class OnlineTrainer(OnlineLoop):
                          export_every=export_every, max_samples=max_samples,
                          idle_exit=idle_exit, status_path=status_path, log_dir=log_dir,
                          report_every=report_every, on_export=on_export,
-                         record_predictions=record_predictions, topic=source.topic)
+                         record_predictions=record_predictions, topic=source.topic,
+                         step_log=step_log)
         self.schema = schema
 
     @property

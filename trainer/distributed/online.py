@@ -4,6 +4,8 @@ steps are synchronous, and a checkpoint holds every partition's trained offset.
     python -m trainer.online --schema S --bootstrap-servers HOST:PORT --topic samples \\
         --group ctr-online --run-dir run/ --workers 2 --shards 2 [--ray-address HEAD:6379]
 
+The run is the online loop of a single process (:mod:`trainer.online_loop`: cadence,
+checkpoint-then-commit, exports, reports, the summary) over :class:`RayEngine`.
 The actors are those of batch training (:mod:`trainer.distributed.driver`): the shards are
 :class:`~trainer.distributed.shard.Shard`, the workers are
 :class:`~trainer.distributed.online_worker.OnlineWorker` (a batch ``Worker`` whose batches come
@@ -27,7 +29,7 @@ shards and the dense update compute (see :mod:`trainer.distributed`): the rows, 
 state and dense weights after step ``k`` equal a single :class:`trainer.Trainer` that trained
 the same union batches in the same order, up to float rounding. A step in which no worker
 had a sample trains nothing and does not count. Which messages each step trained is therefore
-a record, not a rule: with ``step_log`` the driver appends it to ``RUN_DIR/steps.jsonl``
+a record, not a rule: with ``--step-log`` the loop appends it to ``RUN_DIR/steps.jsonl``
 (``{"step": k, "workers": [{"ranges": {partition: [first, next]}, "samples": n, "batch": [i,
 m]}, ...]}``: ``batch`` says the worker trained the i-th of its unit's m batches, and
 ``ranges`` are the unit's, on the step that trained its last batch, else empty) at every
@@ -48,7 +50,7 @@ the actors and every worker seeks its partitions to the manifest's offsets. So a
 crash at any moment the restored model has trained exactly the messages before those offsets
 and the run goes on right after them. When a worker or a shard dies instead, the driver does
 the same without restarting: every actor goes back to the latest checkpoint
-(:meth:`OnlineRun.run`).
+(:meth:`RayEngine.guard`).
 
 **Reports.** The driver reports what a single process reports, aggregated over the actors:
 ``RUN_DIR/status.json`` every second, Prometheus metrics (``--metrics-port``) and TensorBoard
@@ -71,7 +73,6 @@ published.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -89,8 +90,9 @@ from trainer.distributed.manifest import read_manifest
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.worker import resolve_dense, unresolved_dense
 from trainer.kafka_source import commit_offsets, consumer_lag, leaders_answer
-from trainer.online_loop import (OnlineLoop, OnlineOptions, OnlineStep, OnlineUsageError,
-                                 init_from, run_online)
+from trainer.online_loop import (OnlineLoop, OnlineOptions, OnlineStep,  # noqa: F401
+                                 STEP_LOG, OnlineUsageError, init_from, run_online,
+                                 truncate_step_log)
 from trainer.online_report import STATUS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger("trainer.online")
@@ -98,7 +100,6 @@ log = logging.getLogger("trainer.online")
 # Seconds a worker waits for a poll's batch before it contributes nothing to a step: the
 # longest one idle worker holds the others up.
 POLL_TIMEOUT = 0.2
-STEP_LOG = "steps.jsonl"
 
 
 def assign_partitions(partitions: list[int], workers: int) -> list[list[int]]:
@@ -120,7 +121,7 @@ class OnlineDistributedTrainer(DistributedTrainer):
         one), in this run and in the config its checkpoints keep, as a single process does.
         The other arguments are :class:`DistributedTrainer`'s."""
         self.expire_every = expire_every
-        # a new run shifts the output biases on its first step (run_cli sets it as
+        # a new run shifts the output biases on its first step (run_on_ray sets it as
         # trainer.online does for a run without a checkpoint or --init-from)
         self.calibrate = False
         super().__init__(schema, model, self.run_config(config or TrainConfig()), **kwargs)
@@ -247,13 +248,12 @@ class RayEngine:
     recovers = True  # a checkpoint is written before the first step: what a death goes back to
 
     def __init__(self, trainer: OnlineDistributedTrainer, kafka_spec: dict, *,
-                 step_log: str | None = None, unit_samples: int | None = None):
-        """``kafka_spec``: as :meth:`OnlineWorker.open` takes it; ``step_log``: the path of the
-        step log (None: none); ``unit_samples``: samples of a unit over all workers
-        (``--unit-samples``; each worker polls its share; None: 10 batches)."""
+                 unit_samples: int | None = None):
+        """``kafka_spec``: as :meth:`OnlineWorker.open` takes it; ``unit_samples``: samples
+        of a unit over all workers (``--unit-samples``; each worker polls its share; None: 10
+        batches)."""
         self.trainer = trainer
         self.kafka_spec = kafka_spec
-        self.step_log = step_log
         self.unit_samples = unit_samples
         self.assignment: list[list[int]] = []
         self.settings = kafka.consumer_settings(kafka_spec["bootstrap_servers"],
@@ -261,7 +261,6 @@ class RayEngine:
         # commits offsets for the whole group (the workers never commit): it never subscribes
         self.committer = kafka.consumer(self.settings)
         self.recoveries: list[dict] = []  # one per rollback after an actor died
-        self._pending_log: list[str] = []
 
     @property
     def step(self) -> int:
@@ -315,9 +314,7 @@ class RayEngine:
                 step.arrivals_ms = np.concatenate(arrivals)
             if step.samples:
                 step.unit = True  # a step is the unit: the rates leave the start-up out
-                if self.step_log:
-                    self._pending_log.append(json.dumps({"step": trainer.step,
-                                                         "workers": step_record}))
+                step.log = [step_record]
             else:  # every worker waited its poll timeout: the loop waited for input
                 step.waited = time.monotonic() - resumed
             yield step
@@ -385,17 +382,14 @@ class RayEngine:
                 f"the steps since the last checkpoint are dropped and their offsets were not "
                 f"committed: run the same command again to resume from "
                 f"{latest.path if latest else 'the start'}") from e
-        loop.restore()
         trainer.losses.clear()
-        self._pending_log = []  # steps after the checkpoint: trained again
+        loop.restore()
         if loop.export_dir is not None:
             # the shards' deltas now follow the checkpoint, not what was published: the next
             # export is a full one (a new lineage), of the model rolled back to
             from trainer.serving import restart_lineage
 
             restart_lineage(trainer)
-        if self.step_log:  # lines a checkpoint wrote before the actor died in it
-            truncate_step_log(self.step_log, trainer.step)
         self.recoveries.append({"error": summary, "failed_at_step": failed_step,
                                 "rolled_back_to_step": trainer.step})
         log.warning("an actor died at step %d (%s); Ray restarted it and every actor rolled "
@@ -418,28 +412,17 @@ class RayEngine:
     def save_checkpoint(self, checkpoints, positions: dict, ranges: dict) -> None:
         """``checkpoints/ckpt-N/model``: the distributed checkpoint, whose manifest's
         ``online`` entry holds the topic, the group, the assignment and every partition's
-        trained offset (the actors between steps, nothing looked up ahead); the step log's
-        lines up to it first."""
+        trained offset (the actors between steps, nothing looked up ahead)."""
         trainer = self.trainer
         latest = checkpoints.latest()
         online = {"topic": self.kafka_spec["topic"], "group": self.kafka_spec["group"],
                   "offsets": {str(p): o for p, o in sorted(positions.items())},
                   "assignment": self.assignment,
                   "previous": None if latest is None else os.path.basename(latest.path)}
-        self._write_step_log()
         checkpoints.save(
             lambda d: trainer.save(os.path.join(d, "model"), extra={"online": online}),
             {"step": trainer.step, "samples": trainer.samples, "kind": "ray-online",
              "time": time.time()})
-
-    def _write_step_log(self) -> None:
-        if not self.step_log or not self._pending_log:
-            return
-        with open(self.step_log, "a") as f:
-            f.write("".join(line + "\n" for line in self._pending_log))
-            f.flush()
-            os.fsync(f.fileno())
-        self._pending_log = []
 
     def commit_due(self, positions: dict, final: bool) -> bool:
         return final  # the run's last commit is sent again, answered
@@ -510,21 +493,6 @@ def union_outputs(found: list) -> tuple[dict, dict]:
             {k: np.concatenate([y[k] for _, y in found]) for k in found[0][1]})
 
 
-def truncate_step_log(path: str, step: int) -> None:
-    """Drop the lines of steps after ``step`` (written before a checkpoint that was never
-    finished: those steps are trained again after the restart)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run_on_ray(options: OnlineOptions, schema: schemas.Schema, config: TrainConfig,
                model) -> dict:
     """``python -m trainer.online ... --workers W --shards S``: restore the latest checkpoint
@@ -576,8 +544,6 @@ def run_on_ray(options: OnlineOptions, schema: schemas.Schema, config: TrainConf
         raise OnlineUsageError(str(e)) from None
     engine = None
     try:  # a signal before the loop runs ends the command here (exit 0, nothing trained)
-        if step_log:
-            truncate_step_log(step_log, trainer.step)
         kafka_spec = {"bootstrap_servers": options.bootstrap_servers, "topic": options.topic,
                       "group": options.group, "options": dict(options.kafka_options),
                       "format": options.format,
@@ -585,15 +551,15 @@ def run_on_ray(options: OnlineOptions, schema: schemas.Schema, config: TrainConf
                       "arrivals": options.export_dir is not None,
                       "dlq_topic": options.dead_letter_topic,
                       "max_message_bytes": options.max_message_bytes}
-        engine = RayEngine(trainer, kafka_spec, step_log=step_log,
-                           unit_samples=options.unit_samples)
+        engine = RayEngine(trainer, kafka_spec, unit_samples=options.unit_samples)
         loop = OnlineLoop(engine, checkpoints, positions=offsets,
                           checkpoint_every=options.checkpoint_every,
                           export_dir=options.export_dir, export_every=options.export_every,
                           max_samples=options.max_samples, idle_exit=options.idle_exit,
                           status_path=os.path.join(run_dir, STATUS_FILE),
                           log_dir=os.path.join(run_dir, TENSORBOARD_DIR),
-                          report_every=options.report_every, topic=options.topic)
+                          report_every=options.report_every, topic=options.topic,
+                          step_log=step_log)
         return run_online(loop, options.metrics_host, options.metrics_port)
     finally:
         if engine is not None:
