@@ -84,8 +84,6 @@ from trainer.runs import MODEL_NAMES, load_tensorflow
 
 PROG = "python -m trainer.online"
 
-log = logging.getLogger("trainer.online")
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -230,7 +228,8 @@ def _run(options: OnlineOptions, run_dir: str, publish_to: str | None = None) ->
     signal_point("tensorflow.loaded")
     kafka.check_reachable(kafka.consumer_settings(options.bootstrap_servers, options.group,
                                                   dict(options.kafka_options)),
-                          options.broker_timeout)
+                          kafka.DEFAULT_BROKER_TIMEOUT if options.broker_timeout is None
+                          else options.broker_timeout)
     signal_point("broker.reached")
     if options.on_ray:
         from trainer.distributed.online import run_on_ray

@@ -47,6 +47,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
 from native.crash_points import crash_point
 from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
 from trainer.online_report import STATUS_EVERY, report_scalars, write_status
@@ -97,13 +98,13 @@ class OnlineOptions:
     reader_nice: int = DEFAULT_READER_NICE
     unit_samples: int | None = None
     dead_letter_topic: str | None = None
-    max_message_bytes: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     workers: int | None = None
     shards: int | None = None
     ray_address: str | None = None
     step_log: bool = False
     kafka_options: dict = field(default_factory=dict)
-    broker_timeout: float = 10.0
+    broker_timeout: float | None = None  # None: compression.kafka's default
     debug: bool = False
 
     @property

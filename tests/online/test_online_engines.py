@@ -5,6 +5,7 @@ and dead-letter every malformed message exactly once; Kafka's committed offsets 
 ahead of a checkpoint; the summary and status.json have the same keys; and the model equals
 a single-process replay of the step log (``--step-log``) the runs wrote."""
 
+import ast
 import json
 import os
 import subprocess
@@ -220,3 +221,40 @@ def test_killed_at_each_commit_point_every_message_trains_once_and_equals_its_re
     assert sorted(dense) == sorted(want)
     for name in want:
         np.testing.assert_allclose(dense[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the loop and its engines: below the command (trainer/online.py), which alone parses flags
+BELOW_THE_COMMAND = ["trainer/online_loop.py", "trainer/online_process.py", "trainer/units.py",
+                     "trainer/distributed/online.py", "trainer/distributed/online_worker.py"]
+
+
+def test_the_loop_and_its_engines_hold_no_argparse_object():
+    """They take OnlineOptions and raise OnlineUsageError; only the command knows argparse
+    (no import of it, no parser or namespace, no ``parser.error``)."""
+    offences = []
+    for path in BELOW_THE_COMMAND:
+        with open(os.path.join(ROOT, path), "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "argparse" for name in names):
+                offences.append(f"{path}:{node.lineno} imports argparse")
+            if isinstance(node, ast.Attribute) and node.attr in (
+                    "error", "ArgumentParser", "Namespace", "parse_args") and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("parser", "argparse"):
+                offences.append(f"{path}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, ast.arg) and node.arg in ("parser", "args"):
+                offences.append(f"{path}:{node.lineno} takes {node.arg}")
+    assert offences == []
+
+
+def test_the_online_loop_loads_neither_tensorflow_nor_ray_nor_an_engine():
+    """trainer.online_loop knows its engines only by what they do (OnlineEngine)."""
+    modules = ("tensorflow", "keras", "ray", "confluent_kafka", "trainer.trainer",
+               "trainer.online_process", "trainer.distributed.online")
+    code = f"import sys, trainer.online_loop; print([m for m in {modules!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
