@@ -171,7 +171,8 @@ class OnlineEngine(Protocol):
     def partitions_changed(self) -> bool:
         """After a checkpoint: the topic's partitions were dealt anew (steps restart)."""
 
-    def flush_dead_letters(self, timeout: float) -> bool: ...
+    def flush_dead_letters(self, timeout: float) -> bool:
+        """Whether every dead letter sent so far was delivered within ``timeout`` s."""
 
     def save_checkpoint(self, checkpoints, positions: dict, ranges: dict) -> None:
         """Write a checkpoint of the model and ``positions`` (and the engine's own format)."""
@@ -179,29 +180,44 @@ class OnlineEngine(Protocol):
     def commit_due(self, positions: dict, final: bool) -> bool:
         """When nothing changed since the latest checkpoint: whether to commit again."""
 
-    def commit(self, positions: dict, wait: bool) -> None: ...
+    def commit(self, positions: dict, wait: bool) -> None:
+        """Commit ``positions`` to Kafka (``wait``: for the broker's answer)."""
 
-    def export(self, directory: str, newest_sample_time: float | None) -> None: ...
+    def export(self, directory: str, newest_sample_time: float | None) -> None:
+        """Publish a version for serving (:func:`trainer.serving.export_increment`)."""
 
-    def reachable(self, timeout: float) -> bool: ...
+    def reachable(self, timeout: float) -> bool:
+        """Whether the leaders of the partitions read answer within ``timeout`` s."""
 
-    def assigned(self) -> list: ...
+    def assigned(self) -> list:
+        """The partitions read now (none while joining the group or in a rebalance)."""
 
-    def lag(self, positions: dict) -> int | None: ...
+    def lag(self, positions: dict) -> int | None:
+        """Messages behind the partitions' ends (None: a leader did not answer)."""
 
-    def store_stats(self) -> dict: ...
+    def store_stats(self) -> dict:
+        """The stores' counters summed: rows, bytes, admitted, rejected, expired."""
 
-    def report_line(self, loop: "OnlineLoop", values: dict) -> tuple: ...
+    def report_line(self, loop: "OnlineLoop", values: dict) -> tuple:
+        """The console line (a logging format and its arguments) of a report's ``values``:
+        each engine's line as it was (scripts and tests read them)."""
 
-    def snapshot(self) -> dict: ...
+    def snapshot(self) -> dict:
+        """The engine's counters a checkpoint holds (what :meth:`restore_snapshot` takes)."""
 
-    def restore_snapshot(self, snapshot: dict) -> None: ...
+    def restore_snapshot(self, snapshot: dict) -> None:
+        """The counters back to ``snapshot`` (a rollback)."""
 
-    def summary(self, loop: "OnlineLoop", timings: bool) -> dict: ...
+    def summary(self, loop: "OnlineLoop", timings: bool) -> dict:
+        """The engine's summary keys: workers, shards, assignment, bytes_per_step,
+        recoveries, busy_seconds, timings (``timings`` False: the last two may be None)."""
 
 
 @dataclass
 class OnlineStats:
+    """The counters of a run (``units``: the rates' unit, a poll's batches in process, a step
+    on Ray)."""
+
     samples: int = 0
     messages: int = 0
     dead: int = 0
@@ -230,8 +246,7 @@ class OnlineLoop:
                  export_every: float = 10.0, max_samples: int | None = None,
                  idle_exit: float | None = None, status_path: str | None = None,
                  log_dir: str | None = None, report_every: float = 10.0, on_export=None,
-                 record_predictions: bool = False, topic: str = "",
-                 step_log: str | None = None):
+                 record_predictions: bool = False, step_log: str | None = None):
         """``positions``: partition -> next offset to train (the restored checkpoint's);
         ``status_path``: the status file (None: none); ``log_dir``: TensorBoard scalars
         (None: none); ``on_export``: called with the loop after every export; ``step_log``:
@@ -247,7 +262,6 @@ class OnlineLoop:
         self.log_dir = log_dir
         self.report_every = report_every
         self.on_export = on_export
-        self.topic = topic
         self.step_log = step_log
         self._pending_log: list[str] = []
         self.positions = {int(p): int(o) for p, o in positions.items()}

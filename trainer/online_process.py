@@ -325,8 +325,7 @@ class OnlineTrainer(OnlineLoop):
                          export_every=export_every, max_samples=max_samples,
                          idle_exit=idle_exit, status_path=status_path, log_dir=log_dir,
                          report_every=report_every, on_export=on_export,
-                         record_predictions=record_predictions, topic=source.topic,
-                         step_log=step_log)
+                         record_predictions=record_predictions, step_log=step_log)
         self.schema = schema
 
     @property

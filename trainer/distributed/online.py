@@ -558,8 +558,7 @@ def run_on_ray(options: OnlineOptions, schema: schemas.Schema, config: TrainConf
                           max_samples=options.max_samples, idle_exit=options.idle_exit,
                           status_path=os.path.join(run_dir, STATUS_FILE),
                           log_dir=os.path.join(run_dir, TENSORBOARD_DIR),
-                          report_every=options.report_every, topic=options.topic,
-                          step_log=step_log)
+                          report_every=options.report_every, step_log=step_log)
         return run_online(loop, options.metrics_host, options.metrics_port)
     finally:
         if engine is not None:
