@@ -11,7 +11,7 @@ taobao_like schema (trainer/examples/mlp.yaml, batch 5000):
 2. delay: a producer sends ``--rate`` samples/s for ``--seconds`` while the trainer runs with
    ``--export-every``; the delay of a sample is from its message timestamp to the end of the
    export that holds its update (p50, p99).
-Prints a table and a final JSON line. Targets (ARCHITECTURE.md): at least 100k samples/s, p99
+Prints a table and a final JSON line. Targets (docs/architecture.md): at least 100k samples/s, p99
 delay under 10 s with exports every 5 s.
 
 With ``--workers W --shards S``, online learning on Ray instead (:mod:`benchmarks.online_ray`):
@@ -106,7 +106,7 @@ def _train_alone(schema, messages, threads: int, unit_samples: int | None) -> di
     lookup + step + update timed, on a fresh trainer."""
     import compression
     from trainer import models
-    from trainer.online import default_unit_samples
+    from trainer.online_process import default_unit_samples
     from trainer.trainer import Trainer
 
     trainer = Trainer(schema, models.MLP(), _config(threads))
@@ -121,13 +121,13 @@ def _train_alone(schema, messages, threads: int, unit_samples: int | None) -> di
 def _prepare(trainer, schema, tables: list) -> list:
     """The trainer's prepared batches of each unit's decoded samples, as the online reader
     makes them: trees built per unit, cut into batches, feed tensors made."""
-    import compression
+    from trainer.units import as_trees, cut_batches
 
     prepared = []
     for table in tables:
-        trees = compression.build_trees(table, schema, validate=False)
-        prepared += [trainer.prepare(b) for b in compression.iter_batches(
-            trees, schema, trainer.config.batch_size)]
+        prepared += cut_batches(as_trees(table, schema, validate=False), schema,
+                                trainer.config.batch_size, trainer.config.split_trees,
+                                trainer.prepare)
     return prepared
 
 
@@ -147,7 +147,7 @@ def _online(schema, bootstrap, topic, run_dir, export_dir, export_every, threads
     from trainer import models
     from trainer.checkpoints import CheckpointManager
     from trainer.kafka_source import KafkaSampleSource, group_id
-    from trainer.online import OnlineTrainer
+    from trainer.online_process import OnlineTrainer
     from trainer.trainer import Trainer
 
     trainer = Trainer(schema, models.MLP(), _config(threads))
@@ -174,7 +174,7 @@ def _budget(schema, bootstrap: str, topic: str, messages: list, threads: int,
     from trainer import models
     from compression import decode_json_samples
     from trainer.kafka_source import KafkaSampleSource, group_id
-    from trainer.online import default_unit_samples
+    from trainer.online_process import default_unit_samples
     from trainer.trainer import Trainer
 
     trainer = Trainer(schema, models.MLP(), _config(threads))

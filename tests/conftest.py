@@ -61,6 +61,7 @@ if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
 SLOW_FIRST = (
     "tests/trainer/test_distributed_faults.py",
     "tests/trainer/test_online_ray.py",
+    "tests/online/test_online_engines.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_quality_benchmark_tiny",
     "tests/benchmarks/test_tiny_benchmarks.py::test_distributed_benchmark_tiny",
     "tests/trainer/test_distributed.py::test_resharding_keeps_the_counter_filters_pending",
@@ -97,6 +98,8 @@ SLOW_FIRST = (
 ONE_WORKER = {
     "tests/trainer/test_distributed_faults.py": "faults",
     "tests/trainer/test_online_ray.py": "online-ray",
+    # both engines of the online loop; its Ray cluster not beside test_online_ray.py's
+    "tests/online/test_online_engines.py": "online-ray",
     "tests/trainer/test_distributed.py::test_cli_": "distributed-cli",
     "tests/trainer/test_distributed.py::test_two_shards_two_workers": "distributed-fit",
     "tests/trainer/test_distributed.py::test_resharding": "distributed-fit",

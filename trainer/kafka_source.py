@@ -318,15 +318,7 @@ class KafkaSampleSource:
 
         An empty :meth:`poll` cannot tell "nothing to read" from "the broker is gone": the
         client retries unreachable brokers silently. This is what tells them apart."""
-        if not self.assigned:
-            return False
-        for p in sorted(self.assigned):
-            try:
-                self.consumer.get_watermark_offsets(TopicPartition(self.topic, p),
-                                                    timeout=timeout, cached=False)
-            except KafkaException:
-                return False
-        return True
+        return leaders_answer(self.consumer, self.topic, self.assigned, timeout)
 
     def lag(self) -> int | None:
         """Messages behind the end of the assigned partitions (None when unknown).
@@ -341,12 +333,26 @@ class KafkaSampleSource:
             self.consumer.close()
 
 
+def leaders_answer(consumer, topic: str, partitions, timeout: float) -> bool:
+    """Whether the leader of every one of ``topic``'s ``partitions`` answers ``consumer``
+    within ``timeout`` s (a ListOffsets round trip each); False without partitions."""
+    if not partitions:
+        return False
+    for p in sorted(partitions):
+        try:
+            consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
+                                           cached=False)
+        except KafkaException:
+            return False
+    return True
+
+
 def consumer_lag(consumer, topic: str, partitions, positions: dict,
                  timeout: float = 1.0) -> int | None:
     """Messages of ``topic``'s ``partitions`` at or after ``positions`` (partition -> next
     offset to read; 0 when absent), from the leaders' high watermarks as ``consumer`` gets
     them; None when a leader does not answer within ``timeout`` s. Some brokers under-report
-    the watermark (ARCHITECTURE.md): a metric only."""
+    the watermark (docs/architecture.md): a metric only."""
     total = 0
     for p in sorted(partitions):
         try:

@@ -23,7 +23,10 @@ A malformed message's dead letter is written once when the run meets no crash (u
 but not trained when it stops are read, and dead-lettered, by the next run); after a crash,
 those of the units trained since the last checkpoint are written again.
 With ``--workers W --shards S`` the same command trains on Ray, with the same guarantee
-(:mod:`trainer.distributed.online`).
+(:mod:`trainer.distributed.online`). Both are one loop (:mod:`trainer.online_loop`) over an
+engine: this process's (:mod:`trainer.online_process`) or Ray's; this module parses the flags
+into :class:`~trainer.online_loop.OnlineOptions` and turns what the engines refuse into usage
+errors.
 SIGTERM (or Ctrl-C) finishes the current unit, checkpoints, commits and exits 0; one that comes
 while the command starts (TensorFlow, the broker, the model, Ray and its actors) ends it with
 exit 0 and nothing trained. A checkpoint is written only when something changed since the
@@ -36,7 +39,7 @@ nothing to read. Time without partitions (joining the group, a rebalance) and ti
 broker cannot be reached is not idle: an empty poll cannot tell "no new messages" from "no
 broker", so whenever polls come back empty the reader asks the partitions' leaders for their
 offsets (at most every ``PROBE_EVERY`` s); an unanswered request restarts the idle clock, and
-the trainer keeps retrying, however long the outage lasts. Just before it stops, the reader
+the trainer keeps retrying, however long the outage lasts. Just before it stops, the loop
 asks once more, so a run never gives up while the broker is away.
 
 On an object store (``--run-dir s3://bucket/online``, ``gs://``...): the run works in a local copy
@@ -57,532 +60,29 @@ and TensorBoard (``pv/*``): the online counterpart of a held-out evaluation, at 
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import json
 import logging
 import os
-import queue
-import signal
 import sys
 import textwrap
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-import compression
 import schemas
-from compression import fs, kafka
+from compression import cli, fs, kafka
 from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
-from native.crash_points import crash_point
 from compression.signal_points import signal_point
-from compression import cli
-from trainer.checkpoints import CheckpointManager
 from trainer.config import ConfigError, TrainConfig
-from trainer.kafka_source import DEFAULT_UNIT_BATCHES, KafkaSampleSource
-from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
-from trainer.online_report import (STATUS_EVERY, STATUS_FILE, TENSORBOARD_DIR, report_scalars,
-                                   serve_metrics, write_status)
+from trainer.kafka_source import DEFAULT_UNIT_BATCHES
+from trainer.metrics import DelayHistogram  # noqa: F401 - importable from here as before
+from trainer.online_loop import (DEFAULT_READER_NICE, PROBE_EVERY, PROBE_TIMEOUT,  # noqa: F401
+                                 STEP_LOG, OnlineOptions, OnlineStats, OnlineUsageError,
+                                 metric_text, run_online)
+from trainer.online_process import OnlineTrainer, Unit, default_unit_samples  # noqa: F401
+from trainer.online_report import STATUS_FILE, TENSORBOARD_DIR
 from trainer.ray_address import check_ray_address
 from trainer.runs import MODEL_NAMES, load_tensorflow
 
-if TYPE_CHECKING:  # TensorFlow is imported once the arguments are parsed (a fast --help)
-    from trainer.trainer import Trainer
-
 PROG = "python -m trainer.online"
-
-log = logging.getLogger("trainer.online")
-DEFAULT_READER_NICE = 10
-# While polls come back empty, the reader checks at most this often (seconds) that the
-# partitions' leaders answer, waiting up to PROBE_TIMEOUT s: an outage is not idle time.
-PROBE_EVERY = 1.0
-PROBE_TIMEOUT = 2.0
-_IDLE = object()  # the reader's last item when the topic was idle for --idle-exit seconds
-
-
-def default_unit_samples(batch_size: int) -> int:
-    """Samples a unit holds unless ``--unit-samples`` says otherwise."""
-    return DEFAULT_UNIT_BATCHES * batch_size
-
-
-@dataclass
-class Unit:
-    """Batches cut from one poll, and the consumer positions after it."""
-
-    batches: list
-    samples: int
-    positions: dict
-    ranges: dict
-    timestamps_ms: np.ndarray
-    dead_letters: list  # compression.DeadLetter each, sent once the unit is trained
-    messages: int
-
-    @property
-    def dead(self) -> int:
-        return len(self.dead_letters)
-
-
-@dataclass
-class OnlineStats:
-    samples: int = 0
-    messages: int = 0
-    dead: int = 0
-    units: int = 0
-    checkpoints: int = 0
-    exports: int = 0
-    delays: DelayHistogram = field(default_factory=DelayHistogram)
-    # the same for samples that arrived after the first unit was trained: the steady state,
-    # without the backlog that piles up while the trainer starts and joins the group
-    steady_delays: DelayHistogram = field(default_factory=DelayHistogram)
-    first_unit_wall_ms: float | None = None
-    started: float = field(default_factory=time.monotonic)
-    first_unit: float | None = None  # when the first unit was trained (after start-up/join)
-    last_unit: float | None = None   # when the latest unit was trained
-    first_unit_samples: int = 0
-    # the reader thread's busy seconds (the trainer's own are in Trainer.timings)
-    reader_seconds: dict = field(default_factory=lambda: {"poll_decode": 0.0,
-                                                         "compress_batch": 0.0})
-    # seconds the training thread waited for the reader's next unit after the first unit
-    # (above ~0 the reader, i.e. Kafka and decoding, limits the rate; else training does)
-    trainer_waited: float = 0.0
-
-
-class OnlineTrainer:
-    """Owns the trainer, the Kafka source, checkpoints and exports of one online run."""
-
-    def __init__(self, schema: schemas.Schema, trainer: Trainer, source: KafkaSampleSource,
-                 checkpoints: CheckpointManager, checkpoint_every: float = 30.0,
-                 export_dir: str | None = None, export_every: float = 10.0,
-                 max_samples: int | None = None, idle_exit: float | None = None,
-                 poll_timeout: float = 0.2, status_path: str | None = None,
-                 on_export=None, log_dir: str | None = None, report_every: float = 10.0,
-                 reader_nice: int = DEFAULT_READER_NICE, unit_samples: int | None = None,
-                 record_predictions: bool = False, calibrate: bool = False):
-        self.schema = schema
-        # a new run's model: shift its output biases to the first batch's label rates first
-        # (Trainer.calibrate_output), so it starts at the constant predictor, not at 0.5
-        self.calibrate = calibrate
-        self.trainer = trainer
-        self.source = source
-        self.checkpoints = checkpoints
-        self.checkpoint_every = checkpoint_every
-        self.export_dir = export_dir
-        self.export_every = export_every
-        self.max_samples = max_samples
-        self.idle_exit = idle_exit
-        self.poll_timeout = poll_timeout
-        self.status_path = status_path
-        self.on_export = on_export  # called with this OnlineTrainer after every export
-        self.log_dir = log_dir        # TensorBoard scalars (None: none)
-        self.report_every = report_every  # seconds between console lines and scalars
-        self.reader_nice = reader_nice    # niceness added to the reader thread (0: none)
-        self.reader_thread_id: int | None = None
-        self.unit_samples = (unit_samples if unit_samples is not None
-                             else default_unit_samples(trainer.config.batch_size))
-        if self.unit_samples < 1:
-            raise ValueError(f"unit_samples must be at least 1, got {self.unit_samples}")
-        self._writer = None
-        self._last_status = 0.0
-        self._last_report = (time.monotonic(), 0, 0.0)  # (when, samples, trainer_waited then)
-        self.last_lag: int | None = None
-        self.last_delay: dict = {"p50": None, "p99": None}  # of the latest export
-        # Kafka arrival time (Unix s) of the newest sample trained into the latest export
-        self.newest_arrival: float | None = None
-        self._trained_since_export = False
-        self.snapshot: dict | None = None   # the latest summary (status.json, /metrics)
-        self.metrics_url: str | None = None
-        self.timing_observers: list = []    # called with ("checkpoint"|"export", seconds)
-        self.stats = OnlineStats()
-        # progressive validation of the first head: the whole run, and since the last report
-        self.pv = ProgressiveValidation()
-        self.pv_window = ProgressiveValidation()
-        self.pv_label: str | None = None
-        self.last_pv_window: dict | None = None  # the window of the latest report
-        # (probabilities, labels) of every batch, in training order (for tests and analysis;
-        # grows with the run, so off by default)
-        self.predictions: list | None = [] if record_predictions else None
-        # the idle clock, kept by the reader (see the module docstring)
-        self.broker_reachable: bool | None = None  # the latest probe's answer
-        self._idle_since: float | None = None
-        self._assigned: list = []
-        self._probed_at = float("-inf")
-        self.trained_positions = dict(source.positions)
-        # what the latest checkpoint (or the restored one) holds
-        self._checkpointed = (trainer.step, dict(source.positions))
-        self.ranges_since_checkpoint: dict[int, list] = {}
-        self._pending_timestamps: list = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # the consumer is used by the reader and by commits
-        self._queue: queue.Queue = queue.Queue(maxsize=2)
-        self._reader_error: list = []
-
-    def stop(self, *_):
-        """Ask the loop to finish the current unit, checkpoint, commit and return."""
-        self._stop.set()
-
-    # -- the reader thread: consume, decode, compress, batch -------------------------------
-
-    def _read(self):
-        self.reader_thread_id = threading.get_native_id()
-        if self.reader_nice > 0:
-            # The training step runs on every core; a reader thread at the same priority takes
-            # one of them mid-step and the step's other threads wait for it (measured: the step
-            # took 2-3x longer). At a lower priority it fills the time the step leaves.
-            try:
-                os.setpriority(os.PRIO_PROCESS, self.reader_thread_id,
-                               os.getpriority(os.PRIO_PROCESS, self.reader_thread_id)
-                               + self.reader_nice)
-            except OSError as e:
-                log.warning("could not lower the reader thread's priority: %s", e)
-        batch_size = self.trainer.config.batch_size
-        # A unit holds about unit_samples samples whatever the format: a tree message holds
-        # many, so ask for as many messages as the samples per message so far suggest.
-        seen_samples = seen_messages = 0
-        try:
-            while not self._stop.is_set():
-                if seen_samples:
-                    ask = max(1, round(self.unit_samples * seen_messages / seen_samples))
-                else:
-                    ask = self.unit_samples if self.source.format == "json" else 1
-                t0 = time.perf_counter()
-                t0_monotonic = time.monotonic()
-                with self._lock:
-                    polled = self.source.poll(ask, self.poll_timeout)
-                    positions = dict(self.source.positions)
-                    # a copy for status.json: the rebalance callbacks change the set in place
-                    self._assigned = sorted(self.source.assigned)
-                t1 = time.perf_counter()
-                if not polled.messages:
-                    if self._idle_tick(t0_monotonic):
-                        self._put(_IDLE)  # after every unit polled before: all are trained
-                        return
-                    self._put(None)  # an idle tick, so the trainer can checkpoint on time
-                    continue
-                self._idle_since = None
-                self.broker_reachable = True
-                seen_samples += polled.num_samples
-                seen_messages += polled.messages
-                batches = []
-                if polled.num_samples:
-                    trees = (compression.build_trees(polled.samples, self.schema, validate=False)
-                             if polled.samples is not None else polled.trees)
-                    # prepared here, off the training thread (numpy feed work and tensors)
-                    batches = [self.trainer.prepare(b) for b in compression.iter_batches(
-                        trees, self.schema, batch_size, self.trainer.config.split_trees)]
-                self.stats.reader_seconds["poll_decode"] += t1 - t0
-                self.stats.reader_seconds["compress_batch"] += time.perf_counter() - t1
-                self._put(Unit(batches, polled.num_samples, positions, polled.ranges,
-                               polled.timestamps_ms, polled.dead_letters, polled.messages))
-        except BaseException as e:  # surfaced by the main loop
-            self._reader_error.append(e)
-            self._put(None)
-
-    def _idle_tick(self, poll_started: float) -> bool:
-        """After an empty poll that began at ``poll_started``: advance the idle clock; True when
-        the run has been idle for ``idle_exit`` s and the broker answered just now.
-
-        Idle counts only while partitions are assigned (joining the group or a rebalance is not
-        the topic being idle) and the broker answers: an unanswered probe stops the clock, and
-        it restarts from the next empty poll once the broker is back."""
-        if not self.source.assigned:
-            self._idle_since = None
-            return False
-        now = time.monotonic()
-        expiring = (self.idle_exit is not None and self._idle_since is not None
-                    and now - self._idle_since >= self.idle_exit)
-        if expiring or now - self._probed_at >= PROBE_EVERY:
-            with self._lock:
-                reachable = self.source.reachable(PROBE_TIMEOUT)
-            if not reachable:
-                self._idle_since = None  # first: status.json never shows idle time unreachable
-                self.broker_reachable = False
-                return False
-            self.broker_reachable = True
-            self._probed_at = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = poll_started
-            return False
-        return expiring
-
-    def idle_seconds(self) -> float:
-        """How long the topic has been idle (see :meth:`_idle_tick`); 0 when it is not."""
-        since = self._idle_since
-        return 0.0 if since is None else max(0.0, time.monotonic() - since)
-
-    def _put(self, item):
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    # -- the main loop: train, expire, export, checkpoint ----------------------------------
-
-    def run(self) -> dict:
-        # Python's cyclic collector runs whenever enough objects were allocated (every poll
-        # makes one per message) and, in a full pass, walks every object alive, TensorFlow's
-        # hundreds of thousands included, holding the GIL the training step needs. Objects
-        # alive at start-up live for the whole run: freeze them out of the collector's passes
-        # (measured: 1.5 s of collection per 500k samples fell to 0.3 s).
-        gc.freeze()
-        reader = threading.Thread(target=self._read, name="online-reader", daemon=True)
-        reader.start()
-        last_checkpoint = last_export = last_report = time.monotonic()
-        if self.log_dir:
-            import tensorflow as tf
-
-            self._writer = tf.summary.create_file_writer(self.log_dir)
-        try:
-            self.trainer.trace()  # while the reader joins the group and polls its first unit
-            while not self._stop.is_set():
-                waiting = time.monotonic()
-                try:
-                    unit = self._queue.get(timeout=0.5)
-                except queue.Empty:
-                    unit = None
-                if self._reader_error:
-                    raise self._reader_error[0]
-                now = time.monotonic()
-                if unit is _IDLE:  # idle for --idle-exit s (see _idle_tick)
-                    break
-                if unit is not None and self.stats.first_unit is not None:
-                    self.stats.trainer_waited += now - waiting
-                if unit is not None:
-                    self._train(unit)
-                if self.export_dir and now - last_export >= self.export_every:
-                    self.export()
-                    last_export = time.monotonic()
-                if now - last_checkpoint >= self.checkpoint_every:
-                    self.checkpoint()  # postponed (returns False) while dead letters wait
-                    last_checkpoint = time.monotonic()
-                if now - last_report >= self.report_every:
-                    self.report()
-                    last_report = time.monotonic()
-                if self.status_path and time.monotonic() - self._last_status >= STATUS_EVERY:
-                    self.write_status()  # also while idle or cut off: operators see why
-                if self.max_samples is not None and self.stats.samples >= self.max_samples:
-                    break
-        finally:
-            self._stop.set()
-            reader.join(timeout=10)
-        # Units the reader polled but we did not train are simply not in the checkpoint:
-        # their offsets are after the trained positions, so the next run consumes them (and
-        # sends their dead letters, which were not sent here).
-        if self.export_dir:
-            self.export()
-        if not self.checkpoint(flush_timeout=60.0, final=True):
-            raise RuntimeError(
-                f"the final checkpoint was not written: dead letters to "
-                f"{self.source.dlq_topic!r} could not be delivered within 60 s (is the broker "
-                "reachable?); the run resumes from the previous checkpoint")
-        self.report()
-        if self._writer is not None:
-            self._writer.close()
-        if self.status_path:
-            self.write_status()  # the final state, for scripts that read it after the run
-        return self.summary()
-
-    def _train(self, unit: Unit):
-        self._trained_since_export = True
-        for batch in unit.batches:
-            if self.calibrate:
-                self.calibrate = False
-                for label, (rate, shift) in self.trainer.calibrate_output(batch).items():
-                    log.info("new model: %s output bias shifted by %+.3f to the first "
-                             "batch's rate %.4f", label, shift, rate)
-            # the probabilities of the step, computed before its update: progressive validation
-            _, probabilities, labels = self.trainer.train_batch(batch, predictions=True)
-            if self.pv_label is None:
-                self.pv_label = next(iter(probabilities))  # the model's first head
-            p, y = probabilities[self.pv_label], labels[self.pv_label]
-            self.pv.add(p, y)
-            self.pv_window.add(p, y)
-            if self.predictions is not None:
-                self.predictions.append((p, y))
-        self.trained_positions.update(unit.positions)
-        self.source.send_dead_letters(unit.dead_letters)  # delivered before the checkpoint
-        for p, (first, end) in unit.ranges.items():
-            spans = self.ranges_since_checkpoint.setdefault(int(p), [])
-            if spans and spans[-1][1] == first:
-                spans[-1][1] = end
-            else:
-                spans.append([first, end])
-        if len(unit.timestamps_ms):
-            self._pending_timestamps.append(unit.timestamps_ms)
-        if self.stats.first_unit is None:
-            gc.freeze()  # and what the first step's tracing made
-            self.stats.first_unit = time.monotonic()
-            self.stats.first_unit_wall_ms = time.time() * 1000
-            self.stats.first_unit_samples = unit.samples
-        self.stats.last_unit = time.monotonic()
-        self.stats.samples += unit.samples
-        self.stats.messages += unit.messages
-        self.stats.dead += unit.dead
-        self.stats.units += 1
-
-    def write_status(self):
-        """Replace ``status.json`` in the run dir with the current summary (for operators and
-        scripts: how far the run is, without reading logs)."""
-        self.snapshot = self.summary()  # what the metrics endpoint reports
-        write_status(self.status_path, self.snapshot)
-        self._last_status = time.monotonic()
-
-    def checkpoint(self, flush_timeout: float = 5.0, final: bool = False) -> bool:
-        """Write a checkpoint holding the trained positions; then commit them to Kafka.
-
-        The dead letters of the messages it covers are delivered first: if they cannot be
-        within ``flush_timeout`` s, the checkpoint is postponed (returns False) and training
-        goes on. The commit is only sent (``final``: sent and answered, see :meth:`_commit`);
-        a failed commit is logged and made good by the next checkpoint's commit.
-
-        Nothing is written when nothing changed since the latest checkpoint (no step trained,
-        no offset moved): it would hold the same step and offsets again. Its offsets are
-        committed again if their commit did not go through."""
-        positions = dict(self.trained_positions)
-        if (self.trainer.step, positions) == self._checkpointed:
-            source = self.source
-            uncommitted = any(source.committed.get(p) != o for p, o in positions.items()
-                              if p in source.assigned)
-            if uncommitted and (final or not source.commits_in_flight):
-                self._commit(positions, final)
-            return True
-        if not self.source.flush_dead_letters(flush_timeout):
-            log.warning("checkpoint postponed: dead letters are not delivered yet")
-            return False
-        state = {"step": self.trainer.step, "samples": self.trainer.samples,
-                 "offsets": {str(p): o for p, o in sorted(positions.items())},
-                 "trained_ranges": {str(p): spans for p, spans in
-                                    sorted(self.ranges_since_checkpoint.items())},
-                 "previous": (self.checkpoints.latest().path if self.checkpoints.latest()
-                              else None),
-                 "topic": self.source.topic, "time": time.time()}
-        started = time.monotonic()
-        self.checkpoints.save(lambda d: self.trainer.save(os.path.join(d, "model")), state)
-        for observe in self.timing_observers:
-            observe("checkpoint", time.monotonic() - started)
-        self._checkpointed = (state["step"], positions)
-        self._commit(positions, final)
-        self.ranges_since_checkpoint = {}
-        self.stats.checkpoints += 1
-        return True
-
-    def _commit(self, positions: dict, wait: bool) -> None:
-        """Commit ``positions`` (held by a durable checkpoint). While the run goes on, only
-        send the commit: a synchronous one waits as long as the broker is away, and the
-        training thread with it (the reader too: they share the lock). The last one of a run
-        waits for the broker's answer, so Kafka holds the final offsets when the run ends."""
-        with self._lock:
-            crash_point("offsets.commit")  # see native.crash_points
-            self.source.commit(positions, asynchronous=not wait)
-            crash_point("offsets.committed")
-
-    def export(self):
-        """Export store deltas (upserts and tombstones) and the dense weights for serving: a
-        full export after the first unit, then a version whenever something was trained
-        since the last export."""
-        from trainer.serving import export_increment  # serving pieces live there
-
-        if not self._trained_since_export:
-            return  # nothing new (and before the first unit, nothing a server could use)
-        self._trained_since_export = False
-
-        if self._pending_timestamps:
-            stamps = np.concatenate(self._pending_timestamps)
-            if len(stamps):
-                self.newest_arrival = max(self.newest_arrival or 0.0, float(stamps.max()) / 1000)
-        started = time.monotonic()
-        export_increment(self.trainer, self.export_dir, newest_sample_time=self.newest_arrival)
-        for observe in self.timing_observers:
-            observe("export", time.monotonic() - started)
-        now_ms = time.time() * 1000
-        if self._pending_timestamps:
-            self._pending_timestamps = []
-            delays = now_ms - stamps
-            self.stats.delays.add(delays)
-            self.stats.steady_delays.add(delays[stamps >= self.stats.first_unit_wall_ms])
-            self.last_delay = {"p50": float(np.percentile(delays, 50)) / 1000,
-                               "p99": float(np.percentile(delays, 99)) / 1000}
-            if self._writer is not None:
-                from trainer.fitting import write_scalars
-
-                write_scalars(self._writer, self.trainer.step,
-                              {"delay/p50_s": self.last_delay["p50"],
-                               "delay/p99_s": self.last_delay["p99"]})
-        self.stats.exports += 1
-        if self.on_export is not None:
-            self.on_export(self)
-
-    def report(self):
-        """One console line and TensorBoard scalars: samples/s since the last report, consumer
-        lag, store rows admitted/rejected/expired, dead letters, the latest export's delay."""
-        now = time.monotonic()
-        then, samples_then, waited_then = self._last_report
-        rate = (self.stats.samples - samples_then) / max(now - then, 1e-9)
-        # the share of the time the training thread waited for input: near 0 while the topic
-        # has a backlog means training is the bottleneck (more cores or more trainers)
-        waited = (self.stats.trainer_waited - waited_then) / max(now - then, 1e-9)
-        self._last_report = (now, self.stats.samples, self.stats.trainer_waited)
-        with self._lock:
-            self.last_lag = self.source.lag()
-        store = self.trainer.store_stats()
-        delay = {k: "n/a" if v is None else f"{v:.2f} s" for k, v in self.last_delay.items()}
-        pv, window = self.pv.result(), self.pv_window.result()
-        self.pv_window.reset()
-        self.last_pv_window = window
-        log.info("%s samples, %s samples/s (waited for input %.0f%%), lag %s messages, %s store "
-                 "rows (admitted %s, rejected %s, expired %s), %d dead letters, export delay p50 "
-                 "%s p99 %s, progressive validation AUC %s logloss %s (since the last line: AUC "
-                 "%s logloss %s)", f"{self.stats.samples:,}", f"{rate:,.0f}", 100 * waited,
-                 "n/a" if self.last_lag is None else f"{self.last_lag:,}",
-                 f"{store.get('rows', 0):,}", f"{store.get('admitted', 0):,}",
-                 f"{store.get('rejected', 0):,}", f"{store.get('expired', 0):,}",
-                 self.stats.dead, delay["p50"], delay["p99"], _metric(pv["auc"]),
-                 _metric(pv["logloss"]), _metric(window["auc"]), _metric(window["logloss"]))
-        if self._writer is not None:
-            from trainer.fitting import write_scalars
-
-            write_scalars(self._writer, self.trainer.step, report_scalars(
-                rate=rate, dead_letters=self.stats.dead, store=store, lag=self.last_lag,
-                pv=pv, window=window, waited=waited))
-
-    def summary(self) -> dict:
-        now = time.monotonic()
-        seconds = now - self.stats.started
-        store = self.trainer.store_stats()
-        return {"samples": self.stats.samples, "messages": self.stats.messages,
-                "units": self.stats.units,
-                "dead_letters": self.stats.dead, "steps": self.trainer.step,
-                "seconds": round(seconds, 3),
-                **run_rates(self.stats.samples, seconds, self.stats.units,
-                            self.stats.first_unit, self.stats.last_unit,
-                            self.stats.first_unit_samples),
-                # progressive validation: the whole run, and the window the latest console
-                # line reported (None before the first line)
-                "pv": {**self.pv.result(), "label": self.pv_label,
-                       "window": self.last_pv_window},
-                "broker_reachable": self.broker_reachable,
-                "idle_s": round(self.idle_seconds(), 3),
-                "assigned": self._assigned,
-                "since_last_unit_s": (round(now - self.stats.last_unit, 3)
-                                      if self.stats.last_unit else None),
-                "checkpoints": self.stats.checkpoints, "exports": self.stats.exports,
-                "store_rows": store.get("rows", 0), "admitted": store.get("admitted", 0),
-                "rejected": store.get("rejected", 0), "expired": store.get("expired", 0),
-                "delay_s": self.stats.delays.percentiles(),
-                "steady_delay_s": self.stats.steady_delays.percentiles(), "lag": self.last_lag,
-                "busy_seconds": {**{k: round(v, 3) for k, v in self.stats.reader_seconds.items()},
-                                 **{k: round(self.trainer.timings[k], 3)
-                                    for k in ("lookup", "step", "update")}},
-                "trainer_waited_s": round(self.stats.trainer_waited, 3),
-                "offsets": {str(p): o for p, o in sorted(self.trained_positions.items())},
-                "metrics_url": self.metrics_url}
-
-
-def _metric(value) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -670,133 +170,108 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a running Ray cluster's head (default with --workers/--shards: a "
                           "local cluster started for the run)")
     ray.add_argument("--step-log", action="store_true",
-                     help="with --workers/--shards: append which messages every step trained "
-                          "to RUN_DIR/steps.jsonl at each checkpoint (a single-process replay "
-                          "of it gives the same model)")
+                     help="append which messages every step trained to RUN_DIR/steps.jsonl "
+                          "at each checkpoint, on Ray and in one process alike (a "
+                          "single-process replay of it gives the same model)")
     kafka.add_options(parser, clients="consumer and the dead-letter producer")
     return parser
 
 
-def run(argv=None) -> dict:
+def parse_options(argv=None) -> tuple[argparse.ArgumentParser, OnlineOptions]:
+    """The parser and the options ``argv`` gives (argparse's own errors exit 2 here)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.reader_nice <= 19:
-        parser.error(f"--reader-nice: expected 0 to 19, got {args.reader_nice}")
-    if args.unit_samples is not None and args.unit_samples < 1:
-        parser.error(f"--unit-samples: expected at least 1, got {args.unit_samples}")
-    if args.max_message_bytes < 1:
-        parser.error(f"--max-message-bytes: expected at least 1, got {args.max_message_bytes}")
-    if args.init_from and (args.config or args.model):
-        parser.error("--init-from takes the batch run's config and model; drop --config and "
-                     "--model")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(OnlineOptions)}
+    values["kafka_options"] = dict(values["kafka_options"])  # -X pairs, the last one wins
+    return parser, OnlineOptions(**values)
+
+
+def run(argv=None) -> dict:
+    parser, options = parse_options(argv)
+    try:
+        options.check()
+    except OnlineUsageError as e:
+        parser.error(str(e))
     signal_point("args.parsed")
-    on_ray = args.workers is not None or args.shards is not None or args.ray_address
     for name in ("workers", "shards"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name}: expected at least 1, got {getattr(args, name)}")
-    if args.ray_address:  # before TensorFlow is imported: an address where nothing answers
+        if getattr(options, name) is not None and getattr(options, name) < 1:
+            parser.error(f"--{name}: expected at least 1, got {getattr(options, name)}")
+    if options.ray_address:  # before TensorFlow is imported: an address where nothing answers
         try:
-            check_ray_address(args.ray_address)
+            check_ray_address(options.ray_address)
         except (ConnectionError, ValueError) as e:
             parser.error(str(e))
-    if on_ray and not fs.is_local(args.run_dir):
-        parser.error(f"--run-dir {args.run_dir}: on an object store only without --workers/"
+    if options.on_ray and not fs.is_local(options.run_dir):
+        parser.error(f"--run-dir {options.run_dir}: on an object store only without --workers/"
                      "--shards for now; give the Ray run a local or shared --run-dir")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if fs.is_local(args.run_dir):
-        return _run(parser, args, on_ray, args.run_dir)
-    fs.check_bucket(args.run_dir)  # a working copy of the published run, published at each
-    with fs.working_copy(args.run_dir) as local:  # checkpoint (CheckpointManager.publish_to)
-        return _run(parser, args, on_ray, local, publish_to=args.run_dir.rstrip("/"))
+    try:
+        if fs.is_local(options.run_dir):
+            summary = _run(options, options.run_dir)
+        else:
+            fs.check_bucket(options.run_dir)  # a working copy of the published run, published
+            with fs.working_copy(options.run_dir) as local:  # at each checkpoint
+                summary = _run(options, local, publish_to=options.run_dir.rstrip("/"))
+    except OnlineUsageError as e:
+        parser.error(str(e))
+    except kafka.BrokerUnreachable as e:  # at start only: once running, the run retries
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    return print_summary(summary, options.topic)
 
 
-def _run(parser, args, on_ray: bool, run_dir: str, publish_to: str | None = None) -> dict:
+def _run(options: OnlineOptions, run_dir: str, publish_to: str | None = None) -> dict:
     """The run, in the local run directory ``run_dir`` (a working copy of ``publish_to``)."""
-    load_tensorflow(args.debug)
+    load_tensorflow(options.debug)
+    from trainer.checkpoints import CheckpointManager
     from trainer.models import MODELS
-    from trainer.trainer import Trainer
 
     signal_point("tensorflow.loaded")
-    options = dict(args.kafka_options)
-    try:  # at start only: once running, the trainer retries through outages
-        kafka.check_reachable(kafka.consumer_settings(args.bootstrap_servers, args.group,
-                                                      options), args.broker_timeout)
-    except kafka.BrokerUnreachable as e:
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    kafka.check_reachable(kafka.consumer_settings(options.bootstrap_servers, options.group,
+                                                  dict(options.kafka_options)),
+                          kafka.DEFAULT_BROKER_TIMEOUT if options.broker_timeout is None
+                          else options.broker_timeout)
     signal_point("broker.reached")
-    if on_ray:
-        from trainer.distributed.online import run_cli
+    if options.on_ray:
+        from trainer.distributed.online import run_on_ray
 
         try:
-            schema = schemas.load(args.schema)
-            config = TrainConfig.load(args.config) if args.config else TrainConfig()
+            schema = schemas.load(options.schema)
+            config = TrainConfig.load(options.config) if options.config else TrainConfig()
         except (schemas.SchemaError, ConfigError) as e:
-            parser.error(str(e))
+            raise OnlineUsageError(str(e)) from None
         signal_point("config.loaded")
-        return print_summary(run_cli(args, parser, schema, config,
-                                     MODELS[args.model or "mlp"]()), args.topic)
+        return run_on_ray(options, schema, config, MODELS[options.model or "mlp"]())
+    from trainer.kafka_source import KafkaSampleSource
+    from trainer.online_process import restore_process_trainer
+
     checkpoints = CheckpointManager(run_dir, publish_to=publish_to)
     latest = checkpoints.latest()
     try:
-        schema = schemas.load(args.schema)
-        if latest is not None:
-            trainer = Trainer.restore(os.path.join(latest.path, "model"))
-            offsets = {int(p): o for p, o in latest.state["offsets"].items()}
-            log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
-            if args.init_from:
-                log.info("--init-from %s ignored: %s holds a checkpoint of its own",
-                         args.init_from, args.run_dir)
-        elif args.init_from:
-            trainer = _init_from(parser, args.init_from, schema)
-            offsets = {}
-        else:
-            config = TrainConfig.load(args.config) if args.config else TrainConfig()
-            trainer = Trainer(schema, MODELS[args.model or "mlp"](), config)
-            offsets = {}
-        if args.expire_every is not None:
-            trainer.config = trainer.config.with_expire_every(args.expire_every)
+        schema = schemas.load(options.schema)
+        trainer, offsets = restore_process_trainer(options, schema, latest, MODELS)
     except (schemas.SchemaError, ConfigError) as e:
-        parser.error(str(e))
+        raise OnlineUsageError(str(e)) from None
     signal_point("config.loaded")
-    source = KafkaSampleSource(schema, args.bootstrap_servers, args.topic, args.group,
-                               format=args.format, start_offsets=offsets,
-                               dlq_topic=args.dead_letter_topic, config=options,
-                               max_message_bytes=args.max_message_bytes)
-    metrics = None
-    previous = {}
-    try:  # a signal before online.run() ends the command here (exit 0, nothing trained)
+    source = KafkaSampleSource(schema, options.bootstrap_servers, options.topic, options.group,
+                               format=options.format, start_offsets=offsets,
+                               dlq_topic=options.dead_letter_topic,
+                               config=dict(options.kafka_options),
+                               max_message_bytes=options.max_message_bytes)
+    try:  # a signal before the loop runs ends the command here (exit 0, nothing trained)
         online = OnlineTrainer(
-            schema, trainer, source, checkpoints, checkpoint_every=args.checkpoint_every,
-            export_dir=args.export_dir, export_every=args.export_every,
-            max_samples=args.max_samples, idle_exit=args.idle_exit,
+            schema, trainer, source, checkpoints, checkpoint_every=options.checkpoint_every,
+            export_dir=options.export_dir, export_every=options.export_every,
+            max_samples=options.max_samples, idle_exit=options.idle_exit,
             status_path=os.path.join(run_dir, STATUS_FILE),
-            log_dir=os.path.join(run_dir, TENSORBOARD_DIR), report_every=args.report_every,
-            reader_nice=args.reader_nice, unit_samples=args.unit_samples,
-            calibrate=latest is None and not args.init_from)
-        if args.metrics_port is not None:
-            try:
-                metrics = serve_metrics(online, args.metrics_host, args.metrics_port)
-            except OSError as e:
-                raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
-                                     f"{args.metrics_host}: {e.strerror}") from None
-            online.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
-            log.info("metrics on %s", online.metrics_url)
-        signal_point("source.opened")
-        # SIGTERM and SIGINT stop the run at the next step; the caller's handlers come back
-        # after it (run() is also called in process, by tests and scripts)
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.signal(signum, online.stop)
-        signal_point("run.started")
-        summary = online.run()
+            log_dir=os.path.join(run_dir, TENSORBOARD_DIR), report_every=options.report_every,
+            reader_nice=options.reader_nice, unit_samples=options.unit_samples,
+            calibrate=latest is None and not options.init_from,
+            step_log=os.path.join(run_dir, STEP_LOG) if options.step_log else None)
+        summary = run_online(online, options.metrics_host, options.metrics_port)
         checkpoints.publish()  # on a store: the final status and logs too
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         source.close()
-        if metrics is not None:
-            metrics.shutdown()
-    return print_summary(summary, args.topic)
+    return summary
 
 
 def print_summary(summary: dict, topic: str) -> dict:
@@ -806,40 +281,16 @@ def print_summary(summary: dict, topic: str) -> dict:
     rate_text = ("steady, after start-up" if rate["over"] == "steady"
                  else "over the whole run, start-up included")
     where = (f" on {summary['workers']} workers x {summary['shards']} shards"
-             if "workers" in summary else "")
+             if summary["engine"] == "ray" else "")
     print(f"trained {summary['samples']:,} samples from {topic!r}{where} "
           f"({rate['samples_per_sec']:,.0f} samples/s {rate_text}), "
-          f"progressive validation AUC {_metric(pv['auc'])} logloss {_metric(pv['logloss'])}, "
+          f"progressive validation AUC {metric_text(pv['auc'])} "
+          f"logloss {metric_text(pv['logloss'])}, "
           f"{summary['dead_letters']} dead letters, {summary['checkpoints']} checkpoints, "
           f"{summary['exports']} exports (arrival-to-export delay p50 {delay['p50']} s, "
           f"p99 {delay['p99']} s), {summary['store_rows']:,} store rows", flush=True)
     print(json.dumps(summary, sort_keys=True), flush=True)
     return summary
-
-
-def _init_from(parser, run_dir: str, schema: schemas.Schema) -> Trainer:
-    """The model a batch run kept, checked against this run's schema."""
-    from trainer.checkpoints import CheckpointDamagedError
-    from trainer.distributed.manifest import schema_difference
-    from trainer.trainer import Trainer
-
-    try:
-        if fs.is_local(run_dir):
-            trainer = Trainer.restore_run(run_dir)
-        else:  # the published run, restored from a local copy
-            with fs.working_copy(run_dir) as local:
-                try:
-                    trainer = Trainer.restore_run(local)
-                except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
-                    raise type(e)(str(e).replace(local, run_dir)) from None
-    except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
-        parser.error(f"--init-from {run_dir}: {e}")
-    if trainer.schema.to_dict() != schema.to_dict():
-        parser.error(f"--init-from {run_dir}: the batch run was trained on another schema "
-                     f"({schema_difference(trainer.schema.to_dict(), schema.to_dict())})")
-    log.info("initialised from %s: step %d, %d store rows", run_dir, trainer.step,
-             trainer.store_rows())
-    return trainer
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,8 @@ steps are synchronous, and a checkpoint holds every partition's trained offset.
     python -m trainer.online --schema S --bootstrap-servers HOST:PORT --topic samples \\
         --group ctr-online --run-dir run/ --workers 2 --shards 2 [--ray-address HEAD:6379]
 
+The run is the online loop of a single process (:mod:`trainer.online_loop`: cadence,
+checkpoint-then-commit, exports, reports, the summary) over :class:`RayEngine`.
 The actors are those of batch training (:mod:`trainer.distributed.driver`): the shards are
 :class:`~trainer.distributed.shard.Shard`, the workers are
 :class:`~trainer.distributed.online_worker.OnlineWorker` (a batch ``Worker`` whose batches come
@@ -27,7 +29,7 @@ shards and the dense update compute (see :mod:`trainer.distributed`): the rows, 
 state and dense weights after step ``k`` equal a single :class:`trainer.Trainer` that trained
 the same union batches in the same order, up to float rounding. A step in which no worker
 had a sample trains nothing and does not count. Which messages each step trained is therefore
-a record, not a rule: with ``step_log`` the driver appends it to ``RUN_DIR/steps.jsonl``
+a record, not a rule: with ``--step-log`` the loop appends it to ``RUN_DIR/steps.jsonl``
 (``{"step": k, "workers": [{"ranges": {partition: [first, next]}, "samples": n, "batch": [i,
 m]}, ...]}``: ``batch`` says the worker trained the i-th of its unit's m batches, and
 ``ranges`` are the unit's, on the step that trained its last batch, else empty) at every
@@ -48,7 +50,7 @@ the actors and every worker seeks its partitions to the manifest's offsets. So a
 crash at any moment the restored model has trained exactly the messages before those offsets
 and the run goes on right after them. When a worker or a shard dies instead, the driver does
 the same without restarting: every actor goes back to the latest checkpoint
-(:meth:`OnlineRun.run`).
+(:meth:`RayEngine.guard`).
 
 **Reports.** The driver reports what a single process reports, aggregated over the actors:
 ``RUN_DIR/status.json`` every second, Prometheus metrics (``--metrics-port``) and TensorBoard
@@ -71,9 +73,6 @@ published.
 
 from __future__ import annotations
 
-import copy
-import gc
-import json
 import logging
 import os
 import time
@@ -82,28 +81,26 @@ import numpy as np
 import ray
 
 import schemas
-from compression import cli, fs, kafka
-from compression.signal_points import signal_point
-from trainer.checkpoints import CheckpointDamagedError, CheckpointManager
+from compression import fs, kafka
+from trainer.checkpoints import CheckpointManager
 from trainer.config import TrainConfig
 from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_actor_failure,
                                         run_checkpoint)
-from trainer.distributed.manifest import read_manifest, schema_difference
+from trainer.distributed.manifest import read_manifest
 from trainer.distributed.online_worker import OnlineWorker
 from trainer.distributed.steps import StepScheduler
 from trainer.distributed.worker import resolve_dense, unresolved_dense
-from trainer.kafka_source import commit_offsets, consumer_lag
-from trainer.metrics import DelayHistogram, ProgressiveValidation, run_rates
-from trainer.online_report import (STATUS_EVERY, STATUS_FILE, TENSORBOARD_DIR, report_scalars,
-                                   serve_metrics, write_status)
-from trainer.runs import StopOnSignal
+from trainer.kafka_source import commit_offsets, consumer_lag, leaders_answer
+from trainer.online_loop import (OnlineLoop, OnlineOptions, OnlineStep,  # noqa: F401
+                                 STEP_LOG, OnlineUsageError, init_from, run_online,
+                                 truncate_step_log)
+from trainer.online_report import STATUS_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger("trainer.online")
 
 # Seconds a worker waits for a poll's batch before it contributes nothing to a step: the
 # longest one idle worker holds the others up.
 POLL_TIMEOUT = 0.2
-STEP_LOG = "steps.jsonl"
 
 
 def assign_partitions(partitions: list[int], workers: int) -> list[list[int]]:
@@ -125,7 +122,7 @@ class OnlineDistributedTrainer(DistributedTrainer):
         one), in this run and in the config its checkpoints keep, as a single process does.
         The other arguments are :class:`DistributedTrainer`'s."""
         self.expire_every = expire_every
-        # a new run shifts the output biases on its first step (run_cli sets it as
+        # a new run shifts the output biases on its first step (run_on_ray sets it as
         # trainer.online does for a run without a checkpoint or --init-from)
         self.calibrate = False
         super().__init__(schema, model, self.run_config(config or TrainConfig()), **kwargs)
@@ -237,157 +234,93 @@ class OnlineDistributedTrainer(DistributedTrainer):
             yield scheduled.results, scheduled.paused
 
 
-class OnlineRun:
-    """One online run on Ray: the steps, the offsets they trained, checkpoints and commits."""
+class RayEngine:
+    """The online loop's engine on Ray (:class:`~trainer.online_loop.OnlineEngine`): an
+    :class:`OnlineDistributedTrainer`'s steps, the partitions dealt to its workers, a
+    committer for the group, the step log, and the rollback to the latest checkpoint after an
+    actor died."""
 
-    def __init__(self, engine: OnlineDistributedTrainer, checkpoints: CheckpointManager,
-                 kafka_spec: dict, offsets: dict, *, checkpoint_every: float = 30.0,
-                 max_samples: int | None = None, idle_exit: float | None = None,
-                 report_every: float = 10.0, step_log: str | None = None,
-                 status_path: str | None = None, log_dir: str | None = None,
-                 export_dir: str | None = None, export_every: float = 10.0,
+    kind = "ray"
+    recovers = True  # a checkpoint is written before the first step: what a death goes back to
+
+    def __init__(self, trainer: OnlineDistributedTrainer, kafka_spec: dict, *,
                  unit_samples: int | None = None):
-        """``status_path``: the status file, rewritten every ``STATUS_EVERY`` s with the
-        summary so far (None: none); ``log_dir``: TensorBoard scalars at every report (None:
-        none). Both as the single process writes them (:mod:`trainer.online_report`).
-        ``export_dir``: serving exports every ``export_every`` s (:meth:`export`).
-        ``unit_samples``: samples of a unit over all workers (``--unit-samples``; each worker
-        polls its share; None: 10 batches)."""
-        self.engine = engine
-        self.checkpoints = checkpoints
+        """``kafka_spec``: as :meth:`OnlineWorker.open` takes it; ``unit_samples``: samples
+        of a unit over all workers (``--unit-samples``; each worker polls its share; None: 10
+        batches)."""
+        self.trainer = trainer
         self.kafka_spec = kafka_spec
-        self.checkpoint_every = checkpoint_every
-        self.max_samples = max_samples
-        self.idle_exit = idle_exit
-        self.report_every = report_every
-        self.step_log = step_log
-        self.export_dir = export_dir
-        self.export_every = export_every
         self.unit_samples = unit_samples
-        self.positions = {int(p): int(o) for p, o in offsets.items()}  # next offset to train
         self.assignment: list[list[int]] = []
         self.settings = kafka.consumer_settings(kafka_spec["bootstrap_servers"],
                                                 kafka_spec["group"], kafka_spec["options"])
         # commits offsets for the whole group (the workers never commit): it never subscribes
         self.committer = kafka.consumer(self.settings)
-        self.pv = ProgressiveValidation()
-        self.pv_window = ProgressiveValidation()  # since the latest report
-        self.pv_label: str | None = None
-        self.last_pv_window: dict | None = None  # the window of the latest report
-        self.status_path = status_path
-        self.log_dir = log_dir
-        self._writer = None  # TensorBoard's, opened by run()
-        self._last_status = float("-inf")
-        self.snapshot: dict | None = None  # the latest summary (status.json, /metrics)
-        self.metrics_url: str | None = None
-        self.timing_observers: list = []  # called with ("checkpoint"|"export", seconds)
-        self.lag: int | None = None  # messages behind the partitions' ends, at the latest report
-        self.broker_reachable: bool | None = None
-        # seconds in rounds after the first step in which no worker had a sample (each
-        # waited the poll timeout): the driver waited for input, not for training
-        self.waited = 0.0
-        self.samples = self.messages = self.dead = self.checkpoints_written = 0
-        self.steps = 0  # trained by this run
-        self.first_step: float | None = None  # when this run's first and latest step ended
-        self.last_step: float | None = None
-        self.first_step_samples = 0
-        self.first_step_wall_ms: float | None = None
-        # serving exports: the arrival times (Unix ms) of the samples trained since the last
-        # one, with their step; every sample's delay to the export holding it, the run's and
-        # that of samples arrived after the first step (the steady state, without the
-        # backlog of the start-up)
-        self.exports = 0
-        self._pending_arrivals: list[tuple[int, np.ndarray]] = []
-        self._trained_since_export = False
-        self.newest_arrival: float | None = None  # Unix s, of the latest export's newest
-        self.delays, self.steady_delays = DelayHistogram(), DelayHistogram()
-        self.started = time.monotonic()
-        self._last_report = (self.started, 0, 0.0)  # (when, samples, waited then)
         self.recoveries: list[dict] = []  # one per rollback after an actor died
-        # what the latest checkpoint holds (step, offsets, this run's counters and progressive
-        # validation): where an actor's death rolls back to. None: the run has no checkpoint
-        # yet (one is written before the first step)
-        self._checkpointed: dict | None = (
-            None if checkpoints.latest() is None else self._state(engine.step, self.positions))
-        self._pending_log: list[str] = []
-        self._idle_since: float | None = None
-        self._finish = False  # max_samples reached or idle for idle_exit s
 
-    def run(self, should_stop) -> dict:
-        """Train until ``should_stop()``, ``max_samples`` or ``idle_exit``; then the final
-        checkpoint and commit. Returns the summary.
+    @property
+    def step(self) -> int:
+        return self.trainer.step
 
-        When an actor's process dies, Ray restarts it and every actor goes back to the latest
-        checkpoint (the shards' rows, the dense weights, the step) and every partition to its
-        offset there; the steps since are dropped (their offsets were never committed) and
-        trained again from Kafka. The run ends with a ``RuntimeError`` only when an actor
-        does not come back."""
-        engine = self.engine
+    def close(self) -> None:
+        self.committer.close()
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def begin(self, loop) -> None:
+        trainer = self.trainer
         partitions = kafka.list_partitions(self.settings, self.kafka_spec["topic"])
-        self.assignment = assign_partitions(partitions, engine.workers)
+        self.assignment = assign_partitions(partitions, trainer.workers)
         log.info("%d workers x %d shards, partitions per worker %s, from offsets %s, actor "
-                 "processes %s", engine.workers, engine.shards, self.assignment,
-                 self.positions, engine.actor_pids())
-        if self.log_dir and self._writer is None:
-            import tensorflow as tf
+                 "processes %s", trainer.workers, trainer.shards, self.assignment,
+                 loop.positions, trainer.actor_pids())
 
-            self._writer = tf.summary.create_file_writer(self.log_dir)
-        while True:
-            try:
-                if self._checkpointed is None:
-                    self.checkpoint()  # what a death before the first checkpoint goes back to
-                engine.open_sources(self.kafka_spec, self.assignment, self.positions,
-                                    unit_samples=self.unit_samples)
-                if self._train(should_stop):
-                    continue  # the topic has new partitions: deal them, read on
-                return self.finish()
-            except ray.exceptions.RayError as error:
-                if not is_actor_failure(error):
-                    raise
-                self._roll_back(error)
-
-    def _train(self, should_stop) -> bool:
-        """Steps until the run should finish (False) or the topic's partitions changed at a
-        checkpoint (True: the workers' sources must be opened again)."""
-        engine = self.engine
-        last_checkpoint = last_export = last_report = time.monotonic()
-
-        def due() -> bool:
-            return time.monotonic() - last_checkpoint >= self.checkpoint_every
-
-        def export_due() -> bool:
-            return (self.export_dir is not None
-                    and time.monotonic() - last_export >= self.export_every)
-
-        def pause() -> bool:
-            return self._finish or should_stop() or due() or export_due()
-
-        resumed = time.monotonic()  # when the driver last asked for a step
-        for results, paused in engine.online_steps(pause):
-            if self.first_step is not None and not any(r["n"] for r in results):
-                self.waited += time.monotonic() - resumed
-            self._account(results)
-            if time.monotonic() - last_report >= self.report_every:
-                self.report()
-                last_report = time.monotonic()
-            if self.status_path and time.monotonic() - self._last_status >= STATUS_EVERY:
-                self.write_status()  # also while idle: operators see that it is
-            if paused:
-                if self._finish or should_stop():
-                    return False
-                if export_due():  # between steps, nothing looked up ahead: as a checkpoint
-                    self.export()
-                    last_export = time.monotonic()
-                if due():
-                    # postponed (False) while dead letters wait: retried later
-                    written = self.checkpoint()
-                    last_checkpoint = time.monotonic()
-                    if written and self._deal_new_partitions():
-                        return True
+    def steps(self, loop, pause):
+        """Every worker reads its partitions from the loop's trained positions, then the
+        synchronous steps (:meth:`OnlineDistributedTrainer.online_steps`); a step is pausable
+        when no worker holds a partly trained unit and nothing is looked up ahead."""
+        trainer = self.trainer
+        trainer.open_sources(self.kafka_spec, self.assignment, loop.positions,
+                             unit_samples=self.unit_samples)
+        resumed = time.monotonic()  # when the loop last asked for a step
+        for results, paused in trainer.online_steps(pause):
+            step = OnlineStep(pausable=paused)
+            step_record = []
+            arrivals = []
+            for r in results:
+                if r.get("arrivals_ms") is not None:
+                    # a unit's, on the step of its last batch
+                    arrivals.append(r["arrivals_ms"])
+                consumed = r.get("consumed")
+                step_record.append({"ranges": {} if consumed is None else consumed["ranges"],
+                                    "samples": r["n"], "batch": r.get("batch")})
+                if consumed is not None:  # a unit ended: its offsets are trained
+                    step.messages += consumed["messages"]
+                    step.dead += consumed["dead"]
+                    for p, (first, end) in consumed["ranges"].items():
+                        step.ranges[int(p)] = (int(first), int(end))
+                        step.positions[int(p)] = int(end)
+                if consumed is not None or r["n"]:
+                    step.read = True  # the worker read from the broker
+                if r["n"]:
+                    step.samples += r["n"]
+                    step.predictions.append((r["probabilities"], r["labels"]))
+            step.idle = not step.read
+            if arrivals:
+                step.arrivals_ms = np.concatenate(arrivals)
+            if step.samples:
+                step.unit = True  # a step is the unit: the rates leave the start-up out
+                step.log = [step_record]
+            else:  # every worker waited its poll timeout: the loop waited for input
+                step.waited = time.monotonic() - resumed
+            yield step
             resumed = time.monotonic()
         raise AssertionError("online_steps never ends")
 
-    def _deal_new_partitions(self) -> bool:
+    def end_steps(self) -> None:
+        pass  # the workers' readers stop when their sources are opened again or closed
+
+    def partitions_changed(self) -> bool:
         """Whether partitions were added to the topic since they were dealt; if so they are
         dealt now (the i-th partition to worker ``i % W``: partitions are numbered on, so
         those already dealt stay with their worker) and start at the group's committed
@@ -403,29 +336,40 @@ class OnlineRun:
         added = sorted(set(partitions) - dealt)
         if not added:
             return False
-        self.assignment = assign_partitions(sorted(dealt | set(added)), self.engine.workers)
+        self.assignment = assign_partitions(sorted(dealt | set(added)), self.trainer.workers)
         log.info("partitions %s were added to topic %r: partitions per worker now %s", added,
                  self.kafka_spec["topic"], self.assignment)
         return True
 
-    def _state(self, step: int, positions: dict) -> dict:
-        return {"step": step, "positions": dict(positions), "samples": self.samples,
-                "messages": self.messages, "dead": self.dead, "steps": self.steps,
-                "pv": copy.deepcopy(self.pv), "bytes": dict(self.engine.bytes)}
+    # -- failures ----------------------------------------------------------------------------
 
-    def _roll_back(self, error: BaseException) -> None:
+    def guard(self, body, loop):
+        """``body()``; when an actor's process dies, Ray restarts it and every actor goes back
+        to the latest checkpoint (the shards' rows, the dense weights, the step) and every
+        partition to its offset there; the steps since are dropped (their offsets were never
+        committed) and trained again from Kafka. A ``RuntimeError`` only when an actor does
+        not come back."""
+        while True:
+            try:
+                return body()
+            except ray.exceptions.RayError as error:
+                if not is_actor_failure(error):
+                    raise
+                self._roll_back(error, loop)
+
+    def _roll_back(self, error: BaseException, loop) -> None:
         """Every actor and partition back to the latest checkpoint after an actor's death."""
-        engine = self.engine
-        latest = self.checkpoints.latest()
-        summary, failed_step = failure_summary(error), engine.step
+        trainer = self.trainer
+        latest = loop.checkpoints.latest()
+        summary, failed_step = failure_summary(error), trainer.step
         try:
             if latest is None:
                 raise RuntimeError("no checkpoint was written yet")
             directory = os.path.join(latest.path, "model")
-            engine.roll_back(directory, error)
-            state = self._checkpointed
+            trainer.roll_back(directory, error)
+            state = loop.checkpointed
             offsets = read_manifest(directory)["online"]["offsets"]
-            if (engine.step, {int(p): o for p, o in offsets.items()}) != (
+            if (trainer.step, {int(p): o for p, o in offsets.items()}) != (
                     state["step"], state["positions"]):
                 raise RuntimeError(f"{latest.path} is not the checkpoint this run wrote last")
         except Exception as e:  # noqa: BLE001 - one line naming where a rerun resumes
@@ -434,263 +378,106 @@ class OnlineRun:
                 f"the steps since the last checkpoint are dropped and their offsets were not "
                 f"committed: run the same command again to resume from "
                 f"{latest.path if latest else 'the start'}") from e
-        self.positions = dict(state["positions"])
-        self.samples, self.messages, self.dead = (state["samples"], state["messages"],
-                                                  state["dead"])
-        self.steps, self.pv = state["steps"], copy.deepcopy(state["pv"])
-        self.pv_window.reset()
-        self._last_report = (time.monotonic(), self.samples, self.waited)
-        engine.bytes.clear()
-        engine.bytes.update(state["bytes"])
-        engine.losses.clear()
-        self._pending_log = []  # steps after the checkpoint: trained again
-        self._pending_arrivals = [(step, stamps) for step, stamps in self._pending_arrivals
-                                  if step <= engine.step]
-        if self.export_dir is not None:
+        trainer.losses.clear()
+        loop.restore()
+        if loop.export_dir is not None:
             # the shards' deltas now follow the checkpoint, not what was published: the next
             # export is a full one (a new lineage), of the model rolled back to
             from trainer.serving import restart_lineage
 
-            restart_lineage(engine)
-            self._trained_since_export = True
-        if self.step_log:  # lines a checkpoint wrote before the actor died in it
-            truncate_step_log(self.step_log, engine.step)
-        self._finish, self._idle_since = False, None
+            restart_lineage(trainer)
         self.recoveries.append({"error": summary, "failed_at_step": failed_step,
-                                "rolled_back_to_step": engine.step})
+                                "rolled_back_to_step": trainer.step})
         log.warning("an actor died at step %d (%s); Ray restarted it and every actor rolled "
                     "back to the checkpoint of step %d (%s), every partition to its offset "
-                    "there %s; actor processes %s", failed_step, summary, engine.step,
-                    latest.path, self.positions, engine.actor_pids())
+                    "there %s; actor processes %s", failed_step, summary, trainer.step,
+                    latest.path, loop.positions, trainer.actor_pids())
 
-    def finish(self) -> dict:
-        if self.export_dir is not None:
-            self.export()
-        if not self.checkpoint(flush_timeout=60.0, final=True):
-            raise RuntimeError("the final checkpoint was not written: dead letters could not be "
-                               "delivered within 60 s (is the broker reachable?); the run "
-                               "resumes from the previous checkpoint")
-        self.report()
-        summary = self.summary()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self.status_path:
-            self.write_status(summary)  # the final state, for scripts that read it after
-        return summary
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.trainer.bytes)}
 
-    def write_status(self, summary: dict | None = None) -> None:
-        """Replace the status file with ``summary`` (default: the summary now, without the
-        actors' timings: asking every worker would wait for its poll)."""
-        self.snapshot = summary if summary is not None else self.summary(timings=False)
-        write_status(self.status_path, self.snapshot)
-        self._last_status = time.monotonic()
+    def restore_snapshot(self, snapshot: dict) -> None:
+        self.trainer.bytes.clear()
+        self.trainer.bytes.update(snapshot["bytes"])
 
-    def _account(self, results) -> None:
-        """The offsets, counts and predictions of a step's ``results``; the idle clock."""
-        consumed_any = False
-        step_record = []
-        for r in results:
-            if self.export_dir is not None and r.get("arrivals_ms") is not None:
-                # a unit's, on the step of its last batch; kept until the export holding it
-                self._pending_arrivals.append((self.engine.step, r["arrivals_ms"]))
-            consumed = r.get("consumed")
-            step_record.append({"ranges": {} if consumed is None else consumed["ranges"],
-                                "samples": r["n"], "batch": r.get("batch")})
-            if consumed is not None:  # a unit ended: its offsets are trained
-                self.messages += consumed["messages"]
-                self.dead += consumed["dead"]
-                for p, (_, end) in consumed["ranges"].items():
-                    self.positions[int(p)] = max(self.positions.get(int(p), 0), int(end))
-            if consumed is not None or r["n"]:
-                consumed_any = True
-                self.broker_reachable = True  # the worker read from it
-            if r["n"]:
-                if self.pv_label is None:
-                    self.pv_label = next(iter(r["probabilities"]))  # the model's first head
-                p, y = r["probabilities"][self.pv_label], r["labels"][self.pv_label]
-                self.pv.add(p, y)
-                self.pv_window.add(p, y)
-        trained = sum(r["n"] for r in results)
-        if trained:
-            self.samples += trained
-            self.steps += 1
-            self.last_step = time.monotonic()
-            if self.first_step is None:
-                self.first_step, self.first_step_samples = self.last_step, trained
-                self.first_step_wall_ms = time.time() * 1000
-                # as trainer.online does: what is alive after the first step (TensorFlow,
-                # loaded here for TensorBoard, and Ray) lives for the run; out of the cyclic
-                # collector's full passes, which every step's allocations trigger
-                gc.freeze()
-            self._trained_since_export = True
-            if self.step_log:
-                self._pending_log.append(json.dumps({"step": self.engine.step,
-                                                     "workers": step_record}))
-        if self.max_samples is not None and self.samples >= self.max_samples:
-            self._finish = True
-        now = time.monotonic()
-        if consumed_any:
-            self._idle_since = None
-        elif self._idle_since is None:  # kept without idle_exit too: status.json's idle_s
-            self._idle_since = now
-        elif self.idle_exit is not None and now - self._idle_since >= self.idle_exit:
-            try:  # an empty poll cannot tell "nothing new" from "no broker": ask it
-                kafka.check_reachable(self.settings, timeout=2.0)
-                self._finish = True
-            except kafka.BrokerUnreachable:
-                self._idle_since = None  # an outage is not idle time
+    # -- checkpoints, commits, exports -----------------------------------------------------
 
-    def checkpoint(self, flush_timeout: float = 5.0, final: bool = False) -> bool:
-        """Write a checkpoint holding every partition's trained offset (the actors must be
-        between steps, with nothing looked up ahead), then commit those offsets. Nothing is
-        written when nothing changed since the latest one."""
-        engine = self.engine
-        positions = dict(self.positions)
-        if self._checkpointed is not None and (engine.step, positions) == (
-                self._checkpointed["step"], self._checkpointed["positions"]):
-            if final:
-                self._commit(positions)
-            return True
-        if not engine.flush_dead_letters(flush_timeout):
-            log.warning("checkpoint postponed: dead letters are not delivered yet")
-            return False
-        latest = self.checkpoints.latest()
+    def flush_dead_letters(self, timeout: float) -> bool:
+        return self.trainer.flush_dead_letters(timeout)
+
+    def save_checkpoint(self, checkpoints, positions: dict, ranges: dict) -> None:
+        """``checkpoints/ckpt-N/model``: the distributed checkpoint, whose manifest's
+        ``online`` entry holds the topic, the group, the assignment and every partition's
+        trained offset (the actors between steps, nothing looked up ahead)."""
+        trainer = self.trainer
+        latest = checkpoints.latest()
         online = {"topic": self.kafka_spec["topic"], "group": self.kafka_spec["group"],
                   "offsets": {str(p): o for p, o in sorted(positions.items())},
                   "assignment": self.assignment,
                   "previous": None if latest is None else os.path.basename(latest.path)}
-        self._write_step_log()
-        started = time.monotonic()
-        self.checkpoints.save(
-            lambda d: engine.save(os.path.join(d, "model"), extra={"online": online}),
-            {"step": engine.step, "samples": engine.samples, "kind": "ray-online",
+        checkpoints.save(
+            lambda d: trainer.save(os.path.join(d, "model"), extra={"online": online}),
+            {"step": trainer.step, "samples": trainer.samples, "kind": "ray-online",
              "time": time.time()})
-        for observe in self.timing_observers:
-            observe("checkpoint", time.monotonic() - started)
-        self.checkpoints_written += 1
-        self._checkpointed = self._state(engine.step, positions)
-        self._commit(positions)
-        return True
 
-    def _commit(self, positions: dict) -> None:
-        """After the checkpoint holding ``positions`` is durable. A failed commit is made
-        good by the next checkpoint's (the checkpoint, not Kafka, is where a restart
-        resumes)."""
+    def commit_due(self, positions: dict, final: bool) -> bool:
+        return final  # the run's last commit is sent again, answered
+
+    def commit(self, positions: dict, wait: bool) -> None:
+        """A synchronous commit by the committer. A failed commit is made good by the next
+        checkpoint's."""
         commit_offsets(self.committer, self.kafka_spec["topic"], positions)
 
-    def export(self) -> None:
-        """Publish a version for serving when a step was trained since the last one
-        (:meth:`DistributedTrainer.export_increment`: a full export first, then every shard's
-        delta of every table and the dense weights), the actors between steps with nothing
-        looked up ahead. Every sample trained into it counts its delay from its Kafka arrival
-        to now, when the version is published."""
-        if not self._trained_since_export:
-            return
-        pending = [stamps for _, stamps in self._pending_arrivals]
-        stamps = np.concatenate(pending) if pending else np.zeros(0, np.int64)
-        if len(stamps):
-            self.newest_arrival = max(self.newest_arrival or 0.0, float(stamps.max()) / 1000)
-        started = time.monotonic()
-        self.engine.export_increment(self.export_dir, newest_sample_time=self.newest_arrival)
-        published_ms = time.time() * 1000
-        for observe in self.timing_observers:
-            observe("export", time.monotonic() - started)
-        self._trained_since_export = False
-        self._pending_arrivals = []
-        self.exports += 1
-        if len(stamps):
-            delays = published_ms - stamps
-            self.delays.add(delays)
-            self.steady_delays.add(delays[stamps >= self.first_step_wall_ms])
+    def export(self, directory: str, newest_sample_time: float | None) -> None:
+        """A full export first, then every shard's delta of every table and the dense weights
+        (:meth:`DistributedTrainer.export_increment`), the actors between steps with nothing
+        looked up ahead."""
+        self.trainer.export_increment(directory, newest_sample_time=newest_sample_time)
 
-    def _write_step_log(self) -> None:
-        if not self.step_log or not self._pending_log:
-            return
-        with open(self.step_log, "a") as f:
-            f.write("".join(line + "\n" for line in self._pending_log))
-            f.flush()
-            os.fsync(f.fileno())
-        self._pending_log = []
+    # -- what the loop reports -------------------------------------------------------------
 
-    def report(self) -> None:
-        """One console line and TensorBoard scalars (the single process's tags): samples/s
-        since the previous report, the share of that time no worker had input, consumer lag
-        over every partition dealt, store counters summed over the shards, dead letters and
-        progressive validation over every worker's predictions."""
-        now = time.monotonic()
-        then, samples_then, waited_then = self._last_report
-        interval = max(now - then, 1e-9)
-        rate = (self.samples - samples_then) / interval
-        waited = (self.waited - waited_then) / interval
-        self._last_report = (now, self.samples, self.waited)
-        self.lag = consumer_lag(self.committer, self.kafka_spec["topic"],
-                                [p for parts in self.assignment for p in parts], self.positions)
-        self.broker_reachable = self.lag is not None  # every partition's leader answered
-        store = self.engine.store_stats()
-        pv, window = self.pv.result(), self.pv_window.result()
-        self.pv_window.reset()
-        self.last_pv_window = window
-        log.info("%s samples (%s samples/s), step %d, %d dead letters, %d checkpoints, "
-                 "progressive validation AUC %s (since the last line: %s), offsets %s, lag %s "
-                 "messages, %s store rows (expired %s)", f"{self.samples:,}", f"{rate:,.0f}",
-                 self.engine.step, self.dead, self.checkpoints_written, pv["auc"],
-                 window["auc"], self.positions, "n/a" if self.lag is None else f"{self.lag:,}",
-                 f"{store.get('rows', 0):,}", f"{store.get('expired', 0):,}")
-        if self._writer is not None:
-            from trainer.fitting import write_scalars
+    def assigned(self) -> list:
+        return sorted(p for parts in self.assignment for p in parts)
 
-            write_scalars(self._writer, self.engine.step, report_scalars(
-                rate=rate, dead_letters=self.dead, store=store, lag=self.lag, pv=pv,
-                window=window, waited=waited))
+    def reachable(self, timeout: float) -> bool:
+        return leaders_answer(self.committer, self.kafka_spec["topic"], self.assigned(),
+                              timeout)
 
-    def summary(self, timings: bool = True) -> dict:
-        """The single process's summary keys (``units`` are steps here; its reader's
-        ``busy_seconds`` are the actors' ``timings``, left out with ``timings=False``), plus
-        workers, shards, the assignment and what a step moves."""
-        now = time.monotonic()
-        seconds = now - self.started
-        stats = self.engine.store_stats()
-        summary = {
-            "samples": self.samples, "messages": self.messages, "units": self.steps,
-            "dead_letters": self.dead, "steps": self.engine.step, "seconds": round(seconds, 3),
-            # a step is the unit: the steady rate leaves the actors' start-up out
-            **run_rates(self.samples, seconds, self.steps, self.first_step,
-                        self.last_step, self.first_step_samples),
-            # the whole run, and the window the latest report covered
-            "pv": {**self.pv.result(), "label": self.pv_label,
-                   "window": self.last_pv_window},
-            "broker_reachable": self.broker_reachable,
-            "idle_s": round(0.0 if self._idle_since is None
-                            else max(0.0, now - self._idle_since), 3),
-            "assigned": sorted(p for parts in self.assignment for p in parts),
-            "since_last_unit_s": (round(now - self.last_step, 3) if self.last_step
-                                  else None),
-            "checkpoints": self.checkpoints_written, "exports": self.exports,
-            "delay_s": self.delays.percentiles(),
-            "steady_delay_s": self.steady_delays.percentiles(), "lag": self.lag,
-            "trainer_waited_s": round(self.waited, 3),
-            "store_rows": stats.get("rows", 0), "store_bytes": stats.get("bytes", 0),
-            "admitted": stats.get("admitted", 0), "rejected": stats.get("rejected", 0),
-            "expired": stats.get("expired", 0), "recoveries": self.recoveries,
-            # what a step costs (the on-paper scaling of benchmarks.online): bytes moved
-            # between actors (trainer.distributed.driver counts them) and each actor's
-            # seconds per part of the steps, over this run
-            "bytes_per_step": {k: round(v / max(self.steps, 1)) for k, v in
-                               sorted(self.engine.bytes.items())},
-            "workers": self.engine.workers,
-            "shards": self.engine.shards, "assignment": self.assignment,
-            "offsets": {str(p): o for p, o in sorted(self.positions.items())},
-            "metrics_url": self.metrics_url}
-        if timings:
-            summary["timings"] = self.engine.timings()
-        return summary
+    def lag(self, positions: dict) -> int | None:
+        return consumer_lag(self.committer, self.kafka_spec["topic"], self.assigned(),
+                            positions)
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        self.committer.close()
+    def store_stats(self) -> dict:
+        return self.trainer.store_stats()
+
+    def report_line(self, loop, v: dict) -> tuple:
+        store, pv, window = v["store"], v["pv"], v["window"]
+        return ("%s samples (%s samples/s), step %d, %d dead letters, %d checkpoints, "
+                "progressive validation AUC %s (since the last line: %s), offsets %s, lag %s "
+                "messages, %s store rows (expired %s)", f"{loop.stats.samples:,}",
+                f"{v['rate']:,.0f}", self.trainer.step, loop.stats.dead,
+                loop.stats.checkpoints, pv["auc"], window["auc"], loop.positions,
+                "n/a" if loop.last_lag is None else f"{loop.last_lag:,}",
+                f"{store.get('rows', 0):,}", f"{store.get('expired', 0):,}")
+
+    def summary(self, loop, timings: bool) -> dict:
+        """Workers, shards, the assignment, what a step costs (the on-paper scaling of
+        benchmarks.online): bytes moved between actors per step of this run
+        (trainer.distributed.driver counts them), the rollbacks, and with ``timings`` each
+        actor's seconds per part of the steps and their sums (``busy_seconds``); without,
+        None: asking every worker would wait for its poll."""
+        trainer = self.trainer
+        steps = max(loop.stats.units, 1)
+        actors = trainer.timings() if timings else None
+        busy = None
+        if actors is not None:
+            busy = {f"{kind[:-1]}_{k}": round(sum(t.get(k, 0.0) for t in actors[kind]), 3)
+                    for kind in ("workers", "shards")
+                    for k in sorted({k for t in actors[kind] for k in t})}
+        return {"workers": trainer.workers, "shards": trainer.shards,
+                "assignment": self.assignment,
+                "bytes_per_step": {k: round(v / steps) for k, v in sorted(trainer.bytes.items())},
+                "recoveries": self.recoveries, "busy_seconds": busy, "timings": actors}
 
 
 def union_outputs(found: list) -> tuple[dict, dict]:
@@ -702,115 +489,81 @@ def union_outputs(found: list) -> tuple[dict, dict]:
             {k: np.concatenate([y[k] for _, y in found]) for k in found[0][1]})
 
 
-def truncate_step_log(path: str, step: int) -> None:
-    """Drop the lines of steps after ``step`` (written before a checkpoint that was never
-    finished: those steps are trained again after the restart)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def run_cli(args, parser, schema: schemas.Schema, config: TrainConfig, model) -> dict:
+def run_on_ray(options: OnlineOptions, schema: schemas.Schema, config: TrainConfig,
+               model) -> dict:
     """``python -m trainer.online ... --workers W --shards S``: restore the latest checkpoint
     of ``--run-dir`` (or start from the batch run ``--init-from``, resharded, or a new
-    ``model`` with ``config``), train, checkpoint, commit, and with ``--export-dir`` publish
-    a version for serving every ``--export-every`` s; returns the run's summary (the keys of
-    the single-process one that apply, plus workers, shards and the assignment)."""
-    if args.init_from and not fs.is_local(args.init_from):
-        parser.error(f"--init-from {args.init_from}: on an object store only without "
-                     "--workers/--shards for now; give the Ray run a local or shared copy")
-    workers, shards = args.workers or 1, args.shards or 1
-    checkpoints = CheckpointManager(args.run_dir)
+    ``model`` with ``config``) into W workers x S shards and run the online loop over them;
+    returns its summary. OnlineUsageError for what cannot be used."""
+    if options.init_from and not fs.is_local(options.init_from):
+        raise OnlineUsageError(
+            f"--init-from {options.init_from}: on an object store only without "
+            "--workers/--shards for now; give the Ray run a local or shared copy")
+    workers, shards = options.workers or 1, options.shards or 1
+    run_dir = options.run_dir
+    checkpoints = CheckpointManager(run_dir)
     latest = checkpoints.latest()
-    step_log = os.path.join(args.run_dir, STEP_LOG) if args.step_log else None
+    step_log = os.path.join(run_dir, STEP_LOG) if options.step_log else None
+    actors = {"workers": workers, "shards": shards, "ray_address": options.ray_address,
+              "expire_every": options.expire_every}
     offsets = {}
     try:
-        if latest is None and args.init_from:
-            engine = _init_from(parser, args, schema, workers, shards)
+        if latest is None and options.init_from:
+            checkpoint, manifest = init_from(options.init_from, schema, _read_batch_run)
+            trainer = OnlineDistributedTrainer.restore(checkpoint, manifest=manifest, **actors)
+            log.info("initialised from %s: step %d, %d store rows, %d workers x %d shards",
+                     options.init_from, trainer.step, trainer.store_rows(), workers, shards)
         elif latest is None:
-            engine = OnlineDistributedTrainer(schema, model, config, workers=workers,
-                                              shards=shards, ray_address=args.ray_address,
-                                              expire_every=args.expire_every)
-            engine.calibrate = True
+            trainer = OnlineDistributedTrainer(schema, model, config, **actors)
+            # a new run shifts the output biases on its first step, as trainer.online does
+            # for a run without a checkpoint or --init-from
+            trainer.calibrate = True
         else:
             directory = os.path.join(latest.path, "model")
             online = read_manifest(directory).get("online")
             if online is None:
-                parser.error(f"{latest.path}: not a checkpoint of online learning on Ray (a "
-                             "single-process run's? start it without --workers/--shards)")
-            if online["topic"] != args.topic:
-                parser.error(f"--topic {args.topic}: {args.run_dir} trained topic "
-                             f"{online['topic']!r}")
+                raise OnlineUsageError(
+                    f"{latest.path}: not a checkpoint of online learning on Ray (a "
+                    "single-process run's? start it without --workers/--shards)")
+            if online["topic"] != options.topic:
+                raise OnlineUsageError(f"--topic {options.topic}: {run_dir} trained topic "
+                                       f"{online['topic']!r}")
             offsets = {int(p): o for p, o in online["offsets"].items()}
-            engine = OnlineDistributedTrainer.restore(directory, workers=workers,
-                                                      shards=shards,
-                                                      ray_address=args.ray_address,
-                                                      expire_every=args.expire_every)
-            log.info("restored %s: step %d, offsets %s", latest.path, engine.step, offsets)
-            if args.init_from:
+            trainer = OnlineDistributedTrainer.restore(directory, **actors)
+            log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
+            if options.init_from:
                 log.info("--init-from %s ignored: %s holds a checkpoint of its own",
-                         args.init_from, args.run_dir)
-    except (ConnectionError, ValueError) as e:
-        parser.error(str(e))
-    run = metrics = None
-    try:  # a signal before run.run() ends the command here (exit 0, nothing trained)
-        if step_log:
-            truncate_step_log(step_log, engine.step)
-        kafka_spec = {"bootstrap_servers": args.bootstrap_servers, "topic": args.topic,
-                      "group": args.group, "options": dict(args.kafka_options),
-                      "format": args.format,
+                         options.init_from, run_dir)
+    except OnlineUsageError:
+        raise
+    except (ConnectionError, ValueError) as e:  # Ray's address; the config's expiry
+        raise OnlineUsageError(str(e)) from None
+    engine = None
+    try:  # a signal before the loop runs ends the command here (exit 0, nothing trained)
+        kafka_spec = {"bootstrap_servers": options.bootstrap_servers, "topic": options.topic,
+                      "group": options.group, "options": dict(options.kafka_options),
+                      "format": options.format,
                       # the samples' arrival times serve the export delay only
-                      "arrivals": args.export_dir is not None,
-                      "dlq_topic": args.dead_letter_topic,
-                      "max_message_bytes": args.max_message_bytes}
-        run = OnlineRun(engine, checkpoints, kafka_spec, offsets,
-                        checkpoint_every=args.checkpoint_every, max_samples=args.max_samples,
-                        idle_exit=args.idle_exit, report_every=args.report_every,
-                        step_log=step_log, status_path=os.path.join(args.run_dir, STATUS_FILE),
-                        log_dir=os.path.join(args.run_dir, TENSORBOARD_DIR),
-                        export_dir=args.export_dir, export_every=args.export_every,
-                        unit_samples=args.unit_samples)
-        if args.metrics_port is not None:
-            try:  # served by the driver, from the summary it aggregates over the actors
-                metrics = serve_metrics(run, args.metrics_host, args.metrics_port)
-            except OSError as e:
-                raise cli.UsageError(f"--metrics-port {args.metrics_port}: cannot listen on "
-                                     f"{args.metrics_host}: {e.strerror}") from None
-            run.metrics_url = f"http://{args.metrics_host}:{metrics.server_port}/metrics"
-            log.info("metrics on %s", run.metrics_url)
-        with StopOnSignal() as stop:  # from here a signal finishes the run cleanly
-            signal_point("run.started")
-            summary = run.run(lambda: stop.signum is not None)
+                      "arrivals": options.export_dir is not None,
+                      "dlq_topic": options.dead_letter_topic,
+                      "max_message_bytes": options.max_message_bytes}
+        engine = RayEngine(trainer, kafka_spec, unit_samples=options.unit_samples)
+        loop = OnlineLoop(engine, checkpoints, positions=offsets,
+                          checkpoint_every=options.checkpoint_every,
+                          export_dir=options.export_dir, export_every=options.export_every,
+                          max_samples=options.max_samples, idle_exit=options.idle_exit,
+                          status_path=os.path.join(run_dir, STATUS_FILE),
+                          log_dir=os.path.join(run_dir, TENSORBOARD_DIR),
+                          report_every=options.report_every, step_log=step_log)
+        return run_online(loop, options.metrics_host, options.metrics_port)
     finally:
-        if metrics is not None:
-            metrics.shutdown()
-        if run is not None:
-            run.close()
-        engine.close()
-    return summary
+        if engine is not None:
+            engine.close()
+        trainer.close()
 
 
-def _init_from(parser, args, schema: schemas.Schema, workers: int,
-               shards: int) -> OnlineDistributedTrainer:
-    """The model the batch run ``--init-from`` kept (in process or on Ray), checked against
-    this run's schema, in ``workers`` x ``shards`` actors (its stores resharded)."""
-    try:
-        checkpoint, manifest = run_checkpoint(args.init_from)
-    except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
-        parser.error(f"--init-from {args.init_from}: {e}")
-    if manifest["schema"] != schema.to_dict():
-        parser.error(f"--init-from {args.init_from}: the batch run was trained on another "
-                     f"schema ({schema_difference(manifest['schema'], schema.to_dict())})")
-    engine = OnlineDistributedTrainer.restore(checkpoint, manifest=manifest, workers=workers,
-                                              shards=shards, ray_address=args.ray_address,
-                                              expire_every=args.expire_every)
-    log.info("initialised from %s: step %d, %d store rows, %d workers x %d shards",
-             args.init_from, engine.step, engine.store_rows(), workers, shards)
-    return engine
+def _read_batch_run(run_dir: str):
+    """The checkpoint a batch run kept (in process or on Ray) and its manifest, and the
+    schema it was trained on."""
+    checkpoint, manifest = run_checkpoint(run_dir)
+    return (checkpoint, manifest), manifest["schema"]

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import compression
 from trainer.distributed.worker import Worker, dense_sample, worker_batch_size
 from trainer.kafka_source import DEFAULT_UNIT_BATCHES, KafkaSampleSource
+from trainer.units import polled_batches
 
 
 @dataclass
@@ -144,15 +144,12 @@ class OnlineWorker(Worker):
                     continue
                 seen_samples += polled.num_samples
                 seen_messages += polled.messages
-                item = Consumed([], {int(p): [int(a), int(b)]
-                                     for p, (a, b) in sorted(polled.ranges.items())},
+                item = Consumed(polled_batches(polled, self.schema, batch_size,
+                                               self.core.config.split_trees),
+                                {int(p): [int(a), int(b)]
+                                 for p, (a, b) in sorted(polled.ranges.items())},
                                 polled.messages, polled.dead_letters)
                 if polled.num_samples:
-                    trees = (polled.trees if polled.samples is None else
-                             compression.build_trees(polled.samples, self.schema,
-                                                     validate=False))
-                    item.batches = list(compression.iter_batches(
-                        trees, self.schema, batch_size, self.core.config.split_trees))
                     if self.source_spec.get("arrivals", True):
                         item.arrivals_ms = polled.timestamps_ms
                     if self.core.dense_resolved:  # else prepared once the driver resolved them

@@ -20,9 +20,10 @@ from compression import TreeBatch
 from schemas import Schema
 from trainer import models as models_lib
 from trainer.config import TrainConfig
-from trainer.data import file_tables, is_tree_table
+from trainer.data import file_tables
 from trainer.distributed.placement import id_shards, own_trees
 from trainer.distributed.shard import RESTARTED, reconstructed
+from trainer.units import as_trees, cut_batches
 
 
 def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, workers: int,
@@ -40,9 +41,7 @@ def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, worke
             rng.permutation(table.num_rows))
 
     if isinstance(data, pa.Table):
-        if not is_tree_table(data.schema, schema):
-            data = compression.build_trees(data, schema)
-        tables = [shuffled(own_trees(data, schema, worker, workers))]
+        tables = [shuffled(own_trees(as_trees(data, schema), schema, worker, workers))]
     elif isinstance(data, (str, os.PathLike)) or (
             isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))):
         files = compression.expand_paths(data if isinstance(data, (list, tuple))
@@ -53,9 +52,8 @@ def worker_batches(data, schema: Schema, config: TrainConfig, worker: int, worke
     else:
         raise TypeError(f"cannot split a {type(data).__name__} across workers; pass tree or raw "
                         "file paths, a pyarrow.Table, or one list of TreeBatches per worker")
-    return compression.iter_batches(tables, schema,
-                                    worker_batch_size(config.batch_size, worker, workers),
-                                    config.split_trees)
+    return cut_batches(tables, schema, worker_batch_size(config.batch_size, worker, workers),
+                       config.split_trees)
 
 
 def worker_batch_size(batch_size: int, worker: int, workers: int) -> int:
