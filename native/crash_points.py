@@ -35,7 +35,7 @@ are local working copies published this way, so the points above happen locally 
                                  not written: readers still see the previous generation
     ``publish.committed``        ``DIR/_MANIFEST.json`` names the new generation, older ones not
                                  yet removed
-Kafka offsets (``trainer.online.OnlineTrainer._commit``):
+Kafka offsets (``trainer.online_loop.OnlineLoop._commit``, the same for both online engines):
     ``offsets.commit``           the checkpoint holding the offsets is durable, not committed
     ``offsets.committed``        the commit sent (the final commit of a run: and answered)
 
