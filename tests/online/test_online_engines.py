@@ -5,7 +5,6 @@ and dead-letter every malformed message exactly once; Kafka's committed offsets 
 ahead of a checkpoint; the summary and status.json have the same keys; and the model equals
 a single-process replay of the step log (``--step-log``) the runs wrote."""
 
-import ast
 import json
 import os
 import subprocess
@@ -224,30 +223,6 @@ def test_killed_at_each_commit_point_every_message_trains_once_and_equals_its_re
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# the loop and its engines: below the command (trainer/online.py), which alone parses flags
-BELOW_THE_COMMAND = ["trainer/online_loop.py", "trainer/online_process.py", "trainer/units.py",
-                     "trainer/distributed/online.py", "trainer/distributed/online_worker.py"]
-
-
-def test_the_loop_and_its_engines_hold_no_argparse_object():
-    """They take OnlineOptions and raise OnlineUsageError; only the command knows argparse
-    (no import of it, no parser or namespace, no ``parser.error``)."""
-    offences = []
-    for path in BELOW_THE_COMMAND:
-        with open(os.path.join(ROOT, path), "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-        for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(name.split(".")[0] == "argparse" for name in names):
-                offences.append(f"{path}:{node.lineno} imports argparse")
-            if isinstance(node, ast.Attribute) and node.attr in (
-                    "error", "ArgumentParser", "Namespace", "parse_args") and \
-                    isinstance(node.value, ast.Name) and node.value.id in ("parser", "argparse"):
-                offences.append(f"{path}:{node.lineno} {node.value.id}.{node.attr}")
-            if isinstance(node, ast.arg) and node.arg in ("parser", "args"):
-                offences.append(f"{path}:{node.lineno} takes {node.arg}")
-    assert offences == []
 
 
 def test_the_online_loop_loads_neither_tensorflow_nor_ray_nor_an_engine():
