@@ -334,7 +334,7 @@ def checkpoint_state(directory: str) -> dict:
     """The state (``trainer.json``) of the checkpoint in ``directory``, checked as
     :meth:`Trainer.restore` checks it (CheckpointDamagedError naming what is damaged), its
     config in this version's form: what :meth:`Trainer.restore` and a distributed run
-    starting from a single-process one (``trainer.distributed.driver.run_checkpoint``)
+    starting from a single-process one (``trainer.distributed.manifest.run_checkpoint``)
     read."""
     state = read_trainer_state(directory)
     try:

@@ -32,12 +32,12 @@ from trainer.distributed import exports, steps
 from trainer.distributed.actors import Actors, check_count, join_ray
 from trainer.distributed.manifest import (config_difference, dense_difference,
                                           distributed_manifest, expired_per_shard,
-                                          read_manifest, run_checkpoint,  # noqa: F401
+                                          read_manifest,
                                           schema_difference, shard_dir, shard_snapshot_spec,
                                           write_manifest)
 from trainer.distributed.placement import id_shards
-from trainer.distributed.recovery import (RollbackPoint, await_actors,  # noqa: F401
-                                          failure_summary, is_actor_failure, retrying)
+from trainer.distributed.recovery import (RollbackPoint, await_actors, failure_summary,
+                                          retrying)
 from trainer.distributed.worker import (Worker, per_worker_lists, resolve_dense,
                                         unresolved_dense)
 from trainer.fitting import FitState
@@ -481,7 +481,7 @@ class DistributedTrainer:
         (resharding: every id then looks up the same row, a counter filter's pending counts
         move with their ids; see ``Shard._reshard`` for the other filters). A checkpoint
         taken in the middle of a pass needs its own number of workers (the pass deals trees
-        by worker). ``manifest``: the checkpoint's, already read (:func:`run_checkpoint`)."""
+        by worker). ``manifest``: the checkpoint's, already read (:func:`~trainer.distributed.manifest.run_checkpoint`)."""
         manifest = read_manifest(directory) if manifest is None else manifest
         shards = manifest["shards"] if shards is None else check_count("shards", shards)
         if model is None:

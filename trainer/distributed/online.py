@@ -61,7 +61,7 @@ the shards after a step's update, as in batch training; ``--expire-every N`` res
 as in a single process (and the checkpoints keep that config).
 
 **Warm start and serving.** ``--init-from RUN_DIR`` starts a new run from the model a batch
-run kept, in process or on Ray (:func:`~trainer.distributed.driver.run_checkpoint`), its
+run kept, in process or on Ray (:func:`~trainer.distributed.manifest.run_checkpoint`), its
 stores resharded into the S shards. ``--export-dir`` publishes, between steps as a
 checkpoint is taken, a full export and then every ``--export-every`` s a version holding
 every shard's delta and the dense weights (:func:`trainer.serving.export_increment`), which
@@ -84,10 +84,10 @@ import schemas
 from compression import fs, kafka
 from trainer.checkpoints import CheckpointManager
 from trainer.config import TrainConfig
-from trainer.distributed.driver import (DistributedTrainer, failure_summary, is_actor_failure,
-                                        run_checkpoint)
-from trainer.distributed.manifest import read_manifest
+from trainer.distributed.driver import DistributedTrainer
+from trainer.distributed.manifest import read_manifest, run_checkpoint
 from trainer.distributed.online_worker import OnlineWorker
+from trainer.distributed.recovery import failure_summary, retrying
 from trainer.distributed.steps import StepScheduler
 from trainer.distributed.worker import resolve_dense, unresolved_dense
 from trainer.kafka_source import commit_offsets, consumer_lag, leaders_answer
@@ -349,13 +349,7 @@ class RayEngine:
         partition to its offset there; the steps since are dropped (their offsets were never
         committed) and trained again from Kafka. A ``RuntimeError`` only when an actor does
         not come back."""
-        while True:
-            try:
-                return body()
-            except ray.exceptions.RayError as error:
-                if not is_actor_failure(error):
-                    raise
-                self._roll_back(error, loop)
+        return retrying(body, lambda error: self._roll_back(error, loop))
 
     def _roll_back(self, error: BaseException, loop) -> None:
         """Every actor and partition back to the latest checkpoint after an actor's death."""
