@@ -4,9 +4,12 @@
     future = batcher.submit(decoded, len(decoded))   # a decoded request, from any face
     kind, probabilities, info = await asyncio.wrap_future(future)
 
-One scoring thread takes the queued requests in their order, as many as fit in ``max_samples``
-samples (a larger request alone), and scores them in one call of ``score`` (which pins one
-version for all of them: :meth:`trainer.live.LiveModel.predict_decoded`). A request waits for
+One model call runs at a time, never on the event loop. A request that finds no call running
+and nothing queued is scored at once in the worker thread that decoded it
+(:meth:`Batcher.score_or_submit`); else it queues, and the scoring thread takes the queued
+requests in their order, as many as fit in ``max_samples`` samples (a larger request alone),
+and scores them in one call of ``score`` (which pins one version for all of them:
+:meth:`trainer.live.LiveModel.predict_decoded`). A request waits for
 nobody when nothing else is on its way: the thread takes what queued while the previous call
 ran, and waits up to ``max_delay`` for more only while other requests are being decoded
 (:meth:`Batcher.arriving`), never on a timer when the queue holds the only request there is.
@@ -86,6 +89,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._decoding = 0  # requests on their way to the queue
         self._closed = False
+        self._busy = False  # a model call is running (in the scoring thread or a caller's)
         self._thread = None
 
     @property
@@ -107,17 +111,42 @@ class Batcher:
     def submit(self, item, size: int, arrived: bool = False) -> concurrent.futures.Future:
         """Queue a decoded request of ``size`` samples (``arrived``: it was counted by
         :meth:`arriving`); its future gets what ``score`` answers for it."""
-        queued = _Queued(item, size)
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the batcher is closed")
+            return self._queue_locked(item, size, arrived)
+
+    def _queue_locked(self, item, size: int, arrived: bool) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("the batcher is closed")
+        if arrived:
+            self._decoding -= 1
+        queued = _Queued(item, size)
+        self._queue.append(queued)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="scoring", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+        return queued.future
+
+    def score_or_submit(self, item, size: int, arrived: bool = False
+                        ) -> concurrent.futures.Future:
+        """As :meth:`submit`, but when no model call is running and nothing is queued the
+        request is scored at once in the calling thread (a worker thread, never the event
+        loop): a lone request pays no hand-over to the scoring thread. The future returned
+        is then done. Still one model call at a time."""
+        with self._cond:
+            idle = not self._busy and not self._queue and not self._closed
+            if not idle:
+                return self._queue_locked(item, size, arrived)
             if arrived:
                 self._decoding -= 1
-            self._queue.append(queued)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="scoring", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            self._busy = True
+        queued = _Queued(item, size)
+        try:
+            self._call([queued])
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
         return queued.future
 
     def close(self) -> None:
@@ -131,11 +160,12 @@ class Batcher:
 
     def _take(self) -> list[_Queued] | None:
         with self._cond:
-            while not self._queue:
-                if self._closed:
+            while not self._queue or self._busy:  # one model call at a time
+                if self._closed and not self._queue:
                     return None
                 self._cond.wait()
             batch = [self._queue.popleft()]
+            self._busy = True  # from here: no caller scores beside this call
             size = batch[0].size
             deadline = batch[0].queued + self.max_delay
             while True:
@@ -143,30 +173,40 @@ class Batcher:
                     size += self._queue[0].size
                     batch.append(self._queue.popleft())
                 if self._queue or size >= self.max_samples or self._decoding <= 0:
-                    return batch  # full, or nobody else on the way: no wait
+                    break  # full, or nobody else on the way: no wait
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
-                    return batch
+                    break
                 self._cond.wait(remaining)
+            return batch
 
     def _run(self) -> None:
         while True:
             batch = self._take()
             if batch is None:
                 return
-            started = time.perf_counter()
             try:
-                results = self.score([q.item for q in batch])
-            except BaseException as e:  # noqa: BLE001 - every waiter gets the fault
-                results = [e] * len(batch)
-            if self.observe is not None:  # before the answers: a client sees its own call
-                try:
-                    self.observe(sum(q.size for q in batch), len(batch),
-                                 [started - q.queued for q in batch])
-                except Exception:  # noqa: BLE001 - metrics never stop the scoring
-                    pass
-            for q, result in zip(batch, results):
-                if isinstance(result, BaseException):
-                    q.future.set_exception(result)
-                else:
-                    q.future.set_result(result)
+                self._call(batch)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _call(self, batch: list[_Queued]) -> None:
+        """One model call for ``batch``; every request's future answered."""
+        started = time.perf_counter()
+        try:
+            results = self.score([q.item for q in batch])
+        except BaseException as e:  # noqa: BLE001 - every waiter gets the fault
+            results = [e] * len(batch)
+        if self.observe is not None:  # before the answers: a client sees its own call
+            try:
+                self.observe(sum(q.size for q in batch), len(batch),
+                             [started - q.queued for q in batch])
+            except Exception:  # noqa: BLE001 - metrics never stop the scoring
+                pass
+        for q, result in zip(batch, results):
+            if isinstance(result, BaseException):
+                q.future.set_exception(result)
+            else:
+                q.future.set_result(result)

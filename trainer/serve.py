@@ -10,7 +10,9 @@ Endpoints:
   of the layers below; the root's part of the network runs once per request). The answer:
   ``{"predictions": [{"<head>": p, ...}, ...], "model": {"lineage", "version", "step",
   "newest_sample_time", "freshness_lag_s"}}``, predictions in the request's order, all
-  computed on that one version.
+  computed on that one version. Requests that arrive together are scored in one model call
+  (:mod:`trainer.batching`, ``--max-batch-samples``, ``--max-queue-delay-ms``), all on one
+  version; a lone request waits for nobody.
   Bodies are decoded by the project's native JSON decoders (:mod:`trainer.requests`), the ones
   that read files and Kafka messages, so a sample gets the verdict it would get there. Anything a
   client sends gets 2xx or 4xx: 400 for malformed JSON (nesting above 64 levels included) or a
@@ -177,18 +179,23 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
         batcher = Batcher(live.predict_decoded, max_batch_samples, max_queue_delay, observe)
 
     async def score(body: bytes):
-        """Decoded in a worker thread (per request: its own verdict), then queued for the
-        scoring thread, which scores it with the requests queued beside it."""
+        """Decoded in a worker thread (per request: its own verdict), then scored there at
+        once if no model call runs, else queued for the scoring thread, which scores it with
+        the requests queued beside it."""
         if batcher is None:
             return await run_in_threadpool(work, body)
+        def decode_and_queue():
+            try:
+                decoded = live.decode(scan_request(body, max_samples))
+            except BaseException:
+                batcher.gone()
+                raise
+            # idle: scored here at once; else queued for the next model call
+            return batcher.score_or_submit(decoded, len(decoded), arrived=True)
+
         batcher.arriving()
-        try:
-            decoded = await run_in_threadpool(
-                lambda: live.decode(scan_request(body, max_samples)))
-        except BaseException:
-            batcher.gone()
-            raise
-        return await asyncio.wrap_future(batcher.submit(decoded, len(decoded), arrived=True))
+        future = await run_in_threadpool(decode_and_queue)
+        return future.result() if future.done() else await asyncio.wrap_future(future)
 
     async def predict(request):
         started = time.perf_counter()

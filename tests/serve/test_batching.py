@@ -153,8 +153,8 @@ def test_requests_queued_together_are_one_model_call_and_each_gets_its_own(live)
         threads = [threading.Thread(target=client, args=(k,)) for k in range(len(requests))]
         with live._cond:  # the first call waits to pin its version: the others queue
             threads[0].start()
-            _wait(lambda: batcher._decoding == 0 and batcher.queued == 0 and
-                  batcher._thread is not None, "the first request did not reach its call")
+            _wait(lambda: batcher._decoding == 0 and batcher.queued == 0 and batcher._busy,
+                  "the first request did not reach its call")
             for t in threads[1:]:
                 t.start()
             # all but the bad request queue (it is refused in its worker thread, not queued)
