@@ -2,6 +2,7 @@
 baseline measured in the same run:
 
     python -m benchmarks.serving [--tiny]
+    python -m benchmarks.serving --concurrency 1,8,32 --seconds 20
 
 1. freshness: a producer sends ``--rate`` taobao_like samples/s to a local Tansu broker,
    ``trainer.online`` trains them with ``--export-every`` and the service follows its export;
@@ -22,6 +23,12 @@ baseline measured in the same run:
    one of another model: the service process's peak RSS while it takes the new export in
    (``VmHWM`` after ``/proc/self/clear_refs``) above its RSS before, against the memory the
    served model itself holds. A rebase should cost the changed rows, a whole load the model.
+6. concurrency (``--concurrency 1,8,32``, run alone): locust clients (headless, in a process of
+   their own: ``benchmarks/serving_locustfile.py``) send 1 user x ``--load-candidates``
+   candidates ranking requests for ``--seconds`` s at each concurrency, to the service with
+   batching (its defaults) and without (``--max-batch-samples 0``): candidates/s against the
+   in-process ``LiveModel.predict_tree`` on the same requests one after another (target >= 0.8x
+   at 32 clients), p50/p99 (target p99 <= 4x the 1-client p50), non-200 answers.
 Prints a table and a final JSON line.
 """
 
@@ -254,8 +261,9 @@ def _print_concurrency(c: dict) -> None:
         for users, r in m["runs"].items():
             print(f"      {users:>3} clients: {r['candidates_per_sec']:,.0f} candidates/s "
                   f"({r['vs_in_process']:.2f}x in-process, target >= 0.8 at 32), p50 "
-                  f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms ({r['p99_vs_1_client_p50']:.1f}x "
-                  f"the 1-client p50, target <= 4), non-200 {r['non_200']}")
+                  f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms "
+                  f"({r['p99_vs_1_client_p50']:.1f}x the 1-client p50, target <= 4), "
+                  f"non-200 {r['non_200']}")
 
 
 # -- data and model ---------------------------------------------------------------------------

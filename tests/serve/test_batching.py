@@ -260,3 +260,33 @@ def test_every_answer_is_one_version_while_versions_apply_under_concurrent_batch
     calls = _metric(text, "prefixrec_serve_batch_requests_count")
     assert _metric(text, "prefixrec_serve_batch_requests_sum") == len(answers)
     assert calls < len(answers)  # six clients at once: requests shared calls
+
+
+def test_joined_trees_keep_each_request_s_nodes_parents_and_list_features():
+    """A ranking request (one root, three candidates) and two flat samples joined: the root
+    stays one node, parents point into the joined layer above, list features' offsets run on."""
+    from compression import LayerBatch, TreeBatch
+    from trainer.batching import concat_trees
+
+    def ids(values, offsets):
+        return np.array(values, np.int64), np.array(offsets, np.int32)
+
+    tree = TreeBatch([
+        LayerBatch("user", 1, None, {"u": np.array([7]), "tags": ids([1, 2], [0, 2])}),
+        LayerBatch("item", 3, np.zeros(3, np.int32), {"i": np.array([4, 5, 6]),
+                                                      "d": np.ones((3, 2), np.float32)})],
+        {"click": np.zeros(3, np.float32)})
+    flat = TreeBatch([
+        LayerBatch("user", 2, None, {"u": np.array([8, 9]), "tags": ids([3, 4, 5], [2, 3, 5])}),
+        LayerBatch("item", 2, np.arange(2, dtype=np.int32), {
+            "i": np.array([1, 2]), "d": np.zeros((2, 2), np.float32)})],
+        {"click": np.zeros(2, np.float32)})
+    joined = concat_trees([tree, flat])
+    user, item = joined.layers
+    assert user.size == 3 and item.size == 5 and joined.num_leaves == 5
+    assert user.features["u"].tolist() == [7, 8, 9]
+    values, offsets = user.features["tags"]
+    assert values.tolist() == [1, 2, 3, 4, 5] and offsets.tolist() == [0, 2, 3, 5]
+    assert item.parent.tolist() == [0, 0, 0, 1, 2]
+    assert item.features["i"].tolist() == [4, 5, 6, 1, 2]
+    assert item.features["d"].shape == (5, 2) and joined.labels["click"].shape == (5,)
