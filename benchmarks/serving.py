@@ -2,6 +2,7 @@
 baseline measured in the same run:
 
     python -m benchmarks.serving [--tiny]
+    python -m benchmarks.serving --concurrency 1,8,32 --seconds 20
 
 1. freshness: a producer sends ``--rate`` taobao_like samples/s to a local Tansu broker,
    ``trainer.online`` trains them with ``--export-every`` and the service follows its export;
@@ -22,6 +23,12 @@ baseline measured in the same run:
    one of another model: the service process's peak RSS while it takes the new export in
    (``VmHWM`` after ``/proc/self/clear_refs``) above its RSS before, against the memory the
    served model itself holds. A rebase should cost the changed rows, a whole load the model.
+6. concurrency (``--concurrency 1,8,32``, run alone): locust clients (headless, in a process of
+   their own: ``benchmarks/serving_locustfile.py``) send 1 user x ``--load-candidates``
+   candidates ranking requests for ``--seconds`` s at each concurrency, to the service with
+   batching (its defaults) and without (``--max-batch-samples 0``): candidates/s against the
+   in-process ``LiveModel.predict_tree`` on the same requests one after another (target >= 0.8x
+   at 32 clients), p50/p99 (target p99 <= 4x the 1-client p50), non-200 answers.
 Prints a table and a final JSON line.
 """
 
@@ -137,6 +144,126 @@ def load(service: Service, body: bytes, seconds: float, processes: int, threads:
     return {"requests": len(latencies), "requests_per_sec": len(latencies) / seconds,
             "p50_ms": float(np.percentile(latencies, 50) * 1e3),
             "p99_ms": float(np.percentile(latencies, 99) * 1e3)}
+
+
+# -- concurrency: locust against the service, the in-process LiveModel as the bound ----------
+
+LOCUSTFILE = os.path.join(ROOT, "benchmarks", "serving_locustfile.py")
+
+
+def locust_load(service: Service, bodies: str, users: int, seconds: float, work: str) -> dict:
+    """``users`` locust clients (one process of its own, headless, keep-alive, no wait) for
+    ``seconds``: requests/s, p50/p99 of every request's latency and the non-200 answers."""
+    times = os.path.join(work, f"locust-{users}.json")
+    command = [os.path.join(os.path.dirname(sys.executable), "locust"), "-f", LOCUSTFILE,
+               "--headless", "--users", str(users), "--spawn-rate", str(users * 100),
+               "--run-time", f"{max(1, round(seconds))}s", "--host",
+               f"http://{service.host}:{service.port}", "--only-summary", "--loglevel",
+               "WARNING", "--stop-timeout", "30"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={
+        **os.environ, "PREFIXREC_BENCH_BODIES": bodies, "PREFIXREC_BENCH_TIMES": times})
+    if not os.path.exists(times):
+        raise RuntimeError(f"locust ended without a report (exit {done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
+    with open(times) as f:
+        report = json.load(f)
+    os.remove(times)
+    ms = np.array(report["ms"])
+    if not len(ms):
+        raise RuntimeError(f"locust sent nothing:\n{done.stderr[-3000:]}")
+    return {"users": users, "requests": len(ms), "non_200": report["non_200"],
+            "requests_per_sec": len(ms) / report["seconds"],
+            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+def concurrency(args, schema, work: str) -> dict:
+    """1 user x ``--candidates`` candidates ranking requests from 1, 8, 32... locust clients
+    against the service with batching (its defaults) and without (``--max-batch-samples
+    0``), and the in-process ``LiveModel.predict_tree`` scoring the same requests one after
+    another in one thread (the bound)."""
+    from trainer.live import LiveModel
+    from trainer.serving import export_increment
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    export = os.path.join(work, "export")
+    export_increment(_trained(schema, 5_000 if args.tiny else 30_000, seed=1), export)
+    users = [f.name for f in schema.layers[0].features]
+    pool = _samples(schema, 32 * (1 + args.load_candidates), seed=7)
+    requests = []
+    for k in range(32):  # 32 users, each with its own candidates
+        chunk = pool[k * (1 + args.load_candidates):(k + 1) * (1 + args.load_candidates)]
+        requests.append(({n: chunk[0][n] for n in users},
+                         [{n: v for n, v in s.items() if n not in users} for s in chunk[1:]]))
+    bodies = os.path.join(work, "bodies.jsonl")
+    with open(bodies, "w") as f:
+        for root, candidates in requests:
+            f.write(json.dumps({"root": root, "candidates": candidates}) + "\n")
+
+    live = LiveModel(export)
+    try:  # the bound: the same requests scored one after another in one thread
+        for root, candidates in requests[:4]:
+            live.predict_tree(root, candidates)
+        started, done = time.perf_counter(), 0
+        while time.perf_counter() - started < args.seconds:
+            for root, candidates in requests:
+                live.predict_tree(root, candidates)
+                done += len(candidates)
+        in_process = done / (time.perf_counter() - started)
+    finally:
+        live.close()
+
+    result = {"candidates": args.load_candidates, "seconds": args.seconds,
+              "in_process_candidates_per_sec": in_process, "modes": {}}
+    modes = {"batching": [], "no_batching": ["--max-batch-samples", "0"]}
+    for mode, flags in modes.items():
+        service = Service(export, *flags)
+        try:
+            locust_load(service, bodies, 1, 1, work)  # warm
+            runs = {}
+            for users in levels:
+                r = locust_load(service, bodies, users, args.seconds, work)
+                r["candidates_per_sec"] = r["requests_per_sec"] * args.load_candidates
+                r["vs_in_process"] = r["candidates_per_sec"] / in_process
+                runs[str(users)] = r
+            metrics = _scrape_batches(service)
+        finally:
+            service.stop()
+        first = runs[str(levels[0])]
+        for r in runs.values():
+            r["p99_vs_1_client_p50"] = r["p99_ms"] / first["p50_ms"] if first["p50_ms"] \
+                else float("nan")
+        result["modes"][mode] = {"flags": flags, "runs": runs, **metrics}
+    return result
+
+
+def _scrape_batches(service: Service) -> dict:
+    """Requests per model call over the whole service run, from its /metrics."""
+    conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    found = dict(re.findall(r"^(prefixrec_serve_batch_requests_(?:sum|count)) (\S+)$", text,
+                            re.M))
+    calls = float(found.get("prefixrec_serve_batch_requests_count", 0))
+    return {"model_calls": calls, "requests_per_call": float(
+        found.get("prefixrec_serve_batch_requests_sum", 0)) / calls if calls else None}
+
+
+def _print_concurrency(c: dict) -> None:
+    print(f"  1 user x {c['candidates']} candidates, locust clients, {c['seconds']} s each; "
+          f"in-process LiveModel.predict_tree one after another: "
+          f"{c['in_process_candidates_per_sec']:,.0f} candidates/s")
+    for mode, m in c["modes"].items():
+        per_call = m["requests_per_call"]
+        print(f"    {mode} ({' '.join(m['flags']) or 'defaults'}; "
+              + (f"{per_call:.1f} requests a model call" if per_call else "per-request calls")
+              + ")")
+        for users, r in m["runs"].items():
+            print(f"      {users:>3} clients: {r['candidates_per_sec']:,.0f} candidates/s "
+                  f"({r['vs_in_process']:.2f}x in-process, target >= 0.8 at 32), p50 "
+                  f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms "
+                  f"({r['p99_vs_1_client_p50']:.1f}x the 1-client p50, target <= 4), "
+                  f"non-200 {r['non_200']}")
 
 
 # -- data and model ---------------------------------------------------------------------------
@@ -401,6 +528,12 @@ def run(argv=None) -> dict:
     parser.add_argument("--reload-rows", type=int, default=2_000_000,
                         help="reload memory: rows of the largest table")
     parser.add_argument("--only", choices=["reload"], help="run only this part")
+    parser.add_argument("--concurrency",
+                        help="run only the load-generator part: locust clients at these "
+                             "concurrencies (e.g. 1,8,32), the service with and without "
+                             "batching, against the in-process LiveModel")
+    parser.add_argument("--load-candidates", type=int, default=100,
+                        help="--concurrency: candidates per ranking request (default 100)")
     parser.add_argument("--reload-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reload_child:
@@ -421,6 +554,11 @@ def run(argv=None) -> dict:
     work = tempfile.mkdtemp(prefix="bench-serving-")
     result = {"benchmark": "serving", "machine": machine(), "clients": args.clients}
     try:
+        if args.concurrency:
+            result["concurrency"] = concurrency(args, schema, work)
+            _print_concurrency(result["concurrency"])
+            print(json.dumps(result))
+            return result
         if args.only == "reload":
             result["reload"] = reload_memory(_trained(schema, 5_000, seed=1), work,
                                              args.reload_rows)

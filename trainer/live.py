@@ -62,7 +62,8 @@ from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
 from compression.fs import StorageError, is_local
-from trainer.requests import RequestBody, decode_request, scan_request
+from trainer.batching import concat_trees
+from trainer.requests import BadRequest, RequestBody, decode_request, scan_request
 from trainer.serving import (EXPORT_VERSION, ShardedStore, mirror_export, one_node_per_sample,
                              published_versions, read_lineage, read_version_manifest,
                              request_table, request_tree, version_path)
@@ -206,6 +207,19 @@ class Version:
                 "newest_sample_time": self.newest_sample_time, "heads": self.base.heads}
 
 
+@dataclass
+class Decoded:
+    """A request decoded for scoring: its body, the model whose schema decoded it, and its
+    tree batches (:func:`trainer.requests.decode_request`, split at ``batch_size``)."""
+
+    request: RequestBody
+    base: Base
+    trees: list
+
+    def __len__(self) -> int:
+        return len(self.request)
+
+
 class LiveModel:
     """Answers on one published version at a time and follows the export directory.
 
@@ -326,6 +340,72 @@ class LiveModel:
                 batches = [decoded.batch(schema, s, s + self.batch_size)
                            for s in range(0, len(decoded), self.batch_size)]
             return request.kind, self._score(version, batches), version.info()
+
+    def decode(self, request: RequestBody | bytes) -> "Decoded":
+        """A request body decoded with the served version's schema, ready to be queued for
+        :meth:`predict_decoded`. Raises :class:`trainer.requests.BadRequest` as
+        :meth:`predict_request` does (503 before a model is loaded)."""
+        if not isinstance(request, RequestBody):
+            request = scan_request(bytes(request))
+        version = self._current
+        if version is None:
+            raise BadRequest(f"no model loaded yet: {self.problem}", status=503)
+        return Decoded(request, version.base, self._trees(request, version.base.schema))
+
+    def _trees(self, request: RequestBody, schema) -> list:
+        """The request decoded as tree batches of at most ``batch_size`` leaves."""
+        decoded = decode_request(request, schema)
+        if request.kind == "samples":
+            return [one_node_per_sample(decoded.slice(s, self.batch_size), schema)
+                    for s in range(0, decoded.num_rows, self.batch_size)]
+        return [decoded.batch(schema, s, s + self.batch_size)
+                for s in range(0, len(decoded), self.batch_size)]
+
+    def predict_decoded(self, requests: list["Decoded"]) -> list:
+        """Decoded requests scored together on one pinned version: per request ``(kind,
+        probabilities float32[n, heads], Version.info())`` as :meth:`predict_request` answers
+        it, or the :class:`BadRequest` that refuses it alone (decoded on a model whose schema
+        the pinned one does not share, and refused by that one). Consecutive requests are
+        joined into one tree batch of at most ``batch_size`` samples (a ranking request's root
+        stays one node); a larger request is split as :meth:`predict_request` splits it."""
+        with self.pinned() as version:
+            schema = version.base.schema
+            results: list = [None] * len(requests)
+            trees = []  # (request index, its TreeBatch pieces)
+            for i, d in enumerate(requests):
+                pieces = d.trees
+                if d.base is not version.base and d.base.schema != schema:
+                    try:  # another model took over since it was decoded
+                        pieces = self._trees(d.request, schema)
+                    except BadRequest as e:
+                        results[i] = e
+                        continue
+                trees.append((i, pieces))
+            groups, group, size = [], [], 0  # whole requests joined up to batch_size leaves
+            for i, pieces in trees:
+                n = sum(p.num_leaves for p in pieces)
+                if group and (len(pieces) > 1 or size + n > self.batch_size):
+                    groups.append(group)
+                    group, size = [], 0
+                group.append((i, pieces))
+                size += n
+                if len(pieces) > 1:
+                    groups.append(group)
+                    group, size = [], 0
+            if group:
+                groups.append(group)
+            info = version.info()
+            for group in groups:
+                if len(group) == 1:
+                    out = self._score(version, group[0][1])
+                else:
+                    out = self._score(version, [concat_trees([g[1][0] for g in group])])
+                at = 0
+                for i, pieces in group:
+                    n = sum(p.num_leaves for p in pieces)
+                    results[i] = (requests[i].request.kind, out[at:at + n], info)
+                    at += n
+            return results
 
     def _score(self, version: Version, batches) -> np.ndarray:
         base = version.base

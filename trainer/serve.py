@@ -10,7 +10,9 @@ Endpoints:
   of the layers below; the root's part of the network runs once per request). The answer:
   ``{"predictions": [{"<head>": p, ...}, ...], "model": {"lineage", "version", "step",
   "newest_sample_time", "freshness_lag_s"}}``, predictions in the request's order, all
-  computed on that one version.
+  computed on that one version. Requests that arrive together are scored in one model call
+  (:mod:`trainer.batching`, ``--max-batch-samples``, ``--max-queue-delay-ms``), all on one
+  version; a lone request waits for nobody.
   Bodies are decoded by the project's native JSON decoders (:mod:`trainer.requests`), the ones
   that read files and Kafka messages, so a sample gets the verdict it would get there. Anything a
   client sends gets 2xx or 4xx: 400 for malformed JSON (nesting above 64 levels included) or a
@@ -49,6 +51,7 @@ import time
 import traceback
 
 from compression import cli, fs
+from trainer.batching import Batcher
 from trainer.requests import MAX_SAMPLES, BadRequest, scan_request
 
 PROG = "python -m trainer.serve"
@@ -56,6 +59,12 @@ MAX_BODY_BYTES = 16 << 20
 # request latency buckets (s): a few ms for one sample, tens for hundreds of candidates
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_SAMPLE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4000, 8000, 16000)
+BATCH_REQUEST_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+QUEUE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05,
+                 0.1, 0.25, 0.5, 1.0)
+MAX_BATCH_SAMPLES = 4096
+MAX_QUEUE_DELAY_MS = 2.0
 APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -106,6 +115,16 @@ def _metrics(live, registry):
                            buckets=APPLY_BUCKETS, registry=registry),
         "in_flight": Gauge("prefixrec_serve_requests_in_flight", "predict requests being "
                            "computed", registry=registry),
+        "batch_samples": Histogram("prefixrec_serve_batch_samples",
+                                   "samples per model call of the batcher (requests scored "
+                                   "together)", buckets=BATCH_SAMPLE_BUCKETS,
+                                   registry=registry),
+        "batch_requests": Histogram("prefixrec_serve_batch_requests",
+                                    "requests per model call of the batcher",
+                                    buckets=BATCH_REQUEST_BUCKETS, registry=registry),
+        "queue_delay": Histogram("prefixrec_serve_queue_delay_seconds",
+                                 "time a decoded request waited for its model call",
+                                 buckets=QUEUE_BUCKETS, registry=registry),
         "internal_errors": Counter("prefixrec_serve_internal_errors",
                                    "predict requests answered 500: a fault of the service or of "
                                    "the model it serves, never of a client's input",
@@ -114,8 +133,13 @@ def _metrics(live, registry):
 
 
 def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX_BODY_BYTES,
-              registry=None):
-    """The Starlette app over a :class:`trainer.live.LiveModel` (and its metrics)."""
+              registry=None, max_batch_samples: int = MAX_BATCH_SAMPLES,
+              max_queue_delay: float = MAX_QUEUE_DELAY_MS / 1000):
+    """The Starlette app over a :class:`trainer.live.LiveModel` (and its metrics).
+    ``max_batch_samples``: requests queued together are scored in one model call of up to
+    that many samples (:mod:`trainer.batching`; 0: every request scored on its own, in the
+    request's worker thread); ``max_queue_delay`` (s): how long the scoring thread waits for
+    requests still being decoded before it calls the model."""
     from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry,
                                    disable_created_metrics, generate_latest)
     from starlette.applications import Starlette
@@ -144,6 +168,35 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
             raise BadRequest(f"no model loaded yet: {live.problem}", status=503)
         return live.predict_request(request)
 
+    def observe(samples, requests, delays):
+        metrics["batch_samples"].observe(samples)
+        metrics["batch_requests"].observe(requests)
+        for delay in delays:
+            metrics["queue_delay"].observe(delay)
+
+    batcher = None
+    if max_batch_samples > 0:
+        batcher = Batcher(live.predict_decoded, max_batch_samples, max_queue_delay, observe)
+
+    async def score(body: bytes):
+        """Decoded in a worker thread (per request: its own verdict), then scored there at
+        once if no model call runs, else queued for the scoring thread, which scores it with
+        the requests queued beside it."""
+        if batcher is None:
+            return await run_in_threadpool(work, body)
+        def decode_and_queue():
+            try:
+                decoded = live.decode(scan_request(body, max_samples))
+            except BaseException:
+                batcher.gone()
+                raise
+            # idle: scored here at once; else queued for the next model call
+            return batcher.score_or_submit(decoded, len(decoded), arrived=True)
+
+        batcher.arriving()
+        future = await run_in_threadpool(decode_and_queue)
+        return future.result() if future.done() else await asyncio.wrap_future(future)
+
     async def predict(request):
         started = time.perf_counter()
         length = request.headers.get("content-length")
@@ -164,7 +217,7 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
             return Response(status_code=499)
         metrics["in_flight"].inc()
         try:
-            kind, probabilities, info = await run_in_threadpool(work, bytes(body))
+            kind, probabilities, info = await score(bytes(body))
             heads = info["heads"]  # of the version that answered
             predictions = [dict(zip(heads, map(float, row))) for row in probabilities]
             lag = None if info["newest_sample_time"] is None else time.time() - info[
@@ -220,6 +273,7 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
         Route("/metrics", prometheus, methods=["GET"]),
     ])
     app.state.metrics = metrics
+    app.state.batcher = batcher
     return _AnswerGuard(app, max_body_bytes)
 
 
@@ -375,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"request body size (default {MAX_BODY_BYTES}; more: HTTP 413)")
     parser.add_argument("--batch-size", type=int, default=4096,
                         help="samples per model call within a request (default 4096)")
+    parser.add_argument("--max-batch-samples", type=int, default=MAX_BATCH_SAMPLES,
+                        help="requests that arrive together are scored in one model call of "
+                             f"up to this many samples (default {MAX_BATCH_SAMPLES}; a larger "
+                             "request alone; 0: no batching, each request on its own)")
+    parser.add_argument("--max-queue-delay-ms", type=float, default=MAX_QUEUE_DELAY_MS,
+                        help="how long a model call may wait for requests still being decoded "
+                             f"(default {MAX_QUEUE_DELAY_MS}); a lone request never waits")
     parser.add_argument("--threads", type=int, default=8,
                         help="requests computed at once, off the event loop (default 8)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
@@ -386,6 +447,8 @@ def run(args) -> int:
         if getattr(args, name) <= 0:
             raise cli.UsageError(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(args, name)}")
+    if args.max_batch_samples < 0 or args.max_queue_delay_ms < 0:
+        raise cli.UsageError("--max-batch-samples and --max-queue-delay-ms must be 0 or more")
     if args.max_lag is not None and args.max_lag <= 0:
         raise cli.UsageError(f"--max-lag must be positive, got {args.max_lag}")
     if not 0 <= args.port <= 65535:
@@ -421,7 +484,9 @@ def _serve(args, sock, live, log) -> int:
     """Serve ``live`` on ``sock`` until a signal; 0 once every accepted request is answered."""
     import uvicorn
 
-    app = build_app(live, max_samples=args.max_samples, max_body_bytes=args.max_body_bytes)
+    app = build_app(live, max_samples=args.max_samples, max_body_bytes=args.max_body_bytes,
+                    max_batch_samples=args.max_batch_samples,
+                    max_queue_delay=args.max_queue_delay_ms / 1000)
     follower = Follower(live, args.poll_interval, app.state.metrics, log)
     signals = []
 
@@ -464,6 +529,8 @@ def _serve(args, sock, live, log) -> int:
     finally:
         follower.stop.set()
         follower.thread.join(timeout=10)
+        if app.state.batcher is not None:
+            app.state.batcher.close()
     log("stopped" + (f" on {signal.Signals(signals[0]).name}" if signals else ""))
     return 0
 
