@@ -84,6 +84,21 @@ def test_serving_benchmark_tiny(kafka_broker):
     assert structured["candidates"] == 50 and structured["speedup_p50"] > 0
 
 
+def test_serving_concurrency_benchmark_tiny():
+    """locust clients in their own process against the service, with and without batching."""
+    import benchmarks.serving
+
+    result = benchmarks.serving.run(["--tiny", "--concurrency", "1,4"])["concurrency"]
+    assert result["in_process_candidates_per_sec"] > 0
+    for mode in ("batching", "no_batching"):
+        runs = result["modes"][mode]["runs"]
+        assert set(runs) == {"1", "4"}
+        for r in runs.values():
+            assert r["candidates_per_sec"] > 0 and r["p50_ms"] <= r["p99_ms"]
+            assert r["non_200"] == 0
+    assert result["modes"]["batching"]["model_calls"] > 0
+
+
 def test_json_decode_benchmark_tiny():
     import benchmarks.json_decode
 
