@@ -12,7 +12,8 @@ NATIVE_SOURCES := $(shell find native/src native/include -name '*.cc' -o -name '
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 500000
 
-.PHONY: demo online-demo serve-demo test install clean native test-asan fuzz test-cpp doctest
+.PHONY: demo online-demo serve-demo test install clean native test-asan fuzz test-cpp doctest \
+        bench-disk-tier
 
 install: $(STAMP)
 
@@ -66,6 +67,16 @@ $(CPP_TEST_BIN): $(NATIVE_SOURCES) $(wildcard native/tests/*.cc) | doctest
 	mkdir -p $(@D) && $(CXX) $(CPP_TEST_FLAGS) $(CPP_TEST_SOURCES) $(CPP_TEST_LIBS) -o $@
 test-cpp: $(CPP_TEST_BIN)
 	$(CPP_TEST_BIN)
+
+# The disk tier's engines (slot file, LMDB) on the store's access pattern: load, Zipf churn,
+# reclaim, fsync off and on; a markdown table on stdout (benchmarks/RESULTS.md, "Disk tier
+# engines"). BENCH_DISK_TIER_ARGS=--help lists the options; files go under build/.
+BENCH_DISK_TIER_ARGS ?=
+bench-disk-tier: | doctest
+	mkdir -p build/bench && $(CXX) -std=c++17 -O2 -Wall -Wextra -pthread -Inative/include -Inative/src \
+	    -DPREFIXREC_DISK_TIER_LMDB benchmarks/disk_tier_bench.cc native/src/disk_tier.cc \
+	    native/src/disk_tier_lmdb.cc $(CPP_TEST_LIBS) -o build/bench/disk-tier
+	build/bench/disk-tier --dir build/bench-disk-tier $(BENCH_DISK_TIER_ARGS)
 
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
