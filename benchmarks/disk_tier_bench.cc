@@ -6,7 +6,8 @@
 //   churn   `batches` steps of the store with a memory tier of `memory` rows (FIFO): a step draws
 //           `batch` distinct ids Zipf(s) over the ids, Gets the ones not in memory (take: they move
 //           up) and Puts as many evicted rows (oldest in memory first, never one of this step),
-//   reclaim Reclaim(0) after the churn.
+//   expiry  a ForEach over the rows on disk picks half of them (by a hash of the id); Erase,
+//   reclaim Reclaim(0) after the expiry.
 // Reported: Get and Put rows/s over the churn, load rows/s, bytes on disk per row / row bytes
 // after load, after churn and after reclaim, and RssAnon growth per million rows on disk (the
 // engine's in-memory index; file pages LMDB maps count as RssFile and are reported apart).
@@ -104,7 +105,8 @@ void DropCache(const std::string& path) {
 
 struct Result {
   double load_rows_s = 0, get_rows_s = 0, put_rows_s = 0, reclaim_s = 0;
-  double disk_load = 0, disk_churn = 0, disk_reclaim = 0;  // bytes on disk per row / row bytes
+  double scan_rows_s = 0;
+  double disk_load = 0, disk_churn = 0, disk_expired = 0, disk_reclaim = 0;  // bytes on disk per row / row bytes
   double anon_per_m = 0, file_per_m = 0;                   // RSS kB growth per million rows
   double miss_rate = 0;
   uint64_t rows_after = 0;
@@ -217,7 +219,25 @@ Result Run(const Args& args, const Zipf& zipf, const char* engine, size_t row_by
                  (static_cast<double>(loaded) / 1e6) / 1e6;
   tier->Sync();
   r.disk_churn = static_cast<double>(tier->BytesOnDisk()) / static_cast<double>(tier->Count() * row_bytes);
+  // Expiry: a streaming scan picks half the rows on disk (by a hash of the id), Erase drops them.
+  std::vector<int64_t> expired;
   double t = Now();
+  uint64_t scanned = 0;
+  tier->ForEach(4096, [&](const uint8_t* data, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      int64_t id;
+      std::memcpy(&id, data + i * row_bytes, 8);
+      if (Mix64(static_cast<uint64_t>(id)) % 2 == 0) expired.push_back(id);
+    }
+    scanned += n;
+  });
+  r.scan_rows_s = static_cast<double>(scanned) / (Now() - t);
+  for (size_t at = 0; at < expired.size(); at += args.batch) {
+    tier->Erase(expired.data() + at, std::min(args.batch, expired.size() - at));
+  }
+  tier->Sync();
+  r.disk_expired = static_cast<double>(tier->BytesOnDisk()) / static_cast<double>(tier->Count() * row_bytes);
+  t = Now();
   tier->Reclaim(0);
   r.reclaim_s = Now() - t;
   r.disk_reclaim = static_cast<double>(tier->BytesOnDisk()) / static_cast<double>(tier->Count() * row_bytes);
@@ -297,8 +317,8 @@ int main(int argc, char** argv) {
               args.zipf_s, args.batches, args.fsync_batches, args.rounds, args.read_threads);
   const Zipf zipf(args.ids, args.zipf_s);
   std::printf("| round | engine | row B | fsync | load Put rows/s | churn miss rate | Get rows/s | Put rows/s | "
-              "disk/row after load | after churn | after reclaim | reclaim s | RssAnon B/row | RssFile B/row |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "disk/row after load | after churn | after expiring half | after reclaim | reclaim s | scan rows/s | RssAnon B/row | RssFile B/row |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const char* engines[2] = {"slotfile", "lmdb"};
   for (int round = 0; round < args.rounds; ++round) {
     for (size_t row_bytes : args.row_bytes) {
@@ -306,9 +326,9 @@ int main(int argc, char** argv) {
         for (int e = 0; e < 2; ++e) {
           const char* engine = engines[(e + round) % 2];
           const Result r = RunInChild(args, zipf, engine, row_bytes, sync);
-          std::printf("| %d | %s | %zu | %s | %.0f | %.3f | %.0f | %.0f | %.3f | %.3f | %.3f | %.2f | %.1f | %.1f |\n",
+          std::printf("| %d | %s | %zu | %s | %.0f | %.3f | %.0f | %.0f | %.3f | %.3f | %.3f | %.3f | %.2f | %.0f | %.1f | %.1f |\n",
                       round, engine, row_bytes, sync ? "on" : "off", r.load_rows_s, r.miss_rate, r.get_rows_s,
-                      r.put_rows_s, r.disk_load, r.disk_churn, r.disk_reclaim, r.reclaim_s, r.anon_per_m,
+                      r.put_rows_s, r.disk_load, r.disk_churn, r.disk_expired, r.disk_reclaim, r.reclaim_s, r.scan_rows_s, r.anon_per_m,
                       r.file_per_m);
           std::fflush(stdout);
         }
