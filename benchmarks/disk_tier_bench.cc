@@ -141,7 +141,7 @@ Result Run(const Args& args, const Zipf& zipf, const char* engine, size_t row_by
   }
   Result r;
   double t0 = Now();
-  // with fsync on, only the churn is measured synced; the load is the same either way
+  // with fsync on, every load batch is synced too (sync_every_put)
   uint64_t loaded = 0;
   for (size_t at = 0; at < order.size(); at += args.batch) {
     const size_t n = std::min(args.batch, order.size() - at);
