@@ -12,7 +12,8 @@ NATIVE_SOURCES := $(shell find native/src native/include -name '*.cc' -o -name '
 DEMO_DIR ?= demo_out
 DEMO_SAMPLES ?= 500000
 
-.PHONY: demo online-demo serve-demo test install clean native test-asan fuzz test-cpp doctest
+.PHONY: demo online-demo serve-demo test install clean native test-asan fuzz test-cpp doctest \
+        bench-disk-tier
 
 install: $(STAMP)
 
@@ -48,17 +49,34 @@ test:
 # C++ unit tests of native/src (native/tests/*.cc), built at -O1 from the sources without the
 # Python binding (its files are in native/src/bindings/, which native/src/*.cc does not match; a
 # rebuild after a native change takes ~30 s on 2 cores). Runner: doctest, a single header from
-# Debian's doctest-dev, installed here when missing.
+# Debian's doctest-dev, installed here when missing. The tests and the disk tier benchmark also
+# build the LMDB disk tier engine (native/src/disk_tier_lmdb.cc, measured against the slot file;
+# the extension does not link it): Debian's liblmdb-dev, installed here the same way.
 CPP_TEST_SOURCES := $(wildcard native/tests/*.cc) $(wildcard native/src/*.cc)
-CPP_TEST_FLAGS := -std=c++17 -O1 -Wall -Wextra -pthread -Inative/include -Inative/src
+CPP_TEST_FLAGS := -std=c++17 -O1 -Wall -Wextra -pthread -Inative/include -Inative/src \
+    -DPREFIXREC_DISK_TIER_LMDB
+CPP_TEST_LIBS := -llmdb
 CPP_TEST_BIN := build/cpp-tests/unit-tests
 doctest:
 	@test -f /usr/include/doctest/doctest.h || { apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends doctest-dev; }
+	@test -f /usr/include/lmdb.h || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends liblmdb-dev; } \
+	    || { echo "error: the C++ tests need LMDB: install the Debian package liblmdb-dev" >&2; exit 1; }
 $(CPP_TEST_BIN): $(NATIVE_SOURCES) $(wildcard native/tests/*.cc) | doctest
-	mkdir -p $(@D) && $(CXX) $(CPP_TEST_FLAGS) $(CPP_TEST_SOURCES) -o $@
+	mkdir -p $(@D) && $(CXX) $(CPP_TEST_FLAGS) $(CPP_TEST_SOURCES) $(CPP_TEST_LIBS) -o $@
 test-cpp: $(CPP_TEST_BIN)
 	$(CPP_TEST_BIN)
+
+# The disk tier's engines (slot file, LMDB) on the store's access pattern: load, Zipf churn,
+# reclaim, fsync off and on; a markdown table on stdout (benchmarks/RESULTS.md, "Disk tier
+# engines"). BENCH_DISK_TIER_ARGS=--help lists the options; files go under build/.
+BENCH_DISK_TIER_ARGS ?=
+bench-disk-tier: | doctest
+	mkdir -p build/bench && $(CXX) -std=c++17 -O2 -Wall -Wextra -pthread -Inative/include -Inative/src \
+	    -DPREFIXREC_DISK_TIER_LMDB benchmarks/disk_tier_bench.cc native/src/disk_tier.cc \
+	    native/src/disk_tier_lmdb.cc $(CPP_TEST_LIBS) -o build/bench/disk-tier
+	build/bench/disk-tier --dir build/bench-disk-tier $(BENCH_DISK_TIER_ARGS)
 
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR)
@@ -115,7 +133,7 @@ ASAN_DIR := build/asan
 test-asan: $(STAMP) doctest
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)/src $(ASAN_DIR)/site
 	$(CXX) $(CPP_TEST_FLAGS) -g -fsanitize=address,undefined -fno-omit-frame-pointer \
-	    -fno-sanitize-recover=undefined $(CPP_TEST_SOURCES) -o $(ASAN_DIR)/cpp-unit-tests
+	    -fno-sanitize-recover=undefined $(CPP_TEST_SOURCES) $(CPP_TEST_LIBS) -o $(ASAN_DIR)/cpp-unit-tests
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/cpp-unit-tests
 	cp -r setup.py pyproject.toml native_build.py MANIFEST.in requirements.txt \
 	    requirements-test.txt $(ASAN_DIR)/src/
