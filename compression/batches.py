@@ -176,7 +176,7 @@ class TreeBatch:
             parent = None
             if first.parent is not None:
                 shift = np.cumsum([0] + [b.layers[level - 1].size for b in batches[:-1]])
-                parent = np.concatenate([p.parent.astype(np.int64) + s
+                parent = np.concatenate([p.parent.astype(np.int32, copy=False) + np.int32(s)
                                          for p, s in zip(parts, shift)])
             features = {name: _concat([p.features[name] for p in parts])
                         for name in first.features}
@@ -248,14 +248,17 @@ def _slice(array: FeatureArray, lo: int, hi: int) -> FeatureArray:
 
 
 def _concat(arrays: list[FeatureArray]) -> FeatureArray:
+    """A feature's arrays end to end: ids and dense rows as they are; a list feature's values
+    (those its offsets cover) end to end, its offsets shifted by the values before them."""
     if not isinstance(arrays[0], tuple):
         return np.concatenate(arrays)
-    values = np.concatenate([a[0] for a in arrays])
-    offsets, shift = [np.zeros(1, np.int64)], 0
-    for _, o in arrays:
-        offsets.append(o[1:].astype(np.int64) + shift)
-        shift += int(o[-1])
-    return values, np.concatenate(offsets).astype(np.int32)
+    values, offsets, shift = [], [np.zeros(1, np.int64)], 0
+    for v, o in arrays:
+        first, last = int(o[0]), int(o[-1])
+        values.append(v[first:last])
+        offsets.append(o[1:].astype(np.int64) - first + shift)
+        shift += last - first
+    return np.concatenate(values), np.concatenate(offsets).astype(np.int32)
 
 
 def _plain(array) -> pa.Array:

@@ -15,9 +15,9 @@ ran, and waits up to ``max_delay`` for more only while other requests are being 
 (:meth:`Batcher.arriving`), never on a timer when the queue holds the only request there is.
 
 Requests are decoded (and refused, each with its own answer) before they are queued, so a bad
-request never reaches a batch. :func:`concat_trees` joins their trees into one batch: the
-roots of ranking requests and the nodes of flat samples side by side in every layer, each
-request's user part still one node computed once.
+request never reaches a batch. :meth:`compression.TreeBatch.concat` joins their trees into one
+batch: the roots of ranking requests and the nodes of flat samples side by side in every layer,
+each request's user part still one node computed once.
 """
 
 from __future__ import annotations
@@ -26,45 +26,6 @@ import collections
 import concurrent.futures
 import threading
 import time
-
-import numpy as np
-
-from compression import LayerBatch, TreeBatch
-
-
-def concat_trees(batches: list[TreeBatch]) -> TreeBatch:
-    """One batch holding every tree of ``batches``, in order: layer by layer their nodes one
-    after the other (parents shifted to the joined layer above), leaves (and outputs) in the
-    order of the batches."""
-    if len(batches) == 1:
-        return batches[0]
-    layers = []
-    for level, first in enumerate(batches[0].layers):
-        parts = [b.layers[level] for b in batches]
-        parent = None
-        if first.parent is not None:
-            shifts = np.cumsum([0] + [b.layers[level - 1].size for b in batches[:-1]])
-            parent = np.concatenate([p.parent.astype(np.int32, copy=False) + np.int32(s)
-                                     for p, s in zip(parts, shifts)])
-        features = {name: _concat_feature([p.features[name] for p in parts])
-                    for name in first.features}
-        layers.append(LayerBatch(first.name, sum(p.size for p in parts), parent, features))
-    labels = {name: np.concatenate([b.labels[name] for b in batches])
-              for name in batches[0].labels}
-    return TreeBatch(layers, labels)
-
-
-def _concat_feature(arrays):
-    """A feature's arrays joined: ids and dense rows end to end; a list feature's values end
-    to end and its offsets shifted by the values before them."""
-    if not isinstance(arrays[0], tuple):
-        return np.concatenate(arrays)
-    values, offsets, at = [], [np.zeros(1, np.int32)], 0
-    for v, o in arrays:
-        values.append(v)
-        offsets.append((o[1:] - o[0] + at).astype(np.int32, copy=False))
-        at += int(o[-1] - o[0])
-    return np.concatenate(values), np.concatenate(offsets)
 
 
 class _Queued:

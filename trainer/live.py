@@ -57,12 +57,12 @@ import tensorflow as tf
 
 import native
 import schemas
+from compression import TreeBatch
+from compression.fs import StorageError, is_local
 from trainer.checkpoints import dense_name
 from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
-from compression.fs import StorageError, is_local
-from trainer.batching import concat_trees
 from trainer.requests import BadRequest, RequestBody, decode_request, scan_request
 from trainer.serving import (EXPORT_VERSION, ShardedStore, mirror_export, one_node_per_sample,
                              published_versions, read_lineage, read_version_manifest,
@@ -399,7 +399,7 @@ class LiveModel:
                 if len(group) == 1:
                     out = self._score(version, group[0][1])
                 else:
-                    out = self._score(version, [concat_trees([g[1][0] for g in group])])
+                    out = self._score(version, [TreeBatch.concat([g[1][0] for g in group])])
                 at = 0
                 for i, pieces in group:
                     n = sum(p.num_leaves for p in pieces)

@@ -266,7 +266,6 @@ def test_joined_trees_keep_each_request_s_nodes_parents_and_list_features():
     """A ranking request (one root, three candidates) and two flat samples joined: the root
     stays one node, parents point into the joined layer above, list features' offsets run on."""
     from compression import LayerBatch, TreeBatch
-    from trainer.batching import concat_trees
 
     def ids(values, offsets):
         return np.array(values, np.int64), np.array(offsets, np.int32)
@@ -277,11 +276,11 @@ def test_joined_trees_keep_each_request_s_nodes_parents_and_list_features():
                                                       "d": np.ones((3, 2), np.float32)})],
         {"click": np.zeros(3, np.float32)})
     flat = TreeBatch([
-        LayerBatch("user", 2, None, {"u": np.array([8, 9]), "tags": ids([3, 4, 5], [2, 3, 5])}),
+        LayerBatch("user", 2, None, {"u": np.array([8, 9]), "tags": ids([3, 4, 5], [0, 1, 3])}),
         LayerBatch("item", 2, np.arange(2, dtype=np.int32), {
             "i": np.array([1, 2]), "d": np.zeros((2, 2), np.float32)})],
         {"click": np.zeros(2, np.float32)})
-    joined = concat_trees([tree, flat])
+    joined = TreeBatch.concat([tree, flat])
     user, item = joined.layers
     assert user.size == 3 and item.size == 5 and joined.num_leaves == 5
     assert user.features["u"].tolist() == [7, 8, 9]
