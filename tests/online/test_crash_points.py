@@ -11,27 +11,17 @@ import sys
 
 import pytest
 import yaml
-from confluent_kafka import Consumer, TopicPartition
 
 import native
 from commands import in_process
 from compression import fs
 from native import crash_points
-from online_samples import CONFIG, SCHEMA
+from online_samples import CONFIG, SCHEMA, committed_offset
 from online_samples import sample_message as _sample
 from trainer.checkpoints import LATEST_FILE, CheckpointManager
 
 SAMPLES = 1000
 PER_RUN = 200  # samples each killed run trains (about two units of 100) before it checkpoints
-
-
-def _committed(broker, topic, group):
-    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
-    try:
-        offset = consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
-    finally:
-        consumer.close()
-    return offset if offset >= 0 else None
 
 
 def _listing(run_dir):
@@ -87,7 +77,7 @@ def test_killed_at_every_point_of_a_checkpoint_and_commit_nothing_is_lost_or_rep
         assert latest.state["samples"] == offset, point  # each sample before it trained once
         restored = offset
         committed = offset if commits else committed
-        assert _committed(kafka_broker, topic, group) == committed, point
+        assert committed_offset(kafka_broker, topic, group) == committed, point
     assert 0 < restored < SAMPLES
 
     # restarted without a crash point: it trains the rest and stops when the topic is idle
@@ -103,7 +93,7 @@ def test_killed_at_every_point_of_a_checkpoint_and_commit_nothing_is_lost_or_rep
         os.path.join(latest.path, "model", "stores", "sid")).to_numpy()
     assert sorted(rows["ids"].tolist()) == list(range(SAMPLES))  # nothing lost
     assert set(rows["update_counts"].tolist()) == {1}            # nothing trained twice
-    assert _committed(kafka_broker, topic, group) == SAMPLES
+    assert committed_offset(kafka_broker, topic, group) == SAMPLES
 
     # nothing new: a run that trains nothing writes no checkpoint, not even its final one
     before = _listing(run_dir)

@@ -13,13 +13,12 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from confluent_kafka import Consumer, TopicPartition
 
 import compression
 import schemas
 from compression.messages import DeadLetter, decode_json_samples
 from native import crash_points
-from online_samples import CONFIG, SCHEMA
+from online_samples import CONFIG, SCHEMA, committed_offset
 from online_samples import sample_message
 from trainer.checkpoints import CheckpointManager
 from trainer.distributed.manifest import read_manifest
@@ -64,15 +63,6 @@ def _messages():
         if sid % BAD_EVERY == BAD_EVERY - 1:
             out.append((b"bad", b"not json %d" % sid))
     return out
-
-
-def _committed(broker, topic, group):
-    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
-    try:
-        offset = consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
-    finally:
-        consumer.close()
-    return offset if offset >= 0 else None
 
 
 def _offsets(latest) -> dict:
@@ -175,7 +165,7 @@ def test_killed_at_each_commit_point_every_message_trains_once_and_equals_its_re
         assert latest.state["samples"] == samples_before(offset), point
         restored = offset
         committed = offset if commits else committed
-        assert _committed(kafka_broker, topic, group) == committed, point
+        assert committed_offset(kafka_broker, topic, group) == committed, point
     assert restored < end
 
     # restarted without a crash point: it trains the rest and stops when the topic is idle
@@ -190,7 +180,7 @@ def test_killed_at_each_commit_point_every_message_trains_once_and_equals_its_re
     assert summary["broker_reachable"] is True and summary["steps"] > 0
     latest = CheckpointManager(run_dir).latest()
     assert _offsets(latest) == {"0": end} and latest.state["samples"] == SAMPLES
-    assert _committed(kafka_broker, topic, group) == end
+    assert committed_offset(kafka_broker, topic, group) == end
     model = _model(latest, tmp_path)
     rows = model.stores["sid"].to_numpy()
     assert sorted(rows["ids"].tolist()) == list(range(SAMPLES))  # nothing lost

@@ -18,3 +18,15 @@ def sample_value(sid: int) -> dict:
 def sample_message(sid: int) -> tuple[bytes, bytes]:
     """(key, value) of sample ``sid`` as a Kafka message: keyed by user, JSON."""
     return str(sid % 37).encode(), json.dumps(sample_value(sid)).encode()
+
+
+def committed_offset(broker, topic: str, group: str) -> int | None:
+    """The offset ``group`` has committed for partition 0 of ``topic`` (None: none yet)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group})
+    try:
+        offset = consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
+    finally:
+        consumer.close()
+    return offset if offset >= 0 else None
