@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -10,8 +11,10 @@
 #include <sstream>
 #include <thread>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 
+#include "internal/disk_tier_io.h"
 #include "internal/hash.h"
 #include "internal/kernels.h"
 #include "internal/scratch.h"
@@ -259,6 +262,28 @@ void ValidateOptions(const StoreOptions& o) {
     default:
       Invalid("unknown filter kind " + std::to_string(static_cast<uint32_t>(f.kind)));
   }
+  if (o.eviction != EvictionKind::kLru && o.eviction != EvictionKind::kLfu) {
+    Invalid("unknown eviction kind " + std::to_string(static_cast<uint32_t>(o.eviction)));
+  }
+  if (o.memory_budget_bytes == 0) {
+    if (!o.disk_dir.empty()) Invalid("disk_dir is set but memory_budget_bytes is 0 (unbounded)");
+    return;
+  }
+  if (o.disk_dir.empty()) Invalid("memory_budget_bytes needs a disk_dir for the rows beyond it");
+  if (o.max_rows != 0) Invalid("max_rows is not supported yet with memory_budget_bytes");
+  const uint64_t min_budget = static_cast<uint64_t>(o.num_shards) * MemoryRowBytes(o);
+  if (o.memory_budget_bytes < min_budget) {
+    Invalid("memory_budget_bytes must hold at least one row a shard: >= num_shards x " +
+            std::to_string(MemoryRowBytes(o)) + " = " + std::to_string(min_budget) + ", got " +
+            std::to_string(o.memory_budget_bytes));
+  }
+}
+
+// A memory row's share of the budget: its bytes plus its table slot at the table's highest
+// load (4 / 0.85 bytes, rounded up).
+uint64_t MemoryRowBytes(const StoreOptions& o) {
+  const uint64_t floats = static_cast<uint64_t>(o.dim) * (1 + OptimizerStateWidth(o.optimizer.kind));
+  return sizeof(RowHeader) + 4 * floats + 5;
 }
 
 namespace {
@@ -290,6 +315,22 @@ EmbeddingStore::Impl::Impl(const StoreOptions& o) : options(o) {
   for (int s = 0; s < o.num_shards; ++s) {
     shards.emplace_back(new Shard(row_bytes));
     if (bloom_counters > 0) shards.back()->bloom.assign(bloom_counters, 0);
+  }
+  if (o.memory_budget_bytes > 0) {
+    const size_t cap = static_cast<size_t>(o.memory_budget_bytes / static_cast<uint64_t>(o.num_shards) /
+                                           MemoryRowBytes(o));
+    internal::disk_tier_io::MakeDir(o.disk_dir);
+    internal::DiskTierOptions tier_options;
+    tier_options.row_bytes = row_bytes;
+    for (int s = 0; s < o.num_shards; ++s) {
+      char name[32];
+      std::snprintf(name, sizeof name, "/shard-%04d", s);
+      Shard& shard = *shards[s];
+      shard.memory_rows_cap = std::max<size_t>(cap, 1);
+      // kCreate: the tier extends memory; whatever a previous process left is discarded.
+      shard.tier = internal::OpenSlotFileTier(o.disk_dir + name, tier_options,
+                                              internal::DiskTierOpen::kCreate);
+    }
   }
 }
 
@@ -512,6 +553,74 @@ void EmbeddingStore::Impl::RemoveRow(Shard& shard, uint32_t row) {
   rows.fetch_sub(1, std::memory_order_relaxed);
 }
 
+size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uint32_t* hashes,
+                                     size_t n) {
+  if (!shard.tier || n == 0 || shard.tier->Count() == 0) return 0;
+  std::vector<uint8_t> block(n * row_bytes), found(n);
+  const size_t got = shard.tier->Get(ids, n, block.data(), found.data(), /*take=*/true);
+  for (size_t i = 0; i < n && got > 0; ++i) {
+    if (!found[i]) continue;
+    const uint32_t row = shard.Insert(ids[i], hashes[i]);
+    std::memcpy(shard.Row(row), block.data() + i * row_bytes, row_bytes);  // bytes unchanged
+  }
+  faults.fetch_add(got, std::memory_order_relaxed);
+  return got;
+}
+
+size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const std::unordered_set<int64_t>* pinned) {
+  if (!shard.tier || shard.size() <= shard.memory_rows_cap) return 0;
+  // Down to ~97% of the cap: the selection is O(shard rows), paid once per ~3% of new rows,
+  // and the rows go to disk in one batched Put.
+  const size_t target = shard.memory_rows_cap - shard.memory_rows_cap / 32;
+  struct Candidate {
+    int64_t first;
+    int64_t second;
+    int64_t id;
+    uint32_t row;
+  };
+  std::vector<Candidate> candidates;
+  candidates.reserve(shard.size());
+  const int64_t current_step = global_step.load();
+  const bool lfu = options.eviction == EvictionKind::kLfu;
+  for (uint32_t r = 0; r < shard.size(); ++r) {
+    const RowHeader* h = shard.Header(r);
+    const int64_t id = h->id();
+    if (pinned != nullptr && pinned->count(id) != 0) continue;  // rows of the current batch stay
+    const int64_t last_step = internal::StepOf(h->step, current_step);
+    if (lfu) {
+      candidates.push_back({static_cast<int64_t>(h->update_count()), last_step, id, r});
+    } else {
+      candidates.push_back({last_step, static_cast<int64_t>(h->time), id, r});
+    }
+  }
+  const size_t excess = std::min(shard.size() - target, candidates.size());
+  if (excess == 0) return 0;
+  auto first_out = [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.first, a.second, a.id) < std::tie(b.first, b.second, b.id);
+  };
+  std::nth_element(candidates.begin(), candidates.begin() + (excess - 1), candidates.end(), first_out);
+  std::vector<int64_t> ids(excess);
+  std::vector<uint8_t> block(excess * row_bytes);
+  for (size_t i = 0; i < excess; ++i) {
+    ids[i] = candidates[i].id;
+    std::memcpy(block.data() + i * row_bytes, shard.Row(candidates[i].row), row_bytes);
+  }
+  // Written before anything leaves memory: a failed Put leaves every row in memory.
+  shard.tier->Put(ids.data(), block.data(), excess);
+  for (size_t i = 0; i < excess; ++i) {
+    const uint32_t hash = static_cast<uint32_t>(HashId(ids[i]));
+    shard.Remove(shard.Find(ids[i], hash), hash);  // moved, not removed: no tombstone, rows kept
+  }
+  evicted_to_disk.fetch_add(excess, std::memory_order_relaxed);
+  return excess;
+}
+
+void EmbeddingStore::Impl::RequireOneTier(const char* what) const {
+  if (options.memory_budget_bytes > 0) {
+    Invalid(std::string(what) + " is not supported yet with memory_budget_bytes (docs/tiered-store.md)");
+  }
+}
+
 size_t EmbeddingStore::Impl::EnforceCapacity() {
   if (options.max_rows == 0 || rows.load() <= options.max_rows) return 0;
   std::lock_guard<std::mutex> evict_lock(evict_mu);
@@ -608,11 +717,11 @@ void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now
       // The distinct rows are copied to a dense block first (measured faster than gathering
       // straight from the scattered store rows: the block stays in L2 at small dims).
       r.rows = scratch->Get<float>(4 * t + 3, r.distinct * dim);
-      s.ReadRows(r.unique, 0, r.distinct, r.rows, train ? &r.misses : nullptr);
+      s.ReadRows(r.unique, 0, r.distinct, r.rows, train || s.tiered() ? &r.misses : nullptr);
       if (r.misses.empty()) expand(t);
     });
   }
-  if (train) {
+  if (train || s.tiered()) {
     std::vector<int64_t> missed_ids;
     std::vector<float*> missed_rows;
     std::vector<size_t> pending;
@@ -625,7 +734,7 @@ void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now
       }
     }
     if (!pending.empty()) {
-      s.AdmitMissing(missed_ids, missed_rows, now);
+      s.AdmitMissing(missed_ids, missed_rows, now, train, ids, n);
       ParallelFor(threads, pending.size(), [&](size_t k) { expand(pending[k]); });
     }
   }
@@ -657,10 +766,11 @@ void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool tra
     locks.reserve(s.shards.size());
     for (auto& shard : s.shards) locks.emplace_back(shard->mu);
     ParallelFor(threads, workers, [&](size_t w) {
-      s.ReadRows(ids, n * w / workers, n * (w + 1) / workers, out, train ? &misses[w] : nullptr);
+      s.ReadRows(ids, n * w / workers, n * (w + 1) / workers, out,
+                 train || s.tiered() ? &misses[w] : nullptr);
     });
   }
-  if (!train) return;
+  if (!train && !s.tiered()) return;
   // Phase 2 (training only): unseen ids go through the filter under their shard's exclusive lock.
   std::vector<int64_t> missed_ids;
   std::vector<float*> missed_rows;
@@ -670,14 +780,18 @@ void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool tra
       missed_rows.push_back(out + static_cast<size_t>(pos) * dim);
     }
   }
-  if (!missed_ids.empty()) s.AdmitMissing(missed_ids, missed_rows, now);
+  if (!missed_ids.empty()) s.AdmitMissing(missed_ids, missed_rows, now, train, ids, n);
 }
 
 void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
-                                        const std::vector<float*>& missed_rows, double now) {
+                                        const std::vector<float*>& missed_rows, double now,
+                                        bool train, const int64_t* call_ids, size_t call_n) {
   Impl& s = *this;
   const size_t dim = static_cast<size_t>(s.dim);
   Impl::Partition p = s.Bucketize(missed_ids.data(), missed_ids.size());
+  // The call's ids stay in memory through its eviction (they are the current batch).
+  std::unordered_set<int64_t> pinned;
+  if (s.tiered()) pinned.insert(call_ids, call_ids + call_n);
   std::atomic<uint64_t> admitted{0}, rejected{0};
   ParallelFor(s.ThreadsFor(missed_ids.size()), s.shards.size(), [&](size_t shard_index) {
     size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
@@ -686,12 +800,29 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
     uint64_t shard_admitted = 0, shard_rejected = 0;
     LocalIndex sighted(end - begin);  // one filter sighting per id per call
     std::unique_lock<std::shared_mutex> lock(shard.mu);
+    if (shard.tier) {  // rows on disk come back first: only ids in neither tier meet the filter
+      std::vector<int64_t> absent;
+      std::vector<uint32_t> absent_hash;
+      LocalIndex seen(end - begin);
+      for (size_t k = begin; k < end; ++k) {
+        const uint32_t local = p.order[k];
+        const int64_t id = missed_ids[local];
+        if (shard.Find(id, p.hash[local]) != Shard::kEmpty) continue;
+        bool first;
+        seen.FindOrInsert(id, 0, &first);
+        if (!first) continue;
+        absent.push_back(id);
+        absent_hash.push_back(p.hash[local]);
+      }
+      s.FaultIn(shard, absent.data(), absent_hash.data(), absent.size());
+    }
     for (size_t k = begin; k < end; ++k) {
       uint32_t local = p.order[k];
       int64_t id = missed_ids[local];
       float* dst = missed_rows[local];
       uint32_t row = shard.Find(id, p.hash[local]);  // another thread may have added it
       if (row == Shard::kEmpty) {
+        if (!train) continue;  // a read: stays zeros
         bool first_sighting;
         sighted.FindOrInsert(id, 0, &first_sighting);
         if (!first_sighting || !s.Admit(shard, shard_index, id)) {
@@ -705,6 +836,7 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
       }
       std::memcpy(dst, shard.Floats(row), dim * sizeof(float));
     }
+    if (shard.tier) s.EvictToDisk(shard, &pinned);
     admitted.fetch_add(shard_admitted, std::memory_order_relaxed);
     rejected.fetch_add(shard_rejected, std::memory_order_relaxed);
   });
@@ -920,6 +1052,26 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   locks.reserve(s.shards.size());
   for (auto& shard : s.shards) locks.emplace_back(shard->mu);
+  // Two tiers: rows evicted since their lookup come back before the update (the parallel
+  // update below never inserts), and the batch's rows are kept through the eviction after it.
+  std::unordered_set<int64_t> pinned;
+  if (s.tiered()) {
+    std::vector<std::vector<int64_t>> absent(s.shards.size());
+    std::vector<std::vector<uint32_t>> absent_hash(s.shards.size());
+    for (size_t part = 0; part < parts; ++part) {
+      const GradientSums& group = groups[part];
+      for (size_t d = 0; d < group.distinct; ++d) {
+        const uint32_t i = group.first[d];
+        pinned.insert(group.key[d]);
+        if (s.shards[shard_of[i]]->Find(group.key[d], hash[i]) != Shard::kEmpty) continue;
+        absent[shard_of[i]].push_back(group.key[d]);
+        absent_hash[shard_of[i]].push_back(hash[i]);
+      }
+    }
+    for (size_t k = 0; k < s.shards.size(); ++k) {
+      s.FaultIn(*s.shards[k], absent[k].data(), absent_hash[k].data(), absent[k].size());
+    }
+  }
   ParallelFor(threads, chunks, [&](size_t c) {
     const size_t chunk_begin = total_distinct * c / chunks;
     const size_t chunk_end = total_distinct * (c + 1) / chunks;
@@ -977,11 +1129,15 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
     }
     updated.fetch_add(chunk_updated, std::memory_order_relaxed);
   });
+  if (s.tiered()) {
+    for (auto& shard : s.shards) s.EvictToDisk(*shard, &pinned);
+  }
   locks.clear();
   return updated.load();
 }
 
 size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, double now) {
+  impl_->RequireOneTier("Expire");
   Impl& s = *impl_;
   int64_t current_step = s.global_step.load();
   std::atomic<size_t> removed{0};
@@ -1006,6 +1162,7 @@ size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, d
 }
 
 size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
+  impl_->RequireOneTier("Remove");
   Impl& s = *impl_;
   Impl::Partition p = s.Bucketize(ids, n);
   std::atomic<size_t> removed{0};
@@ -1029,6 +1186,7 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
 }
 
 RowArrays EmbeddingStore::ExportRows(bool with_values) const {
+  impl_->RequireOneTier("ExportRows");
   const Impl& s = *impl_;
   RowArrays out;
   const size_t dim = static_cast<size_t>(s.dim), state = static_cast<size_t>(s.state_floats);
@@ -1081,6 +1239,7 @@ FilterState EmbeddingStore::ExportFilter() const {
 
 size_t EmbeddingStore::MergeFilter(const int64_t* ids, const uint32_t* counts, size_t n,
                                    const uint8_t* bloom, size_t bloom_size) {
+  impl_->RequireOneTier("MergeFilter");
   Impl& s = *impl_;
   const FilterOptions& f = s.options.filter;
   // Everything is checked before anything changes.
@@ -1153,9 +1312,17 @@ StoreStats EmbeddingStore::Stats() const {
     std::shared_lock<std::shared_mutex> lock(shard->mu);
     stats.bytes += shard->Bytes();
     stats.filter_bytes += shard->FilterBytes();
+    stats.memory_rows += shard->size();
+    if (shard->tier) {
+      stats.disk_rows += shard->tier->Count();
+      stats.disk_bytes += shard->tier->BytesOnDisk();
+      stats.bytes += shard->tier->IndexBytes();
+    }
   }
   stats.bytes += sizeof(Impl) + s.shards.size() * sizeof(Shard);
   stats.rows = s.rows.load();
+  stats.faults = s.faults.load();
+  stats.evicted_to_disk = s.evicted_to_disk.load();
   stats.admitted = s.admitted.load();
   stats.rejected = s.rejected.load();
   stats.expired = s.expired.load();

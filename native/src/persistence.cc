@@ -512,6 +512,7 @@ bool SameRow(const uint8_t* a, const uint8_t* b, size_t row_bytes) {
 
 uint64_t EmbeddingStore::Save(const std::string& dir) const {
   const Impl& s = *impl_;
+  s.RequireOneTier("Save");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
   MakeDirectory(dir);
   FileWriter w(SnapshotPath(dir), "store.snapshot");
@@ -638,6 +639,7 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
 
 std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_written) {
   Impl& s = *impl_;
+  s.RequireOneTier("ExportDelta");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
   std::lock_guard<std::mutex> delta_lock(s.delta_mu);
   MakeDirectory(dir);
@@ -872,6 +874,7 @@ EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path,
 
 uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
   Impl& s = *impl_;
+  s.RequireOneTier("ApplyDelta");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
   std::lock_guard<std::mutex> delta_lock(s.delta_mu);
   uint64_t expected = s.delta_sequence.load() + 1;
@@ -956,6 +959,7 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
 EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& snapshot_dir,
                                                              const std::string& path) const {
   const Impl& s = *impl_;
+  s.RequireOneTier("WriteRebaseDelta");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
   FileReader r(SnapshotPath(snapshot_dir));
   SnapshotHeader snap = ReadSnapshotHeader(r);

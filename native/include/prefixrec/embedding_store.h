@@ -94,6 +94,11 @@ struct FilterOptions {
   double false_positive_rate = 0.01;  // kCountingBloom: target rate at `capacity` ids
 };
 
+// Which memory rows move to the disk tier first when a shard is over its memory budget
+// (docs/tiered-store.md): kLru = oldest (last step, last time, id), kLfu = fewest (update
+// count, last step, id). Both read only the row header: no per-row bytes beyond it.
+enum class EvictionKind : uint32_t { kLru = 0, kLfu = 1 };
+
 struct StoreOptions {
   int dim = 8;                        // embedding values per row, 1..4096
   OptimizerOptions optimizer;         // the update rule and the state it keeps per row
@@ -105,6 +110,13 @@ struct StoreOptions {
                                       // evict least recently updated rows (by last step, last
                                       // time, id) down to max_rows - max_rows / 100
   int num_threads = 0;                // threads per batch call; 0 = hardware concurrency
+  // Two tiers (docs/tiered-store.md): 0 = every row in memory. Else each shard keeps at most
+  // (memory_budget_bytes / num_shards) / (row bytes + 5) rows in memory (rows of the current
+  // batch excepted) and the rest in its disk tier under <disk_dir>/shard-NNNN, started empty.
+  // Lookups and updates give the same results as without a budget.
+  uint64_t memory_budget_bytes = 0;
+  std::string disk_dir;               // required with a budget, refused without one
+  EvictionKind eviction = EvictionKind::kLru;
 };
 
 // Counters since construction (they survive Save/Load).
@@ -120,6 +132,13 @@ struct StoreStats {
   uint64_t updates = 0;       // row updates (one per distinct admitted id per ApplyGradients)
   int64_t global_step = 0;    // largest step given to ApplyGradients or received in a delta
   uint64_t delta_sequence = 0;  // sequence of the last delta exported or applied
+  // Two tiers (0 without a memory budget; `rows` counts both tiers, `bytes` adds the disk
+  // tier's index).
+  uint64_t memory_rows = 0;      // rows in memory
+  uint64_t disk_rows = 0;        // rows in the disk tier
+  uint64_t disk_bytes = 0;       // bytes the disk tier's files take
+  uint64_t faults = 0;           // rows read back from disk into memory
+  uint64_t evicted_to_disk = 0;  // rows moved from memory to disk
 };
 
 // Column copies of all rows, shard by shard. values/state are filled only when asked for.

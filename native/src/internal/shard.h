@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "internal/disk_tier.h"
 #include "internal/hash.h"
 #include "internal/memory.h"
 
@@ -212,6 +213,10 @@ class Shard {
   std::vector<uint8_t> bloom;                    // counting Bloom filter counters (saturating)
   std::unordered_map<int64_t, uint32_t> counts;  // counter filter: sightings of unadmitted ids
   std::vector<int64_t> tombstones;               // ids removed since the last delta
+  // Two tiers (docs/tiered-store.md): rows beyond memory_rows_cap live in `tier`, used only
+  // under `mu` held exclusively. Null (and cap 0) without a memory budget.
+  std::unique_ptr<DiskTier> tier;
+  size_t memory_rows_cap = 0;
 
   static uint64_t HashOf(int64_t id) { return HashId(id); }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "internal/scratch.h"
@@ -19,6 +20,8 @@ namespace prefixrec {
 
 // Throws StoreError(kInvalidArgument) naming the first option out of range.
 void ValidateOptions(const StoreOptions& options);
+// A memory row's share of memory_budget_bytes: row bytes + its table slot (4 / 0.85, rounded up).
+uint64_t MemoryRowBytes(const StoreOptions& options);
 
 struct EmbeddingStore::Impl {
   explicit Impl(const StoreOptions& options);
@@ -46,8 +49,20 @@ struct EmbeddingStore::Impl {
   void LookupDistinct(const int64_t* ids, size_t n, bool train, double now, float* out);
   // Runs unseen ids through the entry filter under their shards' exclusive locks; admitted ids
   // (and ids another thread added meanwhile) get their row copied to missed_rows[i].
+  // train = false: only rows on disk come back (no filter, no insert). call_ids: every id of
+  // the call (kept in memory through the eviction that follows).
   void AdmitMissing(const std::vector<int64_t>& missed_ids, const std::vector<float*>& missed_rows,
-                    double now);
+                    double now, bool train, const int64_t* call_ids, size_t call_n);
+  // Two tiers (docs/tiered-store.md). Caller holds shard.mu exclusively for both.
+  bool tiered() const { return options.memory_budget_bytes > 0; }
+  // Brings back the rows of n distinct ids absent from the shard's memory that its tier holds
+  // (one batched Get), bytes unchanged. Returns rows brought back.
+  size_t FaultIn(internal::Shard& shard, const int64_t* ids, const uint32_t* hashes, size_t n);
+  // Moves the shard's memory rows beyond its cap (down to ~97% of it) to its tier, by the
+  // eviction policy, never a pinned id. Returns rows moved.
+  size_t EvictToDisk(internal::Shard& shard, const std::unordered_set<int64_t>* pinned);
+  // Throws kInvalidArgument: `what` does not handle rows on disk yet.
+  void RequireOneTier(const char* what) const;
   // Copies the rows of ids[begin, end) to out (zeros if absent, position recorded in misses).
   // Caller holds every shard at least shared.
   void ReadRows(const int64_t* ids, size_t begin, size_t end, float* out,
@@ -119,6 +134,7 @@ struct EmbeddingStore::Impl {
   std::atomic<int64_t> global_step{0};
   std::atomic<uint64_t> admitted{0}, rejected{0}, expired{0}, evicted{0}, lookups{0}, updates{0};
   std::atomic<uint64_t> delta_sequence{0};
+  std::atomic<uint64_t> faults{0}, evicted_to_disk{0};  // rows read back from / moved to disk
   std::mutex delta_mu;  // one ExportDelta/ApplyDelta at a time
   std::mutex evict_mu;  // one capacity enforcement at a time
 };

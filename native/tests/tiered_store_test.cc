@@ -1,0 +1,181 @@
+// Two tiers (docs/tiered-store.md): a store with a small memory budget answers lookups and
+// takes updates bit for bit as an unbounded store does on the same calls, while its rows move
+// to disk and back; and the budget's options are checked at the boundary.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "internal/store_impl.h"
+#include "prefixrec/embedding_store.h"
+#include "prefixrec/store_error.h"
+
+namespace prefixrec {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    char pattern[] = "/tmp/tiered_store_test.XXXXXX";
+    char* made = mkdtemp(pattern);
+    REQUIRE(made != nullptr);
+    path_ = made;
+  }
+  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+StoreOptions BaseOptions(OptimizerKind kind, FilterKind filter) {
+  StoreOptions o;
+  o.dim = 4;
+  o.optimizer.kind = kind;
+  o.optimizer.learning_rate = 0.05f;
+  o.initializer.kind = InitializerKind::kUniform;
+  o.initializer.scale = 0.1f;
+  o.seed = 7;
+  o.num_shards = 4;
+  o.num_threads = 2;
+  o.filter.kind = filter;
+  o.filter.min_count = 2;
+  o.filter.probability = 0.5;
+  return o;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Skewed ids in [0, 3000): a few hot ones, a long tail that keeps leaving memory.
+std::vector<int64_t> Batch(std::mt19937_64& rng, size_t n) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<int64_t> ids(n);
+  for (auto& id : ids) {
+    const double x = u(rng);
+    id = static_cast<int64_t>(3000.0 * x * x * x);
+  }
+  return ids;
+}
+
+void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind eviction) {
+  TempDir dir;
+  StoreOptions plain = BaseOptions(kind, filter);
+  StoreOptions tiered = plain;
+  tiered.memory_budget_bytes = 4 * 40 * MemoryRowBytes(plain);  // 40 rows a shard in memory
+  tiered.disk_dir = dir.path() + "/tiers";
+  tiered.eviction = eviction;
+  EmbeddingStore a(plain), b(tiered);
+  std::mt19937_64 rng(20261128);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  const size_t dim = 4;
+  for (int step = 1; step <= 121; ++step) {
+    // Mostly small batches; every 20th one takes the large-batch path (n >= 4096).
+    const size_t n = step % 20 == 0 ? 5000 : 1 + rng() % 200;
+    const std::vector<int64_t> ids = Batch(rng, n);
+    const double now = 1.8e9 + step;
+    std::vector<float> out_a(n * dim), out_b(n * dim);
+    a.Lookup(ids.data(), n, /*train=*/true, now, out_a.data());
+    b.Lookup(ids.data(), n, /*train=*/true, now, out_b.data());
+    REQUIRE_MESSAGE(SameBits(out_a, out_b), "training lookup differs at step " << step);
+    std::vector<float> grads(n * dim);
+    for (auto& x : grads) x = g(rng);
+    const float l2 = step % 3 == 0 ? 0.01f : 0.0f;
+    a.ApplyGradients(ids.data(), grads.data(), n, step, now, l2);
+    b.ApplyGradients(ids.data(), grads.data(), n, step, now, l2);
+    if (step % 7 == 0) {  // a serving read of other ids: faults rows in, admits none
+      const std::vector<int64_t> read = Batch(rng, 300);
+      std::vector<float> ra(read.size() * dim), rb(read.size() * dim);
+      a.Lookup(read.data(), read.size(), /*train=*/false, now, ra.data());
+      b.Lookup(read.data(), read.size(), /*train=*/false, now, rb.data());
+      REQUIRE_MESSAGE(SameBits(ra, rb), "serving lookup differs at step " << step);
+    }
+    REQUIRE(a.size() == b.size());
+  }
+  const StoreStats sa = a.Stats(), sb = b.Stats();
+  CHECK(sa.rows == sb.rows);
+  CHECK(sa.admitted == sb.admitted);
+  CHECK(sa.rejected == sb.rejected);
+  CHECK(sa.updates == sb.updates);
+  CHECK(sb.memory_rows + sb.disk_rows == sb.rows);
+  // The budget, overrun at most by the last batch's pinned rows (step 121: at most 200 ids).
+  CHECK(sb.memory_rows <= 4 * 40 + 200);
+  CHECK(sb.disk_rows > 0);          // the budget did push rows out ...
+  CHECK(sb.faults > 0);             // ... and some came back
+  CHECK(sb.evicted_to_disk >= sb.disk_rows);
+  CHECK(sa.disk_rows == 0);
+  CHECK(sa.memory_rows == sa.rows);
+  // Every id, read back: the same rows (and zeros) whichever tier holds them.
+  std::vector<int64_t> all(3000);
+  for (int64_t i = 0; i < 3000; ++i) all[i] = i;
+  std::vector<float> ra(all.size() * dim), rb(all.size() * dim);
+  a.Lookup(all.data(), all.size(), false, 0.0, ra.data());
+  b.Lookup(all.data(), all.size(), false, 0.0, rb.data());
+  CHECK(SameBits(ra, rb));
+  // The call's ids are pinned: reading all 3000 brought every row back to memory.
+  CHECK(b.Stats().disk_rows == 0);
+}
+
+TEST_CASE("a budgeted store looks up and updates as an unbounded one (LRU, Adagrad, counter filter)") {
+  CheckSameAsUnbounded(OptimizerKind::kAdagrad, FilterKind::kCounter, EvictionKind::kLru);
+}
+
+TEST_CASE("a budgeted store looks up and updates as an unbounded one (LFU, Adam, probability filter)") {
+  CheckSameAsUnbounded(OptimizerKind::kAdam, FilterKind::kProbability, EvictionKind::kLfu);
+}
+
+TEST_CASE("a budgeted store looks up and updates as an unbounded one (LRU, FTRL, no filter)") {
+  CheckSameAsUnbounded(OptimizerKind::kFtrl, FilterKind::kNone, EvictionKind::kLru);
+}
+
+std::string InvalidMessage(const StoreOptions& o) {
+  try {
+    ValidateOptions(o);
+  } catch (const StoreError& e) {
+    CHECK(e.code() == ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  return "";
+}
+
+TEST_CASE("the memory budget's options are checked before anything is created") {
+  StoreOptions o = BaseOptions(OptimizerKind::kAdagrad, FilterKind::kNone);
+  o.memory_budget_bytes = 1 << 20;
+  CHECK(InvalidMessage(o).find("needs a disk_dir") != std::string::npos);
+  o.memory_budget_bytes = 0;
+  o.disk_dir = "/tmp/unused";
+  CHECK(InvalidMessage(o).find("disk_dir is set but memory_budget_bytes is 0") != std::string::npos);
+  o.memory_budget_bytes = 4 * MemoryRowBytes(o) - 1;  // less than a row a shard
+  CHECK(InvalidMessage(o).find("at least one row a shard") != std::string::npos);
+  o.memory_budget_bytes = 4 * MemoryRowBytes(o);
+  CHECK(InvalidMessage(o).empty());
+  o.eviction = static_cast<EvictionKind>(9);
+  CHECK(InvalidMessage(o).find("unknown eviction kind 9") != std::string::npos);
+  o.eviction = EvictionKind::kLfu;
+  o.max_rows = 10;
+  CHECK(InvalidMessage(o).find("max_rows is not supported yet") != std::string::npos);
+  // Adagrad at dim 4: 20-byte header + 8 floats + a 5-byte slot share.
+  CHECK(MemoryRowBytes(o) == 20 + 32 + 5);
+}
+
+TEST_CASE("calls that do not handle rows on disk yet refuse a budgeted store") {
+  TempDir dir;
+  StoreOptions o = BaseOptions(OptimizerKind::kSgd, FilterKind::kNone);
+  o.memory_budget_bytes = 4 * 10 * MemoryRowBytes(o);
+  o.disk_dir = dir.path();
+  EmbeddingStore store(o);
+  CHECK_THROWS_AS(store.Save(dir.path() + "/snap"), StoreError);
+  CHECK_THROWS_AS(store.ExportDelta(dir.path() + "/deltas"), StoreError);
+  CHECK_THROWS_AS(store.Expire(1, -1, 0.0), StoreError);
+  CHECK_THROWS_AS(store.ExportRows(false), StoreError);
+}
+
+}  // namespace
+}  // namespace prefixrec
