@@ -153,6 +153,9 @@ class CounterFilter:
         _check_int("CounterFilter", "min_count", self.min_count, 1, 2**32 - 1)
 
 
+# StoreConfig.eviction -> the core's EvictionKind.
+_EVICTIONS = {"lru": 0, "lfu": 1}
+
 Optimizer = Union[SGD, Adagrad, Adam, FTRL]
 Initializer = Union[Zeros, Uniform, Normal]
 EntryFilter = Union[ProbabilityFilter, CountingBloomFilter, CounterFilter]
@@ -173,6 +176,15 @@ class StoreConfig:
     entry_filter: EntryFilter | None = None
     max_rows: int | None = None
     num_threads: int = 0  # threads per batch call; 0 = all cores
+    # Two tiers (docs/tiered-store.md): at most about memory_budget_bytes of rows in memory
+    # (split evenly over the shards; rows of the current batch excepted), the rest on local
+    # disk under disk_dir/shard-NNNN (started empty: after a crash the store restores from its
+    # snapshot). Lookups and updates are the same as without a budget. eviction: which rows go
+    # to disk first, "lru" (least recently updated) or "lfu" (fewest updates). Run-time
+    # settings: not saved in snapshots.
+    memory_budget_bytes: int | None = None
+    disk_dir: str | None = None
+    eviction: str = "lru"
 
     # max_rows: when a training lookup takes the store above it, the least recently updated rows
     # (oldest last step, then last time, then id) are evicted down to max_rows - max_rows // 100
@@ -196,6 +208,23 @@ class StoreConfig:
         if self.max_rows is not None:
             _check_int("StoreConfig", "max_rows", self.max_rows, 1, 2**63 - 1)
         _check_int("StoreConfig", "num_threads", self.num_threads, 0, 256)
+        if self.eviction not in _EVICTIONS:
+            raise InvalidInputError(
+                f"StoreConfig.eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+        if self.memory_budget_bytes is None:
+            if self.disk_dir is not None:
+                raise InvalidInputError(
+                    "StoreConfig.disk_dir is set but memory_budget_bytes is not (a disk tier "
+                    "holds the rows beyond a memory budget)")
+            return
+        _check_int("StoreConfig", "memory_budget_bytes", self.memory_budget_bytes, 1, 2**63 - 1)
+        if not isinstance(self.disk_dir, str) or not self.disk_dir:
+            raise InvalidInputError(
+                "StoreConfig.memory_budget_bytes needs disk_dir, a directory for the rows beyond "
+                f"it, got {self.disk_dir!r}")
+        if self.max_rows is not None:
+            raise InvalidInputError(
+                "StoreConfig.max_rows is not supported yet with memory_budget_bytes")
 
     def _native_kwargs(self) -> dict:
         opt = self.optimizer
@@ -222,7 +251,8 @@ class StoreConfig:
                 "lr", "initial_accumulator", "beta1", "beta2", "epsilon", "alpha", "beta", "l1", "l2")],
             initializer=init_kind, initializer_scale=float(scale), seed=self.seed,
             num_shards=self.num_shards, max_rows=self.max_rows or 0, num_threads=self.num_threads,
-            **filter_kwargs)
+            memory_budget_bytes=self.memory_budget_bytes or 0, disk_dir=self.disk_dir or "",
+            eviction=_EVICTIONS[self.eviction], **filter_kwargs)
 
     @classmethod
     def _from_native(cls, o: dict) -> "StoreConfig":
@@ -245,4 +275,7 @@ class StoreConfig:
                         _COUNTER: lambda: CounterFilter(o["min_count"])}[o["filter"]]()
         return cls(dim=o["dim"], optimizer=optimizer, initializer=initializer, seed=o["seed"],
                    num_shards=o["num_shards"], entry_filter=entry_filter,
-                   max_rows=o["max_rows"] or None, num_threads=o["num_threads"])
+                   max_rows=o["max_rows"] or None, num_threads=o["num_threads"],
+                   memory_budget_bytes=o["memory_budget_bytes"] or None,
+                   disk_dir=o["disk_dir"] or None,
+                   eviction={v: k for k, v in _EVICTIONS.items()}[o["eviction"]])

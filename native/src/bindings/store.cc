@@ -80,6 +80,9 @@ py::dict OptionsDict(const prefixrec::StoreOptions& o) {
   d["false_positive_rate"] = o.filter.false_positive_rate;
   d["max_rows"] = o.max_rows;
   d["num_threads"] = o.num_threads;
+  d["memory_budget_bytes"] = o.memory_budget_bytes;
+  d["disk_dir"] = o.disk_dir;
+  d["eviction"] = static_cast<uint32_t>(o.eviction);
   return d;
 }
 
@@ -87,7 +90,9 @@ std::unique_ptr<EmbeddingStore> MakeStore(int dim, uint32_t optimizer, std::vect
                                           uint32_t initializer, float scale, uint64_t seed,
                                           int num_shards, uint32_t filter, double probability,
                                           uint32_t min_count, uint64_t capacity, double fpr,
-                                          uint64_t max_rows, int num_threads) {
+                                          uint64_t max_rows, int num_threads,
+                                          uint64_t memory_budget_bytes, const std::string& disk_dir,
+                                          uint32_t eviction) {
   if (params.size() != 9) Invalid("optimizer_params must have 9 entries");
   prefixrec::StoreOptions o;
   o.dim = dim;
@@ -112,6 +117,9 @@ std::unique_ptr<EmbeddingStore> MakeStore(int dim, uint32_t optimizer, std::vect
   o.filter.false_positive_rate = fpr;
   o.max_rows = max_rows;
   o.num_threads = num_threads;
+  o.memory_budget_bytes = memory_budget_bytes;
+  o.disk_dir = disk_dir;
+  o.eviction = static_cast<prefixrec::EvictionKind>(eviction);
   return std::make_unique<EmbeddingStore>(o);
 }
 
@@ -168,7 +176,8 @@ void BindStore(py::module_& m) {
       .def(py::init(&MakeStore), py::arg("dim"), py::arg("optimizer"), py::arg("optimizer_params"),
            py::arg("initializer"), py::arg("initializer_scale"), py::arg("seed"), py::arg("num_shards"),
            py::arg("filter"), py::arg("probability"), py::arg("min_count"), py::arg("capacity"),
-           py::arg("false_positive_rate"), py::arg("max_rows"), py::arg("num_threads"))
+           py::arg("false_positive_rate"), py::arg("max_rows"), py::arg("num_threads"),
+           py::arg("memory_budget_bytes") = 0, py::arg("disk_dir") = "", py::arg("eviction") = 0)
       .def_property_readonly("dim", &EmbeddingStore::dim)
       .def_property_readonly("state_floats", &EmbeddingStore::state_floats)
       .def("options", [](const EmbeddingStore& s) { return OptionsDict(s.options()); })
@@ -324,6 +333,21 @@ void BindStore(py::module_& m) {
              d["updates"] = st.updates;
              d["global_step"] = st.global_step;
              d["delta_sequence"] = st.delta_sequence;
+             return d;
+           })
+      .def("tier_stats",  // two tiers (docs/tiered-store.md); not yet in StoreStats
+           [](const EmbeddingStore& s) {
+             prefixrec::StoreStats st;
+             {
+               py::gil_scoped_release release;
+               st = s.Stats();
+             }
+             py::dict d;
+             d["memory_rows"] = st.memory_rows;
+             d["disk_rows"] = st.disk_rows;
+             d["disk_bytes"] = st.disk_bytes;
+             d["faults"] = st.faults;
+             d["evicted_to_disk"] = st.evicted_to_disk;
              return d;
            })
       .def("save",
