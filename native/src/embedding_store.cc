@@ -553,6 +553,9 @@ void EmbeddingStore::Impl::RemoveRow(Shard& shard, uint32_t row) {
   rows.fetch_sub(1, std::memory_order_relaxed);
 }
 
+// Rows a disk tier's ForEach hands over at once (memory: one block, never every row on disk).
+constexpr size_t kTierBlockRows = 16384;
+
 size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uint32_t* hashes,
                                      size_t n) {
   if (!shard.tier || n == 0 || shard.tier->Count() == 0) return 0;
@@ -1137,7 +1140,6 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
 }
 
 size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, double now) {
-  impl_->RequireOneTier("Expire");
   Impl& s = *impl_;
   int64_t current_step = s.global_step.load();
   std::atomic<size_t> removed{0};
@@ -1155,6 +1157,23 @@ size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, d
         ++count;
       }
     }
+    if (shard.tier && shard.tier->Count() > 0) {  // the same test on the rows on disk, streamed
+      std::vector<int64_t> drop;
+      shard.tier->ForEach(kTierBlockRows, [&](const uint8_t* rows, size_t n) {
+        for (size_t i = 0; i < n; ++i) {
+          const RowHeader* h = reinterpret_cast<const RowHeader*>(rows + i * s.row_bytes);
+          bool idle = (max_idle_steps >= 0 && internal::IdleSteps(h->step, current_step) > max_idle_steps) ||
+                      (max_idle_seconds >= 0 && now - internal::DecodeTime(h->time) > max_idle_seconds);
+          if (idle) drop.push_back(h->id());
+        }
+      });
+      if (!drop.empty()) {
+        shard.tier->Erase(drop.data(), drop.size());
+        shard.tombstones.insert(shard.tombstones.end(), drop.begin(), drop.end());
+        s.rows.fetch_sub(drop.size(), std::memory_order_relaxed);
+        count += drop.size();
+      }
+    }
     removed.fetch_add(count);
   });
   s.expired.fetch_add(removed.load());
@@ -1162,7 +1181,6 @@ size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, d
 }
 
 size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
-  impl_->RequireOneTier("Remove");
   Impl& s = *impl_;
   Impl::Partition p = s.Bucketize(ids, n);
   std::atomic<size_t> removed{0};
@@ -1175,7 +1193,15 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
     for (size_t k = begin; k < end; ++k) {
       uint32_t pos = p.order[k];
       uint32_t row = shard.Find(ids[pos], p.hash[pos]);
-      if (row == Shard::kEmpty) continue;
+      if (row == Shard::kEmpty) {
+        if (shard.tier && shard.tier->Contains(ids[pos])) {  // on disk: removed there
+          shard.tier->Erase(&ids[pos], 1);
+          shard.tombstones.push_back(ids[pos]);
+          s.rows.fetch_sub(1, std::memory_order_relaxed);
+          ++count;
+        }
+        continue;
+      }
       s.RemoveRow(shard, row);
       ++count;
     }
@@ -1186,17 +1212,19 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
 }
 
 RowArrays EmbeddingStore::ExportRows(bool with_values) const {
-  impl_->RequireOneTier("ExportRows");
   const Impl& s = *impl_;
   RowArrays out;
   const size_t dim = static_cast<size_t>(s.dim), state = static_cast<size_t>(s.state_floats);
   for (const auto& shard_ptr : s.shards) {
     const Shard& shard = *shard_ptr;
-    std::shared_lock<std::shared_mutex> lock(shard.mu);
+    // Exclusive with a tier (one call at a time uses it), shared otherwise.
+    std::unique_lock<std::shared_mutex> tier_lock(shard.mu, std::defer_lock);
+    std::shared_lock<std::shared_mutex> lock(shard.mu, std::defer_lock);
+    if (shard.tier) tier_lock.lock(); else lock.lock();
     const int64_t current_step = s.global_step.load();
-    for (uint32_t r = 0; r < shard.size(); ++r) {
-      const RowHeader* h = shard.Header(r);
-      const float* values = shard.Floats(r);
+    auto add = [&](const uint8_t* row) {
+      const RowHeader* h = reinterpret_cast<const RowHeader*>(row);
+      const float* values = reinterpret_cast<const float*>(row + sizeof(RowHeader));
       out.ids.push_back(h->id());
       out.update_counts.push_back(h->update_count());
       out.last_steps.push_back(internal::StepOf(h->step, current_step));
@@ -1208,6 +1236,12 @@ RowArrays EmbeddingStore::ExportRows(bool with_values) const {
         out.values.insert(out.values.end(), values, values + dim);
         out.state.insert(out.state.end(), values + dim, values + dim + state);
       }
+    };
+    for (uint32_t r = 0; r < shard.size(); ++r) add(shard.Row(r));
+    if (shard.tier) {  // then the rows on disk, a block at a time
+      shard.tier->ForEach(kTierBlockRows, [&](const uint8_t* rows, size_t n) {
+        for (size_t i = 0; i < n; ++i) add(rows + i * s.row_bytes);
+      });
     }
   }
   return out;
