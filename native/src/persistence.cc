@@ -639,7 +639,6 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
 
 std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_written) {
   Impl& s = *impl_;
-  s.RequireOneTier("ExportDelta");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
   std::lock_guard<std::mutex> delta_lock(s.delta_mu);
   MakeDirectory(dir);
@@ -668,6 +667,28 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
           const uint8_t* bytes = shard.Row(r);
           rows.insert(rows.end(), bytes, bytes + s.row_bytes);
         }
+        if (shard.tier && shard.tier->Count() > 0) {
+          // A row updated then moved to disk carries its dirty bit there: the tier is streamed,
+          // its dirty rows join the delta and go back to disk clean (as memory rows are cleared
+          // above; a failed export marks them dirty again below).
+          const size_t memory_dirty = ids.size();
+          shard.tier->ForEach(kBlockRows, [&](const uint8_t* block, size_t n) {
+            for (size_t i = 0; i < n; ++i) {
+              const uint8_t* bytes = block + i * s.row_bytes;
+              RowHeader header;
+              std::memcpy(&header, bytes, sizeof header);
+              if (!header.dirty()) continue;
+              ids.push_back(header.id());
+              rows.insert(rows.end(), bytes, bytes + s.row_bytes);
+              header.clear_dirty();
+              std::memcpy(rows.data() + rows.size() - s.row_bytes, &header, sizeof header);
+            }
+          });
+          if (ids.size() > memory_dirty) {
+            shard.tier->Put(ids.data() + memory_dirty, rows.data() + memory_dirty * s.row_bytes,
+                            ids.size() - memory_dirty);
+          }
+        }
       }
       const std::vector<int64_t>& tombstones = taken_tombstones[shard_index];
       if (!tombstones.empty()) {
@@ -688,9 +709,23 @@ std::string EmbeddingStore::ExportDelta(const std::string& dir, uint64_t* bytes_
     for (size_t shard_index = 0; shard_index < s.shards.size(); ++shard_index) {
       Shard& shard = *s.shards[shard_index];
       std::unique_lock<std::shared_mutex> lock(shard.mu);
+      std::vector<uint8_t> on_disk(s.row_bytes);
       for (int64_t id : taken_rows[shard_index]) {
         uint32_t row = shard.Find(id, static_cast<uint32_t>(HashId(id)));
-        if (row != Shard::kEmpty) shard.Header(row)->set_dirty();
+        if (row != Shard::kEmpty) {
+          shard.Header(row)->set_dirty();
+        } else if (shard.tier) {  // on disk now: marked dirty there
+          uint8_t found = 0;
+          try {
+            shard.tier->Get(&id, 1, on_disk.data(), &found, /*take=*/false);
+            if (found) {
+              reinterpret_cast<RowHeader*>(on_disk.data())->set_dirty();
+              shard.tier->Put(&id, on_disk.data(), 1);
+            }
+          } catch (const StoreError&) {
+            // The disk refuses too: the export's own error is the one reported.
+          }
+        }
       }
       shard.tombstones.insert(shard.tombstones.begin(), taken_tombstones[shard_index].begin(),
                               taken_tombstones[shard_index].end());
