@@ -512,7 +512,6 @@ bool SameRow(const uint8_t* a, const uint8_t* b, size_t row_bytes) {
 
 uint64_t EmbeddingStore::Save(const std::string& dir) const {
   const Impl& s = *impl_;
-  s.RequireOneTier("Save");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
   MakeDirectory(dir);
   FileWriter w(SnapshotPath(dir), "store.snapshot");
@@ -528,8 +527,12 @@ uint64_t EmbeddingStore::Save(const std::string& dir) const {
   }
   for (const auto& shard_ptr : s.shards) {
     const Shard& shard = *shard_ptr;
-    std::shared_lock<std::shared_mutex> lock(shard.mu);
-    w.Put<uint64_t>(shard.size());
+    // Exclusive with a tier (one call at a time uses it), shared otherwise.
+    std::unique_lock<std::shared_mutex> tier_lock(shard.mu, std::defer_lock);
+    std::shared_lock<std::shared_mutex> lock(shard.mu, std::defer_lock);
+    if (shard.tier) tier_lock.lock(); else lock.lock();
+    const uint64_t disk_rows = shard.tier ? shard.tier->Count() : 0;
+    w.Put<uint64_t>(shard.size() + disk_rows);
     w.Put<uint64_t>(shard.draw_counter);
     w.Put<uint64_t>(shard.bloom.size());
     w.Put<uint64_t>(shard.counts.size());
@@ -537,6 +540,17 @@ uint64_t EmbeddingStore::Save(const std::string& dir) const {
     for (size_t r = 0; r < shard.size(); r += shard.chunk_rows()) {
       size_t rows_in_chunk = std::min(shard.chunk_rows(), shard.size() - r);
       w.Write(shard.Row(static_cast<uint32_t>(r)), rows_in_chunk * s.row_bytes);
+    }
+    if (disk_rows > 0) {  // then the rows on disk, streamed: one block in memory, never all
+      uint64_t streamed = 0;
+      shard.tier->ForEach(kBlockRows, [&](const uint8_t* block, size_t n) {
+        w.Write(block, n * s.row_bytes);
+        streamed += n;
+      });
+      if (streamed != disk_rows) {
+        throw StoreError(ErrorCode::kIo, "disk tier gave " + std::to_string(streamed) +
+                                             " rows, expected " + std::to_string(disk_rows));
+      }
     }
     w.Write(shard.bloom.data(), shard.bloom.size());
     // Sorted so equal stores write equal bytes.
