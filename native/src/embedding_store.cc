@@ -1273,7 +1273,6 @@ FilterState EmbeddingStore::ExportFilter() const {
 
 size_t EmbeddingStore::MergeFilter(const int64_t* ids, const uint32_t* counts, size_t n,
                                    const uint8_t* bloom, size_t bloom_size) {
-  impl_->RequireOneTier("MergeFilter");
   Impl& s = *impl_;
   const FilterOptions& f = s.options.filter;
   // Everything is checked before anything changes.
@@ -1313,6 +1312,7 @@ size_t EmbeddingStore::MergeFilter(const int64_t* ids, const uint32_t* counts, s
       for (size_t k = begin; k < end; ++k) {
         uint32_t pos = p.order[k];
         if (cap == 0 || shard.Find(ids[pos], p.hash[pos]) != Shard::kEmpty) continue;
+        if (shard.tier && shard.tier->Contains(ids[pos])) continue;  // a row on disk
         auto found = shard.counts.find(ids[pos]);
         uint64_t total = uint64_t{counts[pos]} + (found == shard.counts.end() ? 0 : found->second);
         shard.counts[ids[pos]] = static_cast<uint32_t>(std::min(total, cap));

@@ -923,7 +923,6 @@ EmbeddingStore::DeltaContents EmbeddingStore::ReadDelta(const std::string& path,
 
 uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
   Impl& s = *impl_;
-  s.RequireOneTier("ApplyDelta");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
   std::lock_guard<std::mutex> delta_lock(s.delta_mu);
   uint64_t expected = s.delta_sequence.load() + 1;
@@ -974,19 +973,26 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
         for (size_t k = begin; k < end; ++k) {
           uint32_t pos = p.order[k];
           uint32_t row = shard.Find(ids[pos], p.hash[pos]);
+          // A row on disk is removed there, or replaced by the delta's (which lands in memory).
+          const bool on_disk = row == Shard::kEmpty && shard.tier && shard.tier->Contains(ids[pos]);
+          if (on_disk) shard.tier->Erase(&ids[pos], 1);
           if (kind == kSectionTombstones) {
-            if (row == Shard::kEmpty) continue;
+            if (row == Shard::kEmpty) {
+              change -= on_disk ? 1 : 0;
+              continue;
+            }
             shard.Remove(row, p.hash[pos]);  // a follower keeps no tombstones of its own
             --change;
           } else {
             if (row == Shard::kEmpty) {
               row = shard.Insert(ids[pos], p.hash[pos]);
-              ++change;
+              change += on_disk ? 0 : 1;
             }
             std::memcpy(shard.Row(row), block.data() + pos * item_bytes, item_bytes);
             shard.Header(row)->clear_dirty();
           }
         }
+        if (shard.tier) s.EvictToDisk(shard, nullptr);
         row_change.fetch_add(change);
       });
       s.rows.fetch_add(static_cast<uint64_t>(row_change.load()));
