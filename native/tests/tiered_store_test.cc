@@ -6,11 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "internal/store_impl.h"
@@ -196,6 +198,61 @@ TEST_CASE("a budgeted store looks up and updates as an unbounded one (LFU, Adam,
 
 TEST_CASE("a budgeted store looks up and updates as an unbounded one (LRU, FTRL, no filter)") {
   CheckSameAsUnbounded(OptimizerKind::kFtrl, FilterKind::kNone, EvictionKind::kLru);
+}
+
+TEST_CASE("threads looking up and updating while rows move between tiers lose and mix no row") {
+  TempDir dir;
+  StoreOptions o = BaseOptions(OptimizerKind::kSgd, FilterKind::kNone);
+  o.optimizer.learning_rate = 1.0f;
+  o.initializer.kind = InitializerKind::kZeros;
+  o.memory_budget_bytes = 4 * 30 * MemoryRowBytes(o);
+  o.disk_dir = dir.path();
+  o.num_threads = 1;
+  EmbeddingStore store(o);
+  // Thread t owns ids t, t + 4, t + 8, ... below 2000; each update adds exactly 1 to every
+  // value of the row (SGD, lr 1, gradient -1), so a row's values are its update count.
+  constexpr int kThreads = 4, kSteps = 150;
+  std::vector<std::vector<float>> expected(kThreads, std::vector<float>(2000, 0.0f));
+  std::atomic<int> wrong_reads{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      for (int step = 1; step <= kSteps; ++step) {
+        std::vector<int64_t> ids(1 + rng() % 64);
+        for (auto& id : ids) id = t + 4 * static_cast<int64_t>(rng() % 500);
+        std::vector<float> rows(ids.size() * 4), grads(ids.size() * 4, -1.0f);
+        store.Lookup(ids.data(), ids.size(), true, 1.8e9, rows.data());
+        for (size_t i = 0; i < ids.size(); ++i) {
+          for (int j = 0; j < 4; ++j) {
+            if (rows[i * 4 + j] != expected[t][ids[i]]) wrong_reads.fetch_add(1);
+          }
+        }
+        store.ApplyGradients(ids.data(), grads.data(), ids.size(), step, 1.8e9);
+        std::vector<int64_t> distinct(ids);
+        std::sort(distinct.begin(), distinct.end());
+        distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+        for (int64_t id : distinct) expected[t][id] += static_cast<float>(std::count(ids.begin(), ids.end(), id));
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  CHECK(wrong_reads.load() == 0);
+  const StoreStats stats = store.Stats();
+  CHECK(stats.disk_rows > 0);
+  CHECK(stats.faults > 0);
+  const RowArrays rows = store.ExportRows(true);
+  size_t checked = 0;
+  for (size_t i = 0; i < rows.ids.size(); ++i) {
+    const int64_t id = rows.ids[i];
+    for (int j = 0; j < 4; ++j) CHECK(rows.values[i * 4 + j] == expected[id % 4][id]);
+    ++checked;
+  }
+  size_t touched = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    for (float v : expected[t]) touched += v > 0 ? 1 : 0;
+  }
+  CHECK(checked == touched);
 }
 
 std::string InvalidMessage(const StoreOptions& o) {
