@@ -249,8 +249,13 @@ class EmbeddingStore:
     @classmethod
     def load(cls, directory: str | os.PathLike, config: StoreConfig | None = None) -> "EmbeddingStore":
         """The store saved in ``directory``, equal bit for bit to the one saved. With ``config``,
-        refuses a snapshot whose dim or optimizer differ from it."""
-        native_store = _store.Store.load(os.fspath(directory))
+        refuses a snapshot whose dim or optimizer differ from it, and takes its memory budget
+        (``memory_budget_bytes``, ``disk_dir``, ``eviction``: run-time settings, not saved)."""
+        tiers = {}
+        if config is not None and config.memory_budget_bytes is not None:
+            native = config._native_kwargs()
+            tiers = {k: native[k] for k in ("memory_budget_bytes", "disk_dir", "eviction")}
+        native_store = _store.Store.load(os.fspath(directory), **tiers)
         try:
             store = cls._wrap(native_store)
         except InvalidInputError as e:  # options the C++ side reads but the facade refuses

@@ -566,11 +566,21 @@ uint64_t EmbeddingStore::Save(const std::string& dir) const {
 }
 
 std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
+  return Load(dir, 0, "", EvictionKind::kLru);
+}
+
+std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir,
+                                                     uint64_t memory_budget_bytes,
+                                                     const std::string& disk_dir,
+                                                     EvictionKind eviction) {
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "snapshots need a little-endian machine");
   FileReader r(SnapshotPath(dir));
   SnapshotHeader head = ReadSnapshotHeader(r);
   const uint32_t version = head.version, row_bytes = head.row_bytes;
-  const StoreOptions& options = head.options;
+  StoreOptions& options = head.options;
+  options.memory_budget_bytes = memory_budget_bytes;
+  options.disk_dir = disk_dir;
+  options.eviction = eviction;
   // The Bloom counters are stored in the file: a size that cannot fit is corruption, and
   // checking first avoids allocating what a flipped capacity bit asks for.
   uint64_t bloom = Impl::BloomCountersPerShard(options);
@@ -604,7 +614,8 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
     uint64_t tombstones = r.Get<uint64_t>();
     r.CheckCount(rows, row_bytes, "row");
     if (rows > Shard::kMaxRows) Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has too many rows");
-    shard.Reserve(static_cast<size_t>(rows));
+    shard.Reserve(shard.tier ? std::min<size_t>(static_cast<size_t>(rows), shard.memory_rows_cap)
+                             : static_cast<size_t>(rows));
     if (bloom_bytes != shard.bloom.size()) {
       Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
                             " Bloom counters, expected " + std::to_string(shard.bloom.size()));
@@ -622,7 +633,8 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
         if (impl->ShardOf(hash) != shard_index) {
           Corrupt(r.path(), "id " + std::to_string(id) + " stored in the wrong shard");
         }
-        if (shard.Find(id, static_cast<uint32_t>(hash)) != Shard::kEmpty) {
+        if (shard.Find(id, static_cast<uint32_t>(hash)) != Shard::kEmpty ||
+            (shard.tier && shard.tier->Contains(id))) {
           Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
         }
         uint32_t row = shard.Insert(id, static_cast<uint32_t>(hash));
@@ -633,6 +645,7 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir) {
           std::memcpy(shard.Row(row), converted.data(), impl->row_bytes);
         }
       }
+      if (shard.tier) impl->EvictToDisk(shard, nullptr);  // memory: the cap plus a block
       done += n;
     }
     impl->rows += rows;

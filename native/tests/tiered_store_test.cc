@@ -168,6 +168,12 @@ void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind ev
   CHECK(SortedRows(*loaded_b) == SortedRows(a));
   CHECK(loaded_b->Stats().admitted == loaded_a->Stats().admitted);
   CHECK(loaded_b->ExportFilter().ids == loaded_a->ExportFilter().ids);
+  // Loaded into a budget: rows beyond it go to disk as they are read; the rows are the same.
+  const auto loaded_tiered = EmbeddingStore::Load(dir.path() + "/snap-a", tiered.memory_budget_bytes,
+                                                  dir.path() + "/loaded-tiers", eviction);
+  CHECK(SortedRows(*loaded_tiered) == SortedRows(a));
+  CHECK(loaded_tiered->Stats().disk_rows > 0);
+  CHECK(loaded_tiered->Stats().memory_rows <= 4 * 40);
   if (filter == FilterKind::kCounter) {  // pending sightings merge only into ids without a row
     std::vector<int64_t> ids(3000);
     std::vector<uint32_t> counts(3000, 1);

@@ -47,6 +47,20 @@ def test_budgeted_store_equals_unbounded_store(tmp_path, eviction):
     # One tier directory per shard.
     assert sorted(p.name for p in (tmp_path / "tiers").iterdir()) == [
         f"shard-{s:04d}" for s in range(4)]
+    # Saved with rows on disk, loaded into a budget again: the unbounded store's rows.
+    plain.save(tmp_path / "snap-plain")
+    tiered.save(tmp_path / "snap-tiered")
+    reloaded = EmbeddingStore.load(tmp_path / "snap-tiered", _config(
+        memory_budget_bytes=4 * 50 * row_share, disk_dir=str(tmp_path / "reloaded"),
+        eviction=eviction))
+    assert reloaded._native.tier_stats()["disk_rows"] > 0
+    unbounded = EmbeddingStore.load(tmp_path / "snap-plain")
+    assert reloaded.config.memory_budget_bytes == 4 * 50 * row_share
+    assert unbounded.config.memory_budget_bytes is None
+    rows_a, rows_b = unbounded.to_numpy(), reloaded.to_numpy()
+    order_a, order_b = np.argsort(rows_a["ids"]), np.argsort(rows_b["ids"])
+    for column in rows_a:
+        assert rows_a[column][order_a].tobytes() == rows_b[column][order_b].tobytes(), column
     everything = np.arange(4000, dtype=np.int64)
     assert (plain.lookup(everything, train=False).tobytes()
             == tiered.lookup(everything, train=False).tobytes())

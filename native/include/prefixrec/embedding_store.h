@@ -238,6 +238,11 @@ class EmbeddingStore {
   uint64_t Save(const std::string& dir) const;
   // Throws kCorruptFile/kIo; nothing is created on failure.
   static std::unique_ptr<EmbeddingStore> Load(const std::string& dir);
+  // Load into a store with a memory budget (StoreOptions::memory_budget_bytes, disk_dir,
+  // eviction; not part of snapshots): each shard's rows beyond its budget go to its disk tier
+  // as they are read (by the eviction policy), so a snapshot larger than memory loads.
+  static std::unique_ptr<EmbeddingStore> Load(const std::string& dir, uint64_t memory_budget_bytes,
+                                              const std::string& disk_dir, EvictionKind eviction);
 
   // Writes <dir>/delta-NNNNNN.bin (atomically) with the rows inserted or changed since the
   // previous delta and tombstones for rows removed since then; returns its path. On failure the

@@ -357,11 +357,14 @@ void BindStore(py::module_& m) {
            },
            py::arg("dir"))
       .def_static("load",
-                  [](const std::string& dir) {
+                  [](const std::string& dir, uint64_t memory_budget_bytes, const std::string& disk_dir,
+                     uint32_t eviction) {
                     py::gil_scoped_release release;
-                    return EmbeddingStore::Load(dir);
+                    return EmbeddingStore::Load(dir, memory_budget_bytes, disk_dir,
+                                                static_cast<prefixrec::EvictionKind>(eviction));
                   },
-                  py::arg("dir"))
+                  py::arg("dir"), py::arg("memory_budget_bytes") = 0, py::arg("disk_dir") = "",
+                  py::arg("eviction") = 0)
       .def("export_delta",
            [](EmbeddingStore& s, const std::string& dir) {
              uint64_t bytes = 0;
