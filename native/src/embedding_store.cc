@@ -570,7 +570,21 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
   return got;
 }
 
-size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const std::unordered_set<int64_t>* pinned) {
+EmbeddingStore::Impl::Pins EmbeddingStore::Impl::PinLookup(const int64_t* ids, size_t n, bool train) {
+  Pins pins;
+  pins.own = std::make_shared<const IdSet>(ids, ids + n);
+  std::lock_guard<std::mutex> lock(pins_mu);
+  pins.previous = last_training_lookup;
+  if (train) last_training_lookup = pins.own;
+  return pins;
+}
+
+std::shared_ptr<const EmbeddingStore::Impl::IdSet> EmbeddingStore::Impl::LastTrainingLookup() {
+  std::lock_guard<std::mutex> lock(pins_mu);
+  return last_training_lookup;
+}
+
+size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, const IdSet* also_pinned) {
   if (!shard.tier || shard.size() <= shard.memory_rows_cap) return 0;
   // Down to ~97% of the cap: the selection is O(shard rows), paid once per ~3% of new rows,
   // and the rows go to disk in one batched Put.
@@ -589,6 +603,7 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const std::unordered_set<
     const RowHeader* h = shard.Header(r);
     const int64_t id = h->id();
     if (pinned != nullptr && pinned->count(id) != 0) continue;  // rows of the current batch stay
+    if (also_pinned != nullptr && also_pinned->count(id) != 0) continue;
     const int64_t last_step = internal::StepOf(h->step, current_step);
     if (lfu) {
       candidates.push_back({static_cast<int64_t>(h->update_count()), last_step, id, r});
@@ -724,6 +739,8 @@ void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now
       if (r.misses.empty()) expand(t);
     });
   }
+  Impl::Pins pins;
+  if (s.tiered()) pins = s.PinLookup(ids, n, train);
   if (train || s.tiered()) {
     std::vector<int64_t> missed_ids;
     std::vector<float*> missed_rows;
@@ -737,7 +754,7 @@ void EmbeddingStore::Lookup(const int64_t* ids, size_t n, bool train, double now
       }
     }
     if (!pending.empty()) {
-      s.AdmitMissing(missed_ids, missed_rows, now, train, ids, n);
+      s.AdmitMissing(missed_ids, missed_rows, now, train, pins.own ? &pins : nullptr);
       ParallelFor(threads, pending.size(), [&](size_t k) { expand(pending[k]); });
     }
   }
@@ -783,18 +800,22 @@ void EmbeddingStore::Impl::LookupDistinct(const int64_t* ids, size_t n, bool tra
       missed_rows.push_back(out + static_cast<size_t>(pos) * dim);
     }
   }
-  if (!missed_ids.empty()) s.AdmitMissing(missed_ids, missed_rows, now, train, ids, n);
+  if (missed_ids.empty()) {
+    if (train && s.tiered()) s.PinLookup(ids, n, true);  // later calls keep this batch's rows
+    return;
+  }
+  Impl::Pins pins;
+  if (s.tiered()) pins = s.PinLookup(ids, n, train);
+  s.AdmitMissing(missed_ids, missed_rows, now, train, pins.own ? &pins : nullptr);
 }
 
 void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
                                         const std::vector<float*>& missed_rows, double now,
-                                        bool train, const int64_t* call_ids, size_t call_n) {
+                                        bool train, const Pins* pins) {
   Impl& s = *this;
   const size_t dim = static_cast<size_t>(s.dim);
   Impl::Partition p = s.Bucketize(missed_ids.data(), missed_ids.size());
-  // The call's ids stay in memory through its eviction (they are the current batch).
-  std::unordered_set<int64_t> pinned;
-  if (s.tiered()) pinned.insert(call_ids, call_ids + call_n);
+
   std::atomic<uint64_t> admitted{0}, rejected{0};
   ParallelFor(s.ThreadsFor(missed_ids.size()), s.shards.size(), [&](size_t shard_index) {
     size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
@@ -839,7 +860,7 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
       }
       std::memcpy(dst, shard.Floats(row), dim * sizeof(float));
     }
-    if (shard.tier) s.EvictToDisk(shard, &pinned);
+    if (shard.tier && pins != nullptr) s.EvictToDisk(shard, pins->own.get(), pins->previous.get());
     admitted.fetch_add(shard_admitted, std::memory_order_relaxed);
     rejected.fetch_add(shard_rejected, std::memory_order_relaxed);
   });
@@ -1133,7 +1154,9 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
     updated.fetch_add(chunk_updated, std::memory_order_relaxed);
   });
   if (s.tiered()) {
-    for (auto& shard : s.shards) s.EvictToDisk(*shard, &pinned);
+    // Also kept: the rows of the training lookup made last (batch k + 1 in the pipeline).
+    const std::shared_ptr<const IdSet> next = s.LastTrainingLookup();
+    for (auto& shard : s.shards) s.EvictToDisk(*shard, &pinned, next.get());
   }
   locks.clear();
   return updated.load();

@@ -49,10 +49,11 @@ struct EmbeddingStore::Impl {
   void LookupDistinct(const int64_t* ids, size_t n, bool train, double now, float* out);
   // Runs unseen ids through the entry filter under their shards' exclusive locks; admitted ids
   // (and ids another thread added meanwhile) get their row copied to missed_rows[i].
-  // train = false: only rows on disk come back (no filter, no insert). call_ids: every id of
-  // the call (kept in memory through the eviction that follows).
+  // train = false: only rows on disk come back (no filter, no insert). pins: ids kept in
+  // memory through the eviction that follows (null without a budget).
+  struct Pins;
   void AdmitMissing(const std::vector<int64_t>& missed_ids, const std::vector<float*>& missed_rows,
-                    double now, bool train, const int64_t* call_ids, size_t call_n);
+                    double now, bool train, const Pins* pins);
   // Two tiers (docs/tiered-store.md). Caller holds shard.mu exclusively for both.
   bool tiered() const { return options.memory_budget_bytes > 0; }
   // Brings back the rows of n distinct ids absent from the shard's memory that its tier holds
@@ -60,7 +61,18 @@ struct EmbeddingStore::Impl {
   size_t FaultIn(internal::Shard& shard, const int64_t* ids, const uint32_t* hashes, size_t n);
   // Moves the shard's memory rows beyond its cap (down to ~97% of it) to its tier, by the
   // eviction policy, never a pinned id. Returns rows moved.
-  size_t EvictToDisk(internal::Shard& shard, const std::unordered_set<int64_t>* pinned);
+  using IdSet = std::unordered_set<int64_t>;
+  size_t EvictToDisk(internal::Shard& shard, const IdSet* pinned, const IdSet* also_pinned = nullptr);
+  // The rows a call must not evict: its own ids and those of the training lookup before it
+  // (the three-stage pipeline looks up batch k + 1 before it applies batch k's gradients).
+  struct Pins {
+    std::shared_ptr<const IdSet> own, previous;
+  };
+  // A lookup's pins; a training lookup becomes the "previous" of the calls after it.
+  Pins PinLookup(const int64_t* ids, size_t n, bool train);
+  std::shared_ptr<const IdSet> LastTrainingLookup();
+  std::mutex pins_mu;
+  std::shared_ptr<const IdSet> last_training_lookup;  // guarded by pins_mu
   // Throws kInvalidArgument: `what` does not handle rows on disk yet.
   void RequireOneTier(const char* what) const;
   // Copies the rows of ids[begin, end) to out (zeros if absent, position recorded in misses).
