@@ -633,12 +633,6 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
   return excess;
 }
 
-void EmbeddingStore::Impl::RequireOneTier(const char* what) const {
-  if (options.memory_budget_bytes > 0) {
-    Invalid(std::string(what) + " is not supported yet with memory_budget_bytes (docs/tiered-store.md)");
-  }
-}
-
 size_t EmbeddingStore::Impl::EnforceCapacity() {
   if (options.max_rows == 0 || rows.load() <= options.max_rows) return 0;
   std::lock_guard<std::mutex> evict_lock(evict_mu);

@@ -1027,7 +1027,6 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
 EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& snapshot_dir,
                                                              const std::string& path) const {
   const Impl& s = *impl_;
-  s.RequireOneTier("WriteRebaseDelta");
   if (!LittleEndian()) throw StoreError(ErrorCode::kIo, "deltas need a little-endian machine");
   FileReader r(SnapshotPath(snapshot_dir));
   SnapshotHeader snap = ReadSnapshotHeader(r);
@@ -1055,9 +1054,15 @@ EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& 
   w.Put<uint64_t>(snap.delta_sequence);
   {
     // Shared locks for the walk: lookups go on, a writer would wait (there is none in a server).
+    // With a memory budget the locks are exclusive: the disk tiers are read too.
     std::vector<std::shared_lock<std::shared_mutex>> locks;
+    std::vector<std::unique_lock<std::shared_mutex>> tier_locks;
     locks.reserve(s.shards.size());
-    for (const auto& shard : s.shards) locks.emplace_back(shard->mu);
+    for (const auto& shard : s.shards) {
+      if (s.tiered()) tier_locks.emplace_back(shard->mu); else locks.emplace_back(shard->mu);
+    }
+    std::unordered_set<int64_t> seen_on_disk;  // this store's disk rows the snapshot has
+    std::vector<uint8_t> disk_row(s.row_bytes);
     std::vector<std::vector<uint8_t>> seen(s.shards.size());  // this store's rows the snapshot has
     for (size_t k = 0; k < s.shards.size(); ++k) seen[k].assign(s.shards[k]->size(), 0);
     std::unordered_set<int64_t> added;  // ids this store lacks (a second one is corruption)
@@ -1100,6 +1105,13 @@ EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& 
             if (seen[k][at]) Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
             seen[k][at] = 1;
             same = SameRow(mine.Row(at), row, s.row_bytes);
+          } else if (mine.tier && mine.tier->Contains(id)) {
+            if (!seen_on_disk.insert(id).second) {
+              Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
+            }
+            uint8_t found = 0;
+            mine.tier->Get(&id, 1, disk_row.data(), &found, /*take=*/false);
+            same = found && SameRow(disk_row.data(), row, s.row_bytes);
           } else if (!added.insert(id).second) {
             Corrupt(r.path(), "id " + std::to_string(id) + " stored twice");
           }
@@ -1130,6 +1142,15 @@ EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& 
       const Shard& mine = *s.shards[k];
       for (uint32_t row = 0; row < mine.size(); ++row) {
         if (!seen[k][row]) removed.push_back(mine.Header(row)->id());
+      }
+      if (mine.tier) {
+        mine.tier->ForEach(kBlockRows, [&](const uint8_t* block_rows, size_t n) {
+          for (size_t i = 0; i < n; ++i) {
+            int64_t id;
+            std::memcpy(&id, block_rows + i * s.row_bytes, sizeof id);
+            if (seen_on_disk.count(id) == 0) removed.push_back(id);
+          }
+        });
       }
     }
     if (!removed.empty()) {

@@ -168,6 +168,29 @@ void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind ev
   CHECK(SortedRows(*loaded_b) == SortedRows(a));
   CHECK(loaded_b->Stats().admitted == loaded_a->Stats().admitted);
   CHECK(loaded_b->ExportFilter().ids == loaded_a->ExportFilter().ids);
+  // A rebase delta towards another store's snapshot: the same rows and tombstones.
+  {
+    StoreOptions other_options = plain;
+    other_options.seed = 99;
+    EmbeddingStore other(other_options);
+    std::vector<int64_t> some = Batch(rng, 400);
+    std::vector<float> rows(some.size() * dim);
+    other.Lookup(some.data(), some.size(), true, 1.8e9, rows.data());
+    other.Lookup(some.data(), some.size(), true, 1.8e9, rows.data());  // counter filter: 2nd sighting
+    other.Save(dir.path() + "/snap-other");
+    CHECK(b.Stats().disk_rows > 0);
+    const auto ra = a.WriteRebaseDelta(dir.path() + "/snap-other", dir.path() + "/rebase-a.bin");
+    const auto rb = b.WriteRebaseDelta(dir.path() + "/snap-other", dir.path() + "/rebase-b.bin");
+    CHECK(ra.rows == rb.rows);
+    CHECK(ra.tombstones == rb.tombstones);
+    CHECK(ra.unchanged == rb.unchanged);
+    CHECK(ra.tombstones > 0);
+    const auto da = a.ReadDelta(dir.path() + "/rebase-a.bin");
+    const auto db = b.ReadDelta(dir.path() + "/rebase-b.bin");
+    CHECK(da.ids == db.ids);
+    CHECK(da.tombstones == db.tombstones);
+    CHECK(SameBits(da.embeddings, db.embeddings));
+  }
   // Loaded into a budget: rows beyond it go to disk as they are read; the rows are the same.
   const auto loaded_tiered = EmbeddingStore::Load(dir.path() + "/snap-a", tiered.memory_budget_bytes,
                                                   dir.path() + "/loaded-tiers", eviction);
@@ -291,22 +314,6 @@ TEST_CASE("the memory budget's options are checked before anything is created") 
   CHECK(MemoryRowBytes(o) == 20 + 32 + 5);
 }
 
-TEST_CASE("calls that do not handle rows on disk yet refuse a budgeted store") {
-  TempDir dir;
-  StoreOptions o = BaseOptions(OptimizerKind::kSgd, FilterKind::kNone);
-  o.memory_budget_bytes = 4 * 10 * MemoryRowBytes(o);
-  o.disk_dir = dir.path();
-  EmbeddingStore store(o);
-  EmbeddingStore plain(BaseOptions(OptimizerKind::kSgd, FilterKind::kNone));
-  plain.Save(dir.path() + "/snap");
-  try {
-    store.WriteRebaseDelta(dir.path() + "/snap", dir.path() + "/rebase.bin");
-    FAIL("WriteRebaseDelta took a budgeted store");
-  } catch (const StoreError& e) {
-    CHECK(e.code() == ErrorCode::kInvalidArgument);
-    CHECK(std::string(e.what()).find("WriteRebaseDelta is not supported yet") != std::string::npos);
-  }
-}
 
 }  // namespace
 }  // namespace prefixrec

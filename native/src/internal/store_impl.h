@@ -73,8 +73,6 @@ struct EmbeddingStore::Impl {
   std::shared_ptr<const IdSet> LastTrainingLookup();
   std::mutex pins_mu;
   std::shared_ptr<const IdSet> last_training_lookup;  // guarded by pins_mu
-  // Throws kInvalidArgument: `what` does not handle rows on disk yet.
-  void RequireOneTier(const char* what) const;
   // Copies the rows of ids[begin, end) to out (zeros if absent, position recorded in misses).
   // Caller holds every shard at least shared.
   void ReadRows(const int64_t* ids, size_t begin, size_t end, float* out,
