@@ -161,6 +161,14 @@ class EmbeddingStore:
         """Rows of ``ids`` as float32[n, dim] (zeros for ids without a row)."""
         return self._native.lookup(_as_ids(ids), bool(train), _now(now))
 
+    def prefetch(self, ids) -> int:
+        """Two tiers: brings the rows of ``ids`` that are on disk back into memory ahead of their
+        lookup, and keeps them there until the next ``prefetch`` (docs/tiered-store.md). Changes
+        no row, so results are the same with or without it. Returns rows read from disk; 0
+        without a memory budget. Runs without the GIL: call it from another thread while the
+        current batch trains."""
+        return self._native.prefetch(_as_ids(ids))
+
     def lookup_unique(self, ids, train: bool = True, *, now: float | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(unique_ids, inverse, rows)``: distinct ids in order of first appearance,

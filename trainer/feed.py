@@ -205,6 +205,13 @@ class FeedBuilder:
         return Prepared(batch.num_leaves, table_ids, table_parts, feed, labels, ids_fed,
                         leaf_ids)
 
+    def prefetch(self, prepared: Prepared, stores: dict) -> int:
+        """Two tiers: reads the batch's rows that are on disk back into memory ahead of its
+        lookup, one batched read per store shard (rows unchanged: the lookup's result is the
+        same with or without it). Returns rows read; 0 for stores without a memory budget."""
+        return sum(stores[table].prefetch(ids) for table, ids in prepared.table_ids.items()
+                   if stores[table].config.memory_budget_bytes is not None)
+
     def lookup(self, prepared: Prepared, stores: dict, train: bool) -> Feed:
         """One ``lookup_unique`` per table (the union of its features' ids, as XDL does)."""
         layout = self.layout

@@ -257,6 +257,8 @@ class Trainer(ModelCore):
         updated = threading.Semaphore(1) if exact else None
         errors: list[BaseException] = []
         timings = self.timings
+        # Two tiers: batch k + 1's rows on disk are read back while batch k trains.
+        tiered = any(s.config.memory_budget_bytes is not None for s in self.stores.values())
 
         def put(q, item):
             while not stop.is_set():
@@ -298,6 +300,10 @@ class Trainer(ModelCore):
                     prepared = get(prepared_q)
                     if prepared is _END:
                         break
+                    if tiered:
+                        t0 = time.perf_counter()
+                        self.builder.prefetch(prepared, self.stores)
+                        timings["prefetch"] += time.perf_counter() - t0
                     if updated is not None:
                         while not updated.acquire(timeout=0.05):
                             if stop.is_set():

@@ -557,7 +557,7 @@ void EmbeddingStore::Impl::RemoveRow(Shard& shard, uint32_t row) {
 constexpr size_t kTierBlockRows = 16384;
 
 size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uint32_t* hashes,
-                                     size_t n) {
+                                     size_t n, std::atomic<uint64_t>& counter) {
   if (!shard.tier || n == 0 || shard.tier->Count() == 0) return 0;
   std::vector<uint8_t> block(n * row_bytes), found(n);
   const size_t got = shard.tier->Get(ids, n, block.data(), found.data(), /*take=*/true);
@@ -566,7 +566,7 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
     const uint32_t row = shard.Insert(ids[i], hashes[i]);
     std::memcpy(shard.Row(row), block.data() + i * row_bytes, row_bytes);  // bytes unchanged
   }
-  faults.fetch_add(got, std::memory_order_relaxed);
+  counter.fetch_add(got, std::memory_order_relaxed);
   return got;
 }
 
@@ -599,11 +599,17 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
   candidates.reserve(shard.size());
   const int64_t current_step = global_step.load();
   const bool lfu = options.eviction == EvictionKind::kLfu;
+  std::shared_ptr<const IdSet> prefetch;
+  {
+    std::lock_guard<std::mutex> lock(pins_mu);
+    prefetch = last_prefetch;
+  }
   for (uint32_t r = 0; r < shard.size(); ++r) {
     const RowHeader* h = shard.Header(r);
     const int64_t id = h->id();
     if (pinned != nullptr && pinned->count(id) != 0) continue;  // rows of the current batch stay
     if (also_pinned != nullptr && also_pinned->count(id) != 0) continue;
+    if (prefetch != nullptr && prefetch->count(id) != 0) continue;  // the next batch's rows
     const int64_t last_step = internal::StepOf(h->step, current_step);
     if (lfu) {
       candidates.push_back({static_cast<int64_t>(h->update_count()), last_step, id, r});
@@ -832,7 +838,7 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
         absent.push_back(id);
         absent_hash.push_back(p.hash[local]);
       }
-      s.FaultIn(shard, absent.data(), absent_hash.data(), absent.size());
+      s.FaultIn(shard, absent.data(), absent_hash.data(), absent.size(), s.faults);
     }
     for (size_t k = begin; k < end; ++k) {
       uint32_t local = p.order[k];
@@ -861,6 +867,47 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
   s.admitted.fetch_add(admitted.load(), std::memory_order_relaxed);
   s.rejected.fetch_add(rejected.load(), std::memory_order_relaxed);
   s.EnforceCapacity();
+}
+
+size_t EmbeddingStore::Prefetch(const int64_t* ids, size_t n) {
+  Impl& s = *impl_;
+  if (!s.tiered() || n == 0) return 0;
+  auto own = std::make_shared<const Impl::IdSet>(ids, ids + n);
+  std::shared_ptr<const Impl::IdSet> previous;
+  {
+    std::lock_guard<std::mutex> lock(s.pins_mu);
+    s.last_prefetch = own;  // kept by every eviction from now on, until the next Prefetch
+    previous = s.last_training_lookup;
+  }
+  Impl::Partition p = s.Bucketize(ids, n);
+  size_t total = 0;
+  std::vector<int64_t> absent;
+  std::vector<uint32_t> absent_hash;
+  // One shard at a time: the step running meanwhile waits for at most one shard's read.
+  for (size_t k = 0; k < s.shards.size(); ++k) {
+    const size_t begin = p.offsets[k], end = p.offsets[k + 1];
+    if (begin == end) continue;
+    Shard& shard = *s.shards[k];
+    std::unique_lock<std::shared_mutex> lock(shard.mu);
+    if (shard.tier->Count() == 0) continue;
+    absent.clear();
+    absent_hash.clear();
+    LocalIndex seen(end - begin);
+    for (size_t j = begin; j < end; ++j) {
+      const uint32_t local = p.order[j];
+      if (shard.Find(ids[local], p.hash[local]) != Shard::kEmpty) continue;
+      bool first;
+      seen.FindOrInsert(ids[local], 0, &first);
+      if (!first) continue;
+      absent.push_back(ids[local]);
+      absent_hash.push_back(p.hash[local]);
+    }
+    const size_t got = s.FaultIn(shard, absent.data(), absent_hash.data(), absent.size(),
+                                 s.prefetched);
+    if (got > 0) s.EvictToDisk(shard, own.get(), previous.get());
+    total += got;
+  }
+  return total;
 }
 
 void EmbeddingStore::Deduplicate(const int64_t* ids, size_t n, std::vector<int64_t>* unique,
@@ -1087,7 +1134,8 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
       }
     }
     for (size_t k = 0; k < s.shards.size(); ++k) {
-      s.FaultIn(*s.shards[k], absent[k].data(), absent_hash[k].data(), absent[k].size());
+      s.FaultIn(*s.shards[k], absent[k].data(), absent_hash[k].data(), absent[k].size(),
+                s.faults);
     }
   }
   ParallelFor(threads, chunks, [&](size_t c) {
@@ -1373,6 +1421,7 @@ StoreStats EmbeddingStore::Stats() const {
   stats.bytes += sizeof(Impl) + s.shards.size() * sizeof(Shard);
   stats.rows = s.rows.load();
   stats.faults = s.faults.load();
+  stats.prefetched = s.prefetched.load();
   stats.evicted_to_disk = s.evicted_to_disk.load();
   stats.admitted = s.admitted.load();
   stats.rejected = s.rejected.load();

@@ -87,7 +87,10 @@ std::vector<int64_t> Batch(std::mt19937_64& rng, size_t n) {
   return ids;
 }
 
-void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind eviction) {
+// prefetch: b is also given batch k + 1's ids between batch k's lookup and its update, as the
+// trainer's pipeline does; then no lookup or update of b reads from disk.
+void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind eviction,
+                          bool prefetch = false) {
   TempDir dir;
   StoreOptions plain = BaseOptions(kind, filter);
   StoreOptions tiered = plain;
@@ -102,20 +105,28 @@ void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind ev
   std::mt19937_64 rng(20261128);
   std::normal_distribution<float> g(0.0f, 1.0f);
   const size_t dim = 4;
+  // Mostly small batches; every 20th one takes the large-batch path (n >= 4096).
+  auto draw = [&](int step) { return Batch(rng, step % 20 == 0 ? 5000 : 1 + rng() % 200); };
+  std::vector<int64_t> upcoming = draw(1);
   for (int step = 1; step <= 121; ++step) {
-    // Mostly small batches; every 20th one takes the large-batch path (n >= 4096).
-    const size_t n = step % 20 == 0 ? 5000 : 1 + rng() % 200;
-    const std::vector<int64_t> ids = Batch(rng, n);
+    const std::vector<int64_t> ids = upcoming;
+    const size_t n = ids.size();
     const double now = 1.8e9 + step;
     std::vector<float> out_a(n * dim), out_b(n * dim);
+    const uint64_t faults_before = b.Stats().faults;
     a.Lookup(ids.data(), n, /*train=*/true, now, out_a.data());
     b.Lookup(ids.data(), n, /*train=*/true, now, out_b.data());
     REQUIRE_MESSAGE(SameBits(out_a, out_b), "training lookup differs at step " << step);
+    upcoming = draw(step + 1);
+    if (prefetch) b.Prefetch(upcoming.data(), upcoming.size());
     std::vector<float> grads(n * dim);
     for (auto& x : grads) x = g(rng);
     const float l2 = step % 3 == 0 ? 0.01f : 0.0f;
     a.ApplyGradients(ids.data(), grads.data(), n, step, now, l2);
     b.ApplyGradients(ids.data(), grads.data(), n, step, now, l2);
+    if (prefetch && step > 1) {
+      CHECK_MESSAGE(b.Stats().faults == faults_before, "a prefetched batch read disk at step " << step);
+    }
     if (step % 7 == 0) {  // a serving read of other ids: faults rows in, admits none
       const std::vector<int64_t> read = Batch(rng, 300);
       std::vector<float> ra(read.size() * dim), rb(read.size() * dim);
@@ -155,7 +166,8 @@ void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind ev
   // The budget, overrun at most by the last batch's pinned rows (step 121: at most 200 ids).
   CHECK(sb.memory_rows <= 4 * 40 + 200);
   CHECK(sb.disk_rows > 0);          // the budget did push rows out ...
-  CHECK(sb.faults > 0);             // ... and some came back
+  CHECK(sb.faults + sb.prefetched > 0);  // ... and some came back
+  CHECK((sb.prefetched > 0) == prefetch);
   CHECK(sb.evicted_to_disk >= sb.disk_rows);
   CHECK(sa.disk_rows == 0);
   CHECK(sa.memory_rows == sa.rows);
@@ -227,6 +239,11 @@ TEST_CASE("a budgeted store looks up and updates as an unbounded one (LFU, Adam,
 
 TEST_CASE("a budgeted store looks up and updates as an unbounded one (LRU, FTRL, no filter)") {
   CheckSameAsUnbounded(OptimizerKind::kFtrl, FilterKind::kNone, EvictionKind::kLru);
+}
+
+TEST_CASE("a budgeted store given the next batch's ids ahead reads no row from disk in its lookups and updates and equals an unbounded one") {
+  CheckSameAsUnbounded(OptimizerKind::kAdagrad, FilterKind::kCounter, EvictionKind::kLru, true);
+  CheckSameAsUnbounded(OptimizerKind::kAdam, FilterKind::kNone, EvictionKind::kLfu, true);
 }
 
 TEST_CASE("threads looking up and updating while rows move between tiers lose and mix no row") {

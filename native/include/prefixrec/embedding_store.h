@@ -137,7 +137,8 @@ struct StoreStats {
   uint64_t memory_rows = 0;      // rows in memory
   uint64_t disk_rows = 0;        // rows in the disk tier
   uint64_t disk_bytes = 0;       // bytes the disk tier's files take
-  uint64_t faults = 0;           // rows read back from disk into memory
+  uint64_t faults = 0;           // rows a lookup or update had to read back from disk
+  uint64_t prefetched = 0;       // rows Prefetch read back from disk ahead of their lookup
   uint64_t evicted_to_disk = 0;  // rows moved from memory to disk
 };
 
@@ -186,6 +187,13 @@ class EmbeddingStore {
   // inverse[i] = index of ids[i] in unique, rows = their rows (unique.size() x dim). O(n).
   void LookupUnique(const int64_t* ids, size_t n, bool train, double now,
                     std::vector<int64_t>* unique, int64_t* inverse, std::vector<float>* rows);
+
+  // Two tiers: brings the rows of `ids` that are on disk back into memory ahead of their lookup
+  // (one batched read per shard, one shard locked at a time), and keeps them there through
+  // later evictions until the next Prefetch. Changes no row's bytes, counter or filter state, so
+  // a prefetched run equals one without. The trainer calls it with batch k + 1's ids while
+  // batch k trains. No-op without a memory budget. Returns rows brought back. O(n).
+  size_t Prefetch(const int64_t* ids, size_t n);
 
   // unique = distinct ids in order of first appearance, inverse[i] = index of ids[i] in unique.
   // Pure function of its input; O(n).

@@ -194,6 +194,13 @@ void BindStore(py::module_& m) {
              return rows;
            },
            py::arg("ids"), py::arg("train"), py::arg("now"))
+      .def("prefetch",
+           [](EmbeddingStore& s, const py::array& ids) {
+             auto [data, n] = IdsOf(ids);
+             py::gil_scoped_release release;
+             return s.Prefetch(data, n);
+           },
+           py::arg("ids"))
       .def("lookup_unique",
            [](EmbeddingStore& s, const py::array& ids, bool train, double now) {
              auto [data, n] = IdsOf(ids);
@@ -347,6 +354,7 @@ void BindStore(py::module_& m) {
              d["disk_rows"] = st.disk_rows;
              d["disk_bytes"] = st.disk_bytes;
              d["faults"] = st.faults;
+             d["prefetched"] = st.prefetched;
              d["evicted_to_disk"] = st.evicted_to_disk;
              return d;
            })

@@ -58,9 +58,11 @@ struct EmbeddingStore::Impl {
   bool tiered() const { return options.memory_budget_bytes > 0; }
   // Brings back the rows of n distinct ids absent from the shard's memory that its tier holds
   // (one batched Get), bytes unchanged. Returns rows brought back.
-  size_t FaultIn(internal::Shard& shard, const int64_t* ids, const uint32_t* hashes, size_t n);
+  // `counter` counts them (faults, or prefetched).
+  size_t FaultIn(internal::Shard& shard, const int64_t* ids, const uint32_t* hashes, size_t n,
+                 std::atomic<uint64_t>& counter);
   // Moves the shard's memory rows beyond its cap (down to ~97% of it) to its tier, by the
-  // eviction policy, never a pinned id. Returns rows moved.
+  // eviction policy, never a pinned id nor one of the last Prefetch. Returns rows moved.
   using IdSet = std::unordered_set<int64_t>;
   size_t EvictToDisk(internal::Shard& shard, const IdSet* pinned, const IdSet* also_pinned = nullptr);
   // The rows a call must not evict: its own ids and those of the training lookup before it
@@ -73,6 +75,7 @@ struct EmbeddingStore::Impl {
   std::shared_ptr<const IdSet> LastTrainingLookup();
   std::mutex pins_mu;
   std::shared_ptr<const IdSet> last_training_lookup;  // guarded by pins_mu
+  std::shared_ptr<const IdSet> last_prefetch;         // guarded by pins_mu
   // Copies the rows of ids[begin, end) to out (zeros if absent, position recorded in misses).
   // Caller holds every shard at least shared.
   void ReadRows(const int64_t* ids, size_t begin, size_t end, float* out,
@@ -145,6 +148,7 @@ struct EmbeddingStore::Impl {
   std::atomic<uint64_t> admitted{0}, rejected{0}, expired{0}, evicted{0}, lookups{0}, updates{0};
   std::atomic<uint64_t> delta_sequence{0};
   std::atomic<uint64_t> faults{0}, evicted_to_disk{0};  // rows read back from / moved to disk
+  std::atomic<uint64_t> prefetched{0};                  // rows Prefetch read back
   std::mutex delta_mu;  // one ExportDelta/ApplyDelta at a time
   std::mutex evict_mu;  // one capacity enforcement at a time
 };
