@@ -18,6 +18,11 @@ Native store delta (``EmbeddingStore.export_delta``, same file):
     ``store.delta.written``      as above, for ``delta-NNNNNN.bin``
     ``store.delta.synced``
     ``store.delta.renamed``      in place; the store's delta sequence not yet advanced
+Native store disk tier (a store with a memory budget, C++ ``native/src/disk_tier.cc``): the tier
+extends memory and is not kept across a crash; a restarted store loads its last snapshot and
+opens its tier directories empty, so nothing a killed writer left there is ever read:
+    ``tier.put.written``         rows moved to disk written (not synced), before the next call
+    ``tier.reclaim.moved``       rows moved into holes of the tier's file, the file not yet cut
 Checkpoint (``trainer.checkpoints.CheckpointManager.save``):
     ``checkpoint.written``       the new checkpoint complete and fsynced, under a temporary name
     ``checkpoint.renamed``       renamed to ``ckpt-<step>[-<revision>]``, LATEST not yet moved
@@ -54,6 +59,7 @@ EXIT_CODE = 86
 POINTS = (
     "store.snapshot.written", "store.snapshot.synced", "store.snapshot.renamed",
     "store.delta.written", "store.delta.synced", "store.delta.renamed",
+    "tier.put.written", "tier.reclaim.moved",
     "checkpoint.written", "checkpoint.renamed", "checkpoint.latest", "checkpoint.removing",
     "checkpoint.written.same-step", "checkpoint.renamed.same-step",
     "checkpoint.latest.same-step", "checkpoint.removing.same-step",

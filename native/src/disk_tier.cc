@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "internal/crash_point.h"
 #include "internal/disk_tier_io.h"
 #include "internal/hash.h"
 #include "internal/shard.h"
@@ -335,6 +336,7 @@ class SlotFileTier final : public DiskTier {
       k = end;
     }
     writes_ += writes.size();
+    CrashPoint("tier.put.written");
     if (options_.sync_every_put) Sync();
   }
 
@@ -436,6 +438,7 @@ class SlotFileTier final : public DiskTier {
     std::reverse(still.begin(), still.end());  // AllocSlot pops the lowest first
     free_.swap(still);
     free_.shrink_to_fit();
+    CrashPoint("tier.reclaim.moved");
     if (end != slot_count_) {
       if (ftruncate(fd_, static_cast<off_t>(uint64_t{end} * row_bytes_)) != 0) Fail("cannot truncate", path_);
       slot_count_ = end;

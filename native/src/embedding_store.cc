@@ -566,6 +566,9 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
     const uint32_t row = shard.Insert(ids[i], hashes[i]);
     std::memcpy(shard.Row(row), block.data() + i * row_bytes, row_bytes);  // bytes unchanged
   }
+  // Rows that moved up leave holes; while the tier holds many more slots than rows, each
+  // fault-in also fills twice as many holes as it opened, so the file shrinks back.
+  if (got > 0 && shard.tier->NeedsReclaim()) shard.tier->Reclaim(2 * got);
   counter.fetch_add(got, std::memory_order_relaxed);
   return got;
 }
@@ -1237,6 +1240,7 @@ size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, d
         shard.tombstones.insert(shard.tombstones.end(), drop.begin(), drop.end());
         s.rows.fetch_sub(drop.size(), std::memory_order_relaxed);
         count += drop.size();
+        if (shard.tier->NeedsReclaim()) shard.tier->Reclaim(0);  // the space of expired rows
       }
     }
     removed.fetch_add(count);
@@ -1270,6 +1274,7 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
       s.RemoveRow(shard, row);
       ++count;
     }
+    if (shard.tier && shard.tier->NeedsReclaim()) shard.tier->Reclaim(0);
     removed.fetch_add(count);
   });
   s.expired.fetch_add(removed.load());

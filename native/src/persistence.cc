@@ -29,6 +29,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "internal/crash_point.h"
 #include "internal/hash.h"
 #include "internal/parallel.h"
 #include "internal/store_impl.h"
@@ -86,11 +87,14 @@ void MakeDirectory(const std::string& dir) {
   if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) IoError("cannot create directory", dir);
 }
 
+}  // namespace
+
 // PREFIXREC_CRASH_POINT=<name>[:<n>] (read once): the n-th arrival (default the first) at the
 // crash point `name` ends the process with _exit(86), as if it were killed there. The names and
 // their meaning are listed in native/crash_points.py.
 constexpr int kCrashExitCode = 86;
 
+namespace internal {
 void CrashPoint(const std::string& name) {
   struct Wanted {
     std::string name;
@@ -115,6 +119,10 @@ void CrashPoint(const std::string& name) {
   if (wanted.n == 0 || name != wanted.name) return;
   if (hits.fetch_add(1) + 1 == wanted.n) _exit(kCrashExitCode);
 }
+}  // namespace internal
+using internal::CrashPoint;
+
+namespace {
 
 // Removes `<name>.tmp.<pid>` files a crashed writer of `path` left in its directory.
 void RemoveStaleTemps(const std::string& path) {
