@@ -560,12 +560,23 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
                                      size_t n, std::atomic<uint64_t>& counter) {
   if (!shard.tier || n == 0 || shard.tier->Count() == 0) return 0;
   std::vector<uint8_t> block(n * row_bytes), found(n);
-  const size_t got = shard.tier->Get(ids, n, block.data(), found.data(), /*take=*/true);
-  for (size_t i = 0; i < n && got > 0; ++i) {
-    if (!found[i]) continue;
-    const uint32_t row = shard.Insert(ids[i], hashes[i]);
-    std::memcpy(shard.Row(row), block.data() + i * row_bytes, row_bytes);  // bytes unchanged
+  // Read, placed in memory, then erased from disk: a failure in between (a shard at its
+  // maximum rows) leaves every row in exactly one tier.
+  const size_t got = shard.tier->Get(ids, n, block.data(), found.data(), /*take=*/false);
+  std::vector<int64_t> moved;
+  moved.reserve(got);
+  try {
+    for (size_t i = 0; i < n && got > 0; ++i) {
+      if (!found[i]) continue;
+      const uint32_t row = shard.Insert(ids[i], hashes[i]);
+      std::memcpy(shard.Row(row), block.data() + i * row_bytes, row_bytes);  // bytes unchanged
+      moved.push_back(ids[i]);
+    }
+  } catch (...) {
+    shard.tier->Erase(moved.data(), moved.size());
+    throw;
   }
+  shard.tier->Erase(moved.data(), moved.size());
   // Rows that moved up leave holes; while the tier holds many more slots than rows, each
   // fault-in also fills twice as many holes as it opened, so the file shrinks back.
   if (got > 0 && shard.tier->NeedsReclaim()) shard.tier->Reclaim(2 * got);
@@ -632,8 +643,17 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
     ids[i] = candidates[i].id;
     std::memcpy(block.data() + i * row_bytes, shard.Row(candidates[i].row), row_bytes);
   }
-  // Written before anything leaves memory: a failed Put leaves every row in memory.
-  shard.tier->Put(ids.data(), block.data(), excess);
+  // Written before anything leaves memory: a failed Put leaves every row in memory, and the
+  // part of the batch it did write is erased again (no row is ever in both tiers).
+  try {
+    shard.tier->Put(ids.data(), block.data(), excess);
+  } catch (...) {
+    try {
+      shard.tier->Erase(ids.data(), excess);
+    } catch (...) {
+    }
+    throw;
+  }
   for (size_t i = 0; i < excess; ++i) {
     const uint32_t hash = static_cast<uint32_t>(HashId(ids[i]));
     shard.Remove(shard.Find(ids[i], hash), hash);  // moved, not removed: no tombstone, rows kept
