@@ -586,7 +586,7 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
 
 EmbeddingStore::Impl::Pins EmbeddingStore::Impl::PinLookup(const int64_t* ids, size_t n, bool train) {
   Pins pins;
-  pins.own = std::make_shared<const IdSet>(ids, ids + n);
+  pins.own = std::make_shared<const IdSet>(ids, n);
   std::lock_guard<std::mutex> lock(pins_mu);
   pins.previous = last_training_lookup;
   if (train) last_training_lookup = pins.own;
@@ -621,9 +621,9 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
   for (uint32_t r = 0; r < shard.size(); ++r) {
     const RowHeader* h = shard.Header(r);
     const int64_t id = h->id();
-    if (pinned != nullptr && pinned->count(id) != 0) continue;  // rows of the current batch stay
-    if (also_pinned != nullptr && also_pinned->count(id) != 0) continue;
-    if (prefetch != nullptr && prefetch->count(id) != 0) continue;  // the next batch's rows
+    if (pinned != nullptr && pinned->Contains(id)) continue;  // rows of the current batch stay
+    if (also_pinned != nullptr && also_pinned->Contains(id)) continue;
+    if (prefetch != nullptr && prefetch->Contains(id)) continue;  // the next batch's rows
     const int64_t last_step = internal::StepOf(h->step, current_step);
     if (lfu) {
       candidates.push_back({static_cast<int64_t>(h->update_count()), last_step, id, r});
@@ -895,7 +895,7 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
 size_t EmbeddingStore::Prefetch(const int64_t* ids, size_t n) {
   Impl& s = *impl_;
   if (!s.tiered() || n == 0) return 0;
-  auto own = std::make_shared<const Impl::IdSet>(ids, ids + n);
+  auto own = std::make_shared<const Impl::IdSet>(ids, n);
   std::shared_ptr<const Impl::IdSet> previous;
   {
     std::lock_guard<std::mutex> lock(s.pins_mu);
@@ -1142,7 +1142,7 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
   for (auto& shard : s.shards) locks.emplace_back(shard->mu);
   // Two tiers: rows evicted since their lookup come back before the update (the parallel
   // update below never inserts), and the batch's rows are kept through the eviction after it.
-  std::unordered_set<int64_t> pinned;
+  std::vector<int64_t> pinned_ids;
   if (s.tiered()) {
     std::vector<std::vector<int64_t>> absent(s.shards.size());
     std::vector<std::vector<uint32_t>> absent_hash(s.shards.size());
@@ -1150,7 +1150,7 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
       const GradientSums& group = groups[part];
       for (size_t d = 0; d < group.distinct; ++d) {
         const uint32_t i = group.first[d];
-        pinned.insert(group.key[d]);
+        pinned_ids.push_back(group.key[d]);
         if (s.shards[shard_of[i]]->Find(group.key[d], hash[i]) != Shard::kEmpty) continue;
         absent[shard_of[i]].push_back(group.key[d]);
         absent_hash[shard_of[i]].push_back(hash[i]);
@@ -1221,6 +1221,7 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
   if (s.tiered()) {
     // Also kept: the rows of the training lookup made last (batch k + 1 in the pipeline).
     const std::shared_ptr<const IdSet> next = s.LastTrainingLookup();
+    const Impl::IdSet pinned(std::move(pinned_ids));
     for (auto& shard : s.shards) s.EvictToDisk(*shard, &pinned, next.get());
   }
   locks.clear();

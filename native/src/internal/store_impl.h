@@ -63,7 +63,25 @@ struct EmbeddingStore::Impl {
                  std::atomic<uint64_t>& counter);
   // Moves the shard's memory rows beyond its cap (down to ~97% of it) to its tier, by the
   // eviction policy, never a pinned id nor one of the last Prefetch. Returns rows moved.
-  using IdSet = std::unordered_set<int64_t>;
+  // A call's ids, kept in memory through evictions. Most calls evict nothing, so the hash set
+  // is built on first use (one copy of the ids a call, the set once per eviction at most).
+  class IdSet {
+   public:
+    IdSet(const int64_t* ids, size_t n) : ids_(ids, ids + n) {}
+    explicit IdSet(std::vector<int64_t> ids) : ids_(std::move(ids)) {}
+    bool Contains(int64_t id) const {
+      std::call_once(built_, [this] {
+        set_.reserve(ids_.size());
+        set_.insert(ids_.begin(), ids_.end());
+      });
+      return set_.count(id) != 0;
+    }
+
+   private:
+    std::vector<int64_t> ids_;
+    mutable std::once_flag built_;
+    mutable std::unordered_set<int64_t> set_;
+  };
   size_t EvictToDisk(internal::Shard& shard, const IdSet* pinned, const IdSet* also_pinned = nullptr);
   // The rows a call must not evict: its own ids and those of the training lookup before it
   // (the three-stage pipeline looks up batch k + 1 before it applies batch k's gradients).
