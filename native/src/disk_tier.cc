@@ -507,9 +507,13 @@ class SlotFileTier final : public DiskTier {
     if (fd_ < 0 || closed_ || !opened_) throw StoreError(ErrorCode::kInvalidArgument, "disk tier " + dir_ + " is closed");
   }
 
-  size_t Home(uint64_t hash) const {
-    return static_cast<size_t>(((hash >> 32) * static_cast<uint64_t>(capacity_)) >> 32);
+  // The low 32 bits of the hash: the store picks a row's shard, and so its tier, by the high
+  // bits, so within one tier those bits are nearly equal (16 shards: the top 4 are the same)
+  // and would crowd every id into one part of the table.
+  static size_t HomeIn(uint64_t hash, size_t capacity) {
+    return static_cast<size_t>(((hash & 0xffffffffULL) * static_cast<uint64_t>(capacity)) >> 32);
   }
+  size_t Home(uint64_t hash) const { return HomeIn(hash, capacity_); }
   size_t Next(size_t i) const { return i + 1 == capacity_ ? 0 : i + 1; }
 
   size_t FindPos(int64_t id, uint64_t hash) const {
@@ -537,7 +541,7 @@ class SlotFileTier final : public DiskTier {
     std::vector<uint32_t> slots(capacity, kEmptySlot);
     for (size_t j = 0; j < capacity_; ++j) {
       if (slot_of_[j] == kEmptySlot) continue;
-      size_t i = static_cast<size_t>(((HashId(id_of_[j]) >> 32) * static_cast<uint64_t>(capacity)) >> 32);
+      size_t i = HomeIn(HashId(id_of_[j]), capacity);
       while (slots[i] != kEmptySlot) i = i + 1 == capacity ? 0 : i + 1;
       ids[i] = id_of_[j];
       slots[i] = slot_of_[j];
