@@ -600,9 +600,9 @@ std::shared_ptr<const EmbeddingStore::Impl::IdSet> EmbeddingStore::Impl::LastTra
 
 size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, const IdSet* also_pinned) {
   if (!shard.tier || shard.size() <= shard.memory_rows_cap) return 0;
-  // Down to ~97% of the cap: the selection is O(shard rows), paid once per ~3% of new rows,
+  // Down to ~94% of the cap: the selection is O(shard rows), paid once per ~6% of new rows,
   // and the rows go to disk in one batched Put.
-  const size_t target = shard.memory_rows_cap - shard.memory_rows_cap / 32;
+  const size_t target = shard.memory_rows_cap - shard.memory_rows_cap / 16;
   struct Candidate {
     int64_t first;
     int64_t second;
@@ -613,35 +613,54 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
   candidates.reserve(shard.size());
   const int64_t current_step = global_step.load();
   const bool lfu = options.eviction == EvictionKind::kLfu;
+  for (uint32_t r = 0; r < shard.size(); ++r) {
+    const RowHeader* h = shard.Header(r);
+    const int64_t last_step = internal::StepOf(h->step, current_step);
+    if (lfu) {
+      candidates.push_back({static_cast<int64_t>(h->update_count()), last_step, h->id(), r});
+    } else {
+      candidates.push_back({last_step, static_cast<int64_t>(h->time), h->id(), r});
+    }
+  }
   std::shared_ptr<const IdSet> prefetch;
   {
     std::lock_guard<std::mutex> lock(pins_mu);
     prefetch = last_prefetch;
   }
-  for (uint32_t r = 0; r < shard.size(); ++r) {
-    const RowHeader* h = shard.Header(r);
-    const int64_t id = h->id();
-    if (pinned != nullptr && pinned->Contains(id)) continue;  // rows of the current batch stay
-    if (also_pinned != nullptr && also_pinned->Contains(id)) continue;
-    if (prefetch != nullptr && prefetch->Contains(id)) continue;  // the next batch's rows
-    const int64_t last_step = internal::StepOf(h->step, current_step);
-    if (lfu) {
-      candidates.push_back({static_cast<int64_t>(h->update_count()), last_step, id, r});
-    } else {
-      candidates.push_back({last_step, static_cast<int64_t>(h->time), id, r});
-    }
-  }
-  const size_t excess = std::min(shard.size() - target, candidates.size());
-  if (excess == 0) return 0;
+  auto kept = [&](int64_t id) {  // the current batch's rows, the previous lookup's, the next's
+    return (pinned != nullptr && pinned->Contains(id)) ||
+           (also_pinned != nullptr && also_pinned->Contains(id)) ||
+           (prefetch != nullptr && prefetch->Contains(id));
+  };
   auto first_out = [](const Candidate& a, const Candidate& b) {
     return std::tie(a.first, a.second, a.id) < std::tie(b.first, b.second, b.id);
   };
-  std::nth_element(candidates.begin(), candidates.begin() + (excess - 1), candidates.end(), first_out);
+  // The `want` first rows in eviction order that are not kept: the first few rows in order
+  // are sorted and checked, then the next ones (twice as many each round), so only the rows
+  // looked at are checked against the pins. The order is strict (ids differ), so the rows
+  // chosen are the same as checking every row first.
+  const size_t want = shard.size() - target;
+  std::vector<uint32_t> chosen;
+  chosen.reserve(want);
+  auto from = candidates.begin();
+  for (size_t round = 0; chosen.size() < want && from != candidates.end(); ++round) {
+    const size_t need = want - chosen.size();
+    const size_t left = static_cast<size_t>(candidates.end() - from);
+    const size_t take = std::min(left, (need + 64) << std::min<size_t>(round, 20));
+    if (take < left) std::nth_element(from, from + (take - 1), candidates.end(), first_out);
+    std::sort(from, from + take, first_out);
+    for (auto it = from; it != from + take && chosen.size() < want; ++it) {
+      if (!kept(it->id)) chosen.push_back(it->row);
+    }
+    from += take;
+  }
+  const size_t excess = chosen.size();
+  if (excess == 0) return 0;
   std::vector<int64_t> ids(excess);
   std::vector<uint8_t> block(excess * row_bytes);
   for (size_t i = 0; i < excess; ++i) {
-    ids[i] = candidates[i].id;
-    std::memcpy(block.data() + i * row_bytes, shard.Row(candidates[i].row), row_bytes);
+    ids[i] = shard.IdOf(chosen[i]);
+    std::memcpy(block.data() + i * row_bytes, shard.Row(chosen[i]), row_bytes);
   }
   // Written before anything leaves memory: a failed Put leaves every row in memory, and the
   // part of the batch it did write is erased again (no row is ever in both tiers).
@@ -1140,27 +1159,32 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   locks.reserve(s.shards.size());
   for (auto& shard : s.shards) locks.emplace_back(shard->mu);
-  // Two tiers: rows evicted since their lookup come back before the update (the parallel
-  // update below never inserts), and the batch's rows are kept through the eviction after it.
-  std::vector<int64_t> pinned_ids;
-  if (s.tiered()) {
-    std::vector<std::vector<int64_t>> absent(s.shards.size());
-    std::vector<std::vector<uint32_t>> absent_hash(s.shards.size());
-    for (size_t part = 0; part < parts; ++part) {
-      const GradientSums& group = groups[part];
-      for (size_t d = 0; d < group.distinct; ++d) {
-        const uint32_t i = group.first[d];
-        pinned_ids.push_back(group.key[d]);
-        if (s.shards[shard_of[i]]->Find(group.key[d], hash[i]) != Shard::kEmpty) continue;
-        absent[shard_of[i]].push_back(group.key[d]);
-        absent_hash[shard_of[i]].push_back(hash[i]);
+  // Two tiers: a row evicted since its lookup (not in the pipeline, whose pins keep a batch's
+  // rows until its update, but after other calls) is not found by the loop below, which notes
+  // it; such rows come back from disk after the loop and get their update then (each distinct
+  // id is updated once, in any order).
+  const bool tiered = s.tiered();
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> not_found(tiered ? chunks : 0);
+  // One row's update: the summed gradient `sums` (plus the L2 decay of its idle steps).
+  auto update_row = [&](Shard& shard, uint32_t row, const float* g, std::vector<float>& decayed) {
+    RowHeader* header = shard.Header(row);
+    float* values = shard.Floats(row);
+    if (l2 > 0.0f) {  // the decay of the steps since the row's last update
+      const int64_t idle = std::max<int64_t>(step - internal::StepOf(header->step, step), 1);
+      // in double, clamped: a huge l2 or idle makes a huge but finite step, never inf/NaN
+      const double scale = static_cast<double>(l2) * static_cast<double>(idle);
+      constexpr double kMax = std::numeric_limits<float>::max();
+      for (size_t j = 0; j < dim; ++j) {
+        decayed[j] = static_cast<float>(std::clamp(g[j] + scale * values[j], -kMax, kMax));
       }
+      g = decayed.data();
     }
-    for (size_t k = 0; k < s.shards.size(); ++k) {
-      s.FaultIn(*s.shards[k], absent[k].data(), absent_hash[k].data(), absent[k].size(),
-                s.faults);
-    }
-  }
+    header->add_update();
+    header->set_dirty();
+    header->step = step32;
+    header->time = time32;
+    s.Update(values, values + dim, g, header->update_count());
+  };
   ParallelFor(threads, chunks, [&](size_t c) {
     const size_t chunk_begin = total_distinct * c / chunks;
     const size_t chunk_end = total_distinct * (c + 1) / chunks;
@@ -1194,35 +1218,58 @@ uint64_t EmbeddingStore::Impl::UpdateRows(const GradientPartition& partition,
         Shard& shard = *s.shards[shard_of[i]];
         uint32_t row = candidate[d % kRing];
         if (row != Shard::kEmpty && shard.IdOf(row) != key[d]) row = shard.Find(key[d], hash[i]);
-        if (row == Shard::kEmpty) continue;  // never admitted (or expired): reads as zeros
-        RowHeader* header = shard.Header(row);
-        float* values = shard.Floats(row);
-        const float* g = sums + d * dim;
-        if (l2 > 0.0f) {  // the decay of the steps since the row's last update
-          const int64_t idle = std::max<int64_t>(step - internal::StepOf(header->step, step), 1);
-          // in double, clamped: a huge l2 or idle makes a huge but finite step, never inf/NaN
-          const double scale = static_cast<double>(l2) * static_cast<double>(idle);
-          constexpr double kMax = std::numeric_limits<float>::max();
-          for (size_t j = 0; j < dim; ++j) {
-            decayed[j] = static_cast<float>(std::clamp(g[j] + scale * values[j], -kMax, kMax));
-          }
-          g = decayed.data();
+        if (row == Shard::kEmpty) {  // never admitted, expired, or (two tiers) on disk
+          if (tiered) not_found[c].emplace_back(static_cast<uint32_t>(part), static_cast<uint32_t>(d_begin + d));
+          continue;
         }
-        header->add_update();
-        header->set_dirty();
-        header->step = step32;
-        header->time = time32;
-        s.Update(values, values + dim, g, header->update_count());
+        update_row(shard, row, sums + d * dim, decayed);
         ++chunk_updated;
       }
     }
     updated.fetch_add(chunk_updated, std::memory_order_relaxed);
   });
-  if (s.tiered()) {
-    // Also kept: the rows of the training lookup made last (batch k + 1 in the pipeline).
-    const std::shared_ptr<const IdSet> next = s.LastTrainingLookup();
-    const Impl::IdSet pinned(std::move(pinned_ids));
-    for (auto& shard : s.shards) s.EvictToDisk(*shard, &pinned, next.get());
+  if (tiered) {
+    std::vector<std::vector<int64_t>> absent(s.shards.size());
+    std::vector<std::vector<uint32_t>> absent_hash(s.shards.size());
+    std::vector<std::pair<uint32_t, uint32_t>> missing;  // (part, index in its group)
+    for (const auto& chunk : not_found) missing.insert(missing.end(), chunk.begin(), chunk.end());
+    std::vector<int64_t> pinned_ids;
+    for (const auto& [part, d] : missing) {
+      const uint32_t i = groups[part].first[d];
+      if (!s.shards[shard_of[i]]->tier->Contains(groups[part].key[d])) continue;
+      absent[shard_of[i]].push_back(groups[part].key[d]);
+      absent_hash[shard_of[i]].push_back(hash[i]);
+    }
+    size_t brought = 0;
+    for (size_t k = 0; k < s.shards.size(); ++k) {
+      brought += s.FaultIn(*s.shards[k], absent[k].data(), absent_hash[k].data(), absent[k].size(),
+                           s.faults);
+    }
+    if (brought > 0) {
+      std::vector<float> decayed(l2 > 0.0f ? dim : 0);
+      for (const auto& [part, d] : missing) {
+        const GradientSums& group = groups[part];
+        const uint32_t i = group.first[d];
+        Shard& shard = *s.shards[shard_of[i]];
+        const uint32_t row = shard.Find(group.key[d], hash[i]);
+        if (row == Shard::kEmpty) continue;  // not on disk either: reads as zeros
+        update_row(shard, row, group.sums + size_t{d} * dim, decayed);
+        updated.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    // Shards over their cap (rows brought back here, or kept for the lookup before this one)
+    // evict, keeping this call's rows and those of the training lookup made last (batch k + 1
+    // in the pipeline).
+    bool over = false;
+    for (auto& shard : s.shards) over = over || shard->size() > shard->memory_rows_cap;
+    if (over) {
+      for (size_t part = 0; part < parts; ++part) {
+        pinned_ids.insert(pinned_ids.end(), groups[part].key, groups[part].key + groups[part].distinct);
+      }
+      const Impl::IdSet pinned(std::move(pinned_ids));
+      const std::shared_ptr<const IdSet> next = s.LastTrainingLookup();
+      for (auto& shard : s.shards) s.EvictToDisk(*shard, &pinned, next.get());
+    }
   }
   locks.clear();
   return updated.load();
