@@ -859,7 +859,10 @@ void EmbeddingStore::Impl::AdmitMissing(const std::vector<int64_t>& missed_ids,
   Impl::Partition p = s.Bucketize(missed_ids.data(), missed_ids.size());
 
   std::atomic<uint64_t> admitted{0}, rejected{0};
-  ParallelFor(s.ThreadsFor(missed_ids.size()), s.shards.size(), [&](size_t shard_index) {
+  // With a disk tier every thread works: a shard's reads and writes of rows are system calls
+  // (~1-3 us a row), not memory work.
+  const int threads = s.tiered() ? s.threads : s.ThreadsFor(missed_ids.size());
+  ParallelFor(threads, s.shards.size(), [&](size_t shard_index) {
     size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
     if (begin == end) return;
     Shard& shard = *s.shards[shard_index];
