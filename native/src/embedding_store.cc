@@ -566,6 +566,7 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
     const uint32_t row = shard.Insert(ids[i], hashes[i]);
     std::memcpy(shard.Row(row), block.data() + i * row_bytes, row_bytes);  // bytes unchanged
   }
+  internal::ReclaimIfNeeded(shard.tier.get());
   faults.fetch_add(got, std::memory_order_relaxed);
   return got;
 }
@@ -1186,6 +1187,7 @@ size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, d
       });
       if (!drop.empty()) {
         shard.tier->Erase(drop.data(), drop.size());
+        internal::ReclaimIfNeeded(shard.tier.get());
         shard.tombstones.insert(shard.tombstones.end(), drop.begin(), drop.end());
         s.rows.fetch_sub(drop.size(), std::memory_order_relaxed);
         count += drop.size();
@@ -1222,6 +1224,7 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
       s.RemoveRow(shard, row);
       ++count;
     }
+    internal::ReclaimIfNeeded(shard.tier.get());
     removed.fetch_add(count);
   });
   s.expired.fetch_add(removed.load());
