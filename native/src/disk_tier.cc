@@ -504,9 +504,15 @@ class SlotFileTier final : public DiskTier {
     if (fd_ < 0 || closed_ || !opened_) throw StoreError(ErrorCode::kInvalidArgument, "disk tier " + dir_ + " is closed");
   }
 
-  size_t Home(uint64_t hash) const {
-    return static_cast<size_t>(((hash >> 32) * static_cast<uint64_t>(capacity_)) >> 32);
+  // The home entry comes from the hash's low 32 bits: the store picks a row's shard from the
+  // high 32 (ShardOf), so every id of one shard's tier shares their top bits, and a home taken
+  // from them would crowd all entries into 1/num_shards of the index (one cluster, probes as
+  // long as the tier).
+  static size_t HomeIn(uint64_t hash, size_t capacity) {
+    return static_cast<size_t>((static_cast<uint64_t>(static_cast<uint32_t>(hash)) *
+                                static_cast<uint64_t>(capacity)) >> 32);
   }
+  size_t Home(uint64_t hash) const { return HomeIn(hash, capacity_); }
   size_t Next(size_t i) const { return i + 1 == capacity_ ? 0 : i + 1; }
 
   size_t FindPos(int64_t id, uint64_t hash) const {
@@ -534,7 +540,7 @@ class SlotFileTier final : public DiskTier {
     std::vector<uint32_t> slots(capacity, kEmptySlot);
     for (size_t j = 0; j < capacity_; ++j) {
       if (slot_of_[j] == kEmptySlot) continue;
-      size_t i = static_cast<size_t>(((HashId(id_of_[j]) >> 32) * static_cast<uint64_t>(capacity)) >> 32);
+      size_t i = HomeIn(HashId(id_of_[j]), capacity);
       while (slots[i] != kEmptySlot) i = i + 1 == capacity ? 0 : i + 1;
       ids[i] = id_of_[j];
       slots[i] = slot_of_[j];
