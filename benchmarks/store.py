@@ -2,6 +2,8 @@
 
     python -m benchmarks.store                       # 1M and 10M rows, dim 8, 18 and 64
     python -m benchmarks.store --rows 20000 --dims 8 --batches 2 --no-tf   # CI size
+    python -m benchmarks.store --tiers               # a memory budget over a disk tier against
+                                                     # the all-DRAM store (benchmarks/store_tiers.py)
 
 For each (rows, dim), in the same run and on the same ids:
 - lookup throughput of ``EmbeddingStore.lookup`` (ids/s, batches of ``--batch`` ids drawn from a
@@ -240,6 +242,11 @@ def bench_tf(kind: str, rows: int, dim: int, batches: list[np.ndarray], check: n
 
 
 def run(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--tiers" in argv:  # the two-tier benchmark has its own options (--tiers --help)
+        import benchmarks.store_tiers
+
+        return benchmarks.store_tiers.run([a for a in argv if a != "--tiers"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1000000,10000000", help="comma-separated row counts")
     parser.add_argument("--dims", default="8,18,64", help="comma-separated embedding dims")
