@@ -2,20 +2,22 @@
 against the all-DRAM store, on the same ids in the same run.
 
     python -m benchmarks.store --tiers                                   # 2M rows, dim 16
-    python -m benchmarks.store --tiers --rows 20000 --batch 2000 --batches 4 --warmup 4 \\
+    python -m benchmarks.store --tiers --rows 20000 --batch 2000 --prefill 20 --batches 4 --warmup 4 \\
         --calibration-batches 3 --rss-batches 2                          # CI size
 
 Training steps as the trainer runs them: ``lookup(ids, train=True)`` then Adagrad
 ``apply_gradients(ids, grads, step)``, on batches of ``--batch`` ids drawn from a Zipf
 distribution truncated at ``--rows`` ranks (P(rank r) ~ r^-s, s = ``--zipf``; ranks scattered
-over the id space). Every store starts from the same snapshot of all ``--rows`` rows (so a miss
-is a row read back from disk, never an insert).
+over the id space). The table is what ``--prefill`` such steps leave (the ids seen so far, each
+with its own update count and last step, as in a trained table); every store starts from the
+same snapshot of it. Ids never seen before keep arriving (``new_rows``): they are inserts in
+both stores, never faults.
 
 - Hit rate: 1 - faults / looked-up ids, the faults (rows read back from disk) from
   ``tier_stats()`` over the measured batches, the ids counted with their repeats (a batch's
   repeated id is one row). ``hit_rate_distinct`` counts each batch's distinct ids instead.
 - Budgets: for each target hit rate (``--targets``) and eviction policy, the budget is found by
-  calibration: the Zipf CDF gives the memory rows k a static cache of the hottest rows needs;
+  calibration: the Zipf CDF gives the memory rows k a static cache of the hottest ranks needs;
   a short run measures the policy's hit rate at k, which reads on the CDF as an effective static
   size c * k; the next k is the CDF's k over c (at most ``--calibration-passes`` runs, stopping
   within a quarter of the target's miss rate). The budget is k * (row bytes + 5), the
@@ -80,6 +82,7 @@ class Zipf:
         weights = np.arange(1, rows + 1, dtype=np.float64) ** -exponent
         self.cdf = np.cumsum(weights) / weights.sum()
         self.rows = rows
+        self.table_rows = rows  # rows the table holds (the ids the prefill saw), set by run()
 
     def batches(self, batch: int, count: int, seed: int) -> list[np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -87,8 +90,9 @@ class Zipf:
                 for _ in range(count)]
 
     def rows_for(self, hit_rate: float) -> int:
-        """Memory rows a static cache of the hottest ranks needs for this hit rate."""
-        return int(min(self.rows, np.searchsorted(self.cdf, hit_rate) + 1))
+        """Memory rows a static cache of the hottest ranks needs for this hit rate (at most
+        the table's rows)."""
+        return int(min(self.table_rows, np.searchsorted(self.cdf, hit_rate) + 1))
 
     def static_hit_rate(self, k: float) -> float:
         k = int(round(min(max(k, 1), self.rows)))
@@ -151,8 +155,9 @@ def calibrate(args, zipf: Zipf, snapshot: str, policy: str, target: float, direc
     passes = []
     for _ in range(args.calibration_passes):
         store = tiered(args, snapshot, k, policy, directory)
-        warm.run(store, 1, range(len(warm.batches)))
-        hit, _ = measure_hit_rate(store, probe, 1 + len(warm.batches), range(len(probe.batches)))
+        warm.run(store, 1 + args.prefill, range(len(warm.batches)))
+        hit, _ = measure_hit_rate(store, probe, 1 + args.prefill + len(warm.batches),
+                                  range(len(probe.batches)))
         del store
         passes.append({"memory_rows": k, "hit_rate": hit})
         if abs(hit - target) <= 0.25 * (1 - target):
@@ -185,7 +190,7 @@ def next_guess(zipf: Zipf, passes: list[dict], target: float, low: int) -> int:
     k = zipf.rows_for(target) / max(c, 1e-3)
     if below:  # never less than the largest size that fell short
         k = max(k, 1.25 * last["memory_rows"])
-    return int(min(zipf.rows, max(low, round(k))))
+    return int(min(zipf.table_rows, max(low, round(k))))
 
 
 def compare_rows(a, b) -> None:
@@ -212,8 +217,9 @@ def compare(args, zipf: Zipf, snapshot: str, policy: str, target: float, k: int,
     plain = native.EmbeddingStore.load(snapshot, config(args))
     budgeted = tiered(args, snapshot, k, policy, directory)
     for store in (plain, budgeted):
-        warm.run(store, 1, range(len(warm.batches)))
-    first = 1 + len(warm.batches)
+        warm.run(store, 1 + args.prefill, range(len(warm.batches)))
+    first = 1 + args.prefill + len(warm.batches)
+    rows_before = len(plain)
     chunks = np.array_split(np.arange(len(measured.batches)), args.rounds)
     plain_s, tiered_s = [], []
     before = faults(budgeted)
@@ -222,13 +228,15 @@ def compare(args, zipf: Zipf, snapshot: str, policy: str, target: float, k: int,
         for store, times in sides:
             times.append(measured.run(store, first, chunk))
     missed = faults(budgeted) - before
+    new_rows = len(plain) - rows_before
     ids = sum(len(b) for b in measured.batches)
     distinct = sum(len(np.unique(b)) for b in measured.batches)
     compare_rows(plain, budgeted)  # raises if any row differs
     ratios = [p / t for p, t in zip(plain_s, tiered_s)]
     result = {
         "policy": policy, "target": target, "memory_rows": k,
-        "memory_budget_bytes": budget_for(args, k), "budget_share_of_rows": k / zipf.rows,
+        "memory_budget_bytes": budget_for(args, k), "table_rows": rows_before,
+        "budget_share_of_rows": k / rows_before, "new_rows": new_rows,
         "hit_rate": 1 - missed / ids, "hit_rate_distinct": 1 - missed / distinct,
         "unbounded_ids_per_s": ids / sum(plain_s), "tiered_ids_per_s": ids / sum(tiered_s),
         "exact": True,
@@ -273,6 +281,7 @@ def rss_child(args) -> dict:
     """Runs in a fresh process: RSS growth of loading the snapshot and training on it."""
     zipf = Zipf(args.rows, args.zipf)
     stepper = Stepper(zipf.batches(args.batch, args.rss_batches, seed=301), args.dim, seed=302)
+    first = 1 + args.prefill
     k = args.rss_memory_rows
     extra = {}
     if k > 0:
@@ -282,7 +291,7 @@ def rss_child(args) -> dict:
     base_kib = _status_kib("VmRSS")
     peak_reset = _reset_peak()
     store = native.EmbeddingStore.load(args.rss_snapshot, config(args, **extra))
-    stepper.run(store, 1, range(len(stepper.batches)))
+    stepper.run(store, first, range(len(stepper.batches)))
     peak_kib = _status_kib("VmHWM")
     end_kib = _status_kib("VmRSS")
     stats = store.stats()
@@ -309,7 +318,8 @@ def measure_rss(args, snapshot: str, k: int, policy: str, directory: str) -> dic
     command = [sys.executable, "-m", "benchmarks.store_tiers", "--rss-child",
                "--rows", str(args.rows), "--dim", str(args.dim), "--optimizer", args.optimizer,
                "--shards", str(args.shards), "--batch", str(args.batch), "--zipf", str(args.zipf),
-               "--rss-batches", str(args.rss_batches), "--rss-snapshot", snapshot,
+               "--rss-batches", str(args.rss_batches), "--prefill", str(args.prefill),
+               "--rss-snapshot", snapshot,
                "--rss-memory-rows", str(k), "--rss-policy", policy, "--rss-disk-dir", directory]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
@@ -336,6 +346,8 @@ def parse(argv):
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--batch", type=int, default=50_000, help="ids per training step")
     parser.add_argument("--batches", type=int, default=40, help="measured steps per budget")
+    parser.add_argument("--prefill", type=int, default=200,
+                        help="training steps that make the table (its rows: the ids they saw)")
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps before measuring")
     parser.add_argument("--rounds", type=int, default=4, help="alternating timed rounds")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent s")
@@ -368,11 +380,11 @@ def run(argv=None) -> dict:
     try:
         snapshot = os.path.join(directory, "base")
         base = native.EmbeddingStore(config(args))
-        every = row_ids(np.arange(args.rows))
-        for begin in range(0, args.rows, 1_000_000):
-            base.lookup(every[begin:begin + 1_000_000], train=True, now=1.8e9)
+        Stepper(zipf.batches(args.batch, args.prefill, seed=11), args.dim, seed=12).run(
+            base, 1, range(args.prefill))
+        zipf.table_rows = len(base)
         base.save(snapshot)
-        del base, every
+        del base
         gc.collect()
         tiers = os.path.join(directory, "tiers")
         for policy in policies:
@@ -391,7 +403,8 @@ def run(argv=None) -> dict:
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
-    summary = {"benchmark": "store_tiers", "machine": machine(), "rows": args.rows, "dim": args.dim,
+    summary = {"benchmark": "store_tiers", "machine": machine(), "rows": args.rows,
+               "table_rows": zipf.table_rows, "prefill": args.prefill, "dim": args.dim,
                "optimizer": args.optimizer, "shards": args.shards, "batch": args.batch,
                "batches": args.batches, "warmup": args.warmup, "zipf": args.zipf,
                "row_bytes": row_bytes(args.dim, args.optimizer),

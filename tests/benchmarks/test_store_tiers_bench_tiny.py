@@ -9,7 +9,7 @@ import benchmarks.store_tiers
 
 def test_tiered_store_benchmark_tiny(tmp_path, capsys):
     result = benchmarks.store.run([
-        "--tiers", "--rows", "20000", "--dim", "4", "--batch", "2000", "--batches", "4",
+        "--tiers", "--rows", "20000", "--dim", "4", "--batch", "2000", "--prefill", "20", "--batches", "4",
         "--warmup", "4", "--rounds", "2", "--calibration-batches", "3",
         "--calibration-passes", "2", "--rss-batches", "2", "--targets", "0.95,0.8",
         "--dir", str(tmp_path)])
@@ -17,13 +17,16 @@ def test_tiered_store_benchmark_tiny(tmp_path, capsys):
     assert json.loads(out[-1]) == json.loads(json.dumps(result))  # the final line is the JSON
     assert any(line.startswith("policy") for line in out) and any("RSS run" in l for l in out)
     assert result["benchmark"] == "store_tiers" and result["rows"] == 20000
+    table = result["table_rows"]  # the ids 20 steps of 2000 saw
+    assert 0 < table < 20 * 2000
     assert result["row_bytes"] == 20 + 4 * 4 * 2 and result["payload_bytes"] == 8 + 4 * 4 * 2
     assert result["memory_row_bytes"] == result["row_bytes"] + 5
     entries = {(e["policy"], e["target"]): e for e in result["results"]}
     assert set(entries) == {(p, t) for p in ("lru", "lfu") for t in (0.95, 0.8)}
     for (policy, target), e in entries.items():
         assert e["exact"] is True  # compare() raises on the first differing row
-        assert 0 < e["memory_rows"] <= 20000
+        assert 0 < e["memory_rows"] <= table <= e["table_rows"]  # + the warm-up's new ids
+        assert e["new_rows"] >= 0
         assert e["memory_budget_bytes"] == e["memory_rows"] * result["memory_row_bytes"]
         assert 0 < e["hit_rate"] <= 1 and e["hit_rate_distinct"] <= e["hit_rate"]
         assert e["throughput_ratio"] > 0 and e["ratio_min"] <= e["ratio_max"]
@@ -41,10 +44,10 @@ def test_tiered_store_benchmark_tiny(tmp_path, capsys):
     # RSS: one unbounded run and one per budget, each in its own process.
     assert len(result["rss"]) == 1 + len(entries)
     unbounded, *budgeted = result["rss"]
-    assert unbounded["policy"] is None and unbounded["rows"] == 20000
+    assert unbounded["policy"] is None and unbounded["rows"] > table
     assert unbounded["rss_bytes_per_row"] > 0
     for r in budgeted:
-        assert r["rows"] == 20000 and r["memory_rows"] + r["disk_rows"] == 20000
+        assert r["rows"] == unbounded["rows"] and r["memory_rows"] + r["disk_rows"] == r["rows"]
         assert r["memory_rows"] <= r["memory_rows_cap"] + 2 * 2000  # + pinned rows of 2 batches
         assert r["within_budget_plus_overhead"] is True
 
