@@ -306,9 +306,11 @@ def rss_child(args) -> dict:
 def overhead_bound(args, disk_rows: int) -> int:
     """What a budgeted store may hold in RAM beyond its budget (README, "Sizing a memory
     budget"): the tier's index (18 B a disk row at most), one partly filled and one spare 2 MiB
-    chunk a shard, two generations of pinned ids, one batch's ids, gradients and lookup output
-    (the caller's and the store's copies)."""
-    batch_bytes = args.batch * (8 + 4 * args.dim) * 3
+    chunk a shard, two generations of pinned ids, and eight batches of ids + embeddings: the
+    calls' arrays and gradients, the store's copies, and the freed ones the allocator keeps
+    (glibc raises its mmap threshold to the size of a freed block, so later batch buffers come
+    from the heap and stay)."""
+    batch_bytes = args.batch * (8 + 4 * args.dim) * 8
     return (18 * disk_rows + 2 * CHUNK_BYTES * args.shards + 2 * PIN_BYTES_PER_ID * args.batch
             + batch_bytes)
 
