@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,25 +42,7 @@ import time
 import numpy as np
 
 import native
-
-SCATTER = np.uint64(0x9E3779B97F4A7C15)
-
-
-def machine() -> dict:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "numpy": np.__version__, "load_average_1min": os.getloadavg()[0]}
-
-
-def row_ids(index: np.ndarray) -> np.ndarray:
-    """Scatters row numbers 0..rows-1 over positive int64 ids (never TF's empty/deleted keys)."""
-    return ((index.astype(np.uint64) * SCATTER) >> np.uint64(2)).astype(np.int64) + 1
-
+from benchmarks.store_common import machine, row_ids
 
 def zipf_batches(rows: int, batch: int, batches: int, seed: int, exponent: float) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)

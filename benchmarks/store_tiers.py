@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 import native
-from benchmarks.store import machine, row_ids
+from benchmarks.store_common import machine, row_ids
 
 STATE_WIDTH = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}
 HEADER_BYTES = 20      # RowHeader: id, step, time, update count and dirty bit
