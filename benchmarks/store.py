@@ -2,6 +2,8 @@
 
     python -m benchmarks.store                       # 1M and 10M rows, dim 8, 18 and 64
     python -m benchmarks.store --rows 20000 --dims 8 --batches 2 --no-tf   # CI size
+    python -m benchmarks.store --tiers               # a memory budget over a disk tier against
+                                                     # the all-DRAM store (benchmarks/store_tiers.py)
 
 For each (rows, dim), in the same run and on the same ids:
 - lookup throughput of ``EmbeddingStore.lookup`` (ids/s, batches of ``--batch`` ids drawn from a
@@ -31,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -41,25 +42,7 @@ import time
 import numpy as np
 
 import native
-
-SCATTER = np.uint64(0x9E3779B97F4A7C15)
-
-
-def machine() -> dict:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "numpy": np.__version__, "load_average_1min": os.getloadavg()[0]}
-
-
-def row_ids(index: np.ndarray) -> np.ndarray:
-    """Scatters row numbers 0..rows-1 over positive int64 ids (never TF's empty/deleted keys)."""
-    return ((index.astype(np.uint64) * SCATTER) >> np.uint64(2)).astype(np.int64) + 1
-
+from benchmarks.store_common import machine, row_ids
 
 def zipf_batches(rows: int, batch: int, batches: int, seed: int, exponent: float) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
@@ -240,6 +223,11 @@ def bench_tf(kind: str, rows: int, dim: int, batches: list[np.ndarray], check: n
 
 
 def run(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--tiers" in argv:  # the two-tier benchmark has its own options (--tiers --help)
+        import benchmarks.store_tiers
+
+        return benchmarks.store_tiers.run([a for a in argv if a != "--tiers"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1000000,10000000", help="comma-separated row counts")
     parser.add_argument("--dims", default="8,18,64", help="comma-separated embedding dims")

@@ -577,8 +577,9 @@ size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uin
     throw;
   }
   shard.tier->Erase(moved.data(), moved.size());
-  // Rows that moved up leave holes; while the tier holds many more slots than rows, each
-  // fault-in also fills twice as many holes as it opened, so the file shrinks back.
+  // Rows that moved up leave holes the next eviction refills; while the tier holds many more
+  // slots than rows, each fault-in also fills twice as many holes as it opened (not all at
+  // once: a lookup's time stays proportional to its own rows), so the file shrinks back.
   if (got > 0 && shard.tier->NeedsReclaim()) shard.tier->Reclaim(2 * got);
   counter.fetch_add(got, std::memory_order_relaxed);
   return got;
@@ -1308,10 +1309,10 @@ size_t EmbeddingStore::Expire(int64_t max_idle_steps, double max_idle_seconds, d
       });
       if (!drop.empty()) {
         shard.tier->Erase(drop.data(), drop.size());
+        internal::ReclaimIfNeeded(shard.tier.get());
         shard.tombstones.insert(shard.tombstones.end(), drop.begin(), drop.end());
         s.rows.fetch_sub(drop.size(), std::memory_order_relaxed);
         count += drop.size();
-        if (shard.tier->NeedsReclaim()) shard.tier->Reclaim(0);  // the space of expired rows
       }
     }
     removed.fetch_add(count);
@@ -1345,7 +1346,7 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
       s.RemoveRow(shard, row);
       ++count;
     }
-    if (shard.tier && shard.tier->NeedsReclaim()) shard.tier->Reclaim(0);
+    internal::ReclaimIfNeeded(shard.tier.get());
     removed.fetch_add(count);
   });
   s.expired.fetch_add(removed.load());

@@ -1014,6 +1014,7 @@ uint64_t EmbeddingStore::ApplyDelta(const std::string& path) {
           }
         }
         if (shard.tier) s.EvictToDisk(shard, nullptr);
+        internal::ReclaimIfNeeded(shard.tier.get());  // tombstones may have emptied slots
         row_change.fetch_add(change);
       });
       s.rows.fetch_add(static_cast<uint64_t>(row_change.load()));

@@ -115,6 +115,14 @@ std::unique_ptr<DiskTier> OpenSlotFileTier(const std::string& dir, const DiskTie
                                            DiskTierOpen mode);
 constexpr uint64_t kSlotChunk = 4096;
 
+// Compacts the tier once its engine's bound asks for it (NeedsReclaim). The store calls it
+// after every call that takes rows out of a tier (Erase, Get with take): rows that moved up
+// leave holes the next eviction refills, but rows that expired or were removed may never be
+// replaced, and without this the file would stay at the most rows it ever held.
+inline void ReclaimIfNeeded(DiskTier* tier) {
+  if (tier != nullptr && tier->NeedsReclaim()) tier->Reclaim(0);
+}
+
 #if defined(PREFIXREC_DISK_TIER_LMDB)
 // LMDB (a B+tree in one memory-mapped file, copy-on-write pages, one writer): key = id (8 bytes,
 // MDB_INTEGERKEY), value = the row. Free pages are reused inside the file; Reclaim compacts it
