@@ -6,8 +6,8 @@ The bounds tested, per shard (each shard has its own slot file of `row_bytes`-by
 file's allocated size rounds up to a 4 KiB block):
 - under churn (rows moving down and up, no rows leaving the store), a file holds at most as many
   slots as the most rows it held at once; once a shard has reached its cap its memory never holds
-  fewer than cap - cap/32 rows (evictions stop there), so in all
-  disk bytes <= row_bytes * (rows - shards * (cap - cap // 32)) + shards * 4 KiB;
+  fewer than cap - cap/16 rows (evictions stop there), so in all
+  disk bytes <= row_bytes * (rows - shards * (cap - cap // 16)) + shards * 4 KiB;
 - at any time, after expiry and removals too:
   disk bytes <= row_bytes * (1.25 * disk rows + 4096 * shards) + shards * 4 KiB
   (past 1.25 slots a row plus 4096 slots the file is compacted, and right after that it holds
@@ -46,7 +46,7 @@ def _general_bound(tiers: dict) -> float:
 
 
 def _churn_bound(rows: int, cap: int) -> int:
-    return ROW_BYTES * (rows - SHARDS * (cap - cap // 32)) + SHARDS * BLOCK
+    return ROW_BYTES * (rows - SHARDS * (cap - cap // 16)) + SHARDS * BLOCK
 
 
 def _train(store, ids, step):
