@@ -251,3 +251,34 @@ def sum_tier_stats(parts: list[dict]) -> dict:
     out["budget_bytes"] = budget
     out["hit_rate"] = None if not out["lookups"] else 1.0 - out["faults"] / out["lookups"]
     return out
+
+
+# (key, metric suffix, kind, help) of the per-table tier metrics of /metrics
+TIER_METRICS = (
+    ("memory_rows", "tier_memory_rows", "gauge", "embedding rows in memory"),
+    ("disk_rows", "tier_disk_rows", "gauge", "embedding rows on disk (beyond the memory budget)"),
+    ("memory_bytes", "tier_memory_bytes", "gauge", "heap bytes of the store in memory"),
+    ("disk_bytes", "tier_disk_bytes", "gauge", "bytes of the disk tier's files"),
+    ("budget_bytes", "tier_budget_bytes", "gauge", "memory budget (NaN: unbounded)"),
+    ("hit_rate", "tier_hit_ratio", "gauge",
+     "1 - rows read back from disk / ids looked up, since the store was loaded"),
+    ("lookups", "tier_lookups", "counter", "ids looked up"),
+    ("faults", "tier_faults", "counter", "rows read back from disk (lookup misses)"),
+    ("evicted_to_disk", "tier_evicted_to_disk", "counter", "rows moved from memory to disk"),
+    ("disk_reads", "tier_disk_reads", "counter", "reads of the disk tier"),
+    ("disk_writes", "tier_disk_writes", "counter", "writes to the disk tier"),
+)
+
+
+def tier_metric_families(prefix: str, per_table: dict):
+    """Prometheus families ``<prefix>_tier_*{table=...}`` of :func:`tier_stats` per table
+    (disk reads and writes per second: ``rate()`` of their counters)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for key, name, kind, text in TIER_METRICS:
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+            f"{prefix}_{name}", text, labels=["table"])
+        for table, stats in sorted(per_table.items()):
+            value = stats.get(key)
+            family.add_metric([table], float("nan") if value is None else float(value))
+        yield family
