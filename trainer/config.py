@@ -513,6 +513,21 @@ class TrainConfig:
             out[table] = each
         return out
 
+    def with_memory_budget(self, budget: int | None, tier_dir: str | None = None
+                           ) -> "TrainConfig":
+        """This config with ``budget`` bytes for the whole model (the tables' own budgets
+        dropped: the model's is split over all of them) and ``tier_dir`` when given (the
+        ``--memory-budget``/``--tier-dir`` of trainer.online and trainer.serve); as it is
+        when ``budget`` is None."""
+        if budget is None:
+            return self if tier_dir is None else dataclasses.replace(self, tier_dir=tier_dir)
+        _check_int("--memory-budget", budget, 1)
+        unbudgeted = lambda t: dataclasses.replace(t, memory_budget_bytes=None)  # noqa: E731
+        return dataclasses.replace(
+            self, memory_budget_bytes=int(budget), tier_dir=tier_dir or self.tier_dir,
+            embedding=unbudgeted(self.embedding),
+            tables=tuple((n, unbudgeted(t)) for n, t in self.tables))
+
     @property
     def budgeted(self) -> bool:
         """Whether some table has a memory budget (so the run needs a tier directory)."""

@@ -47,7 +47,6 @@ on a store as locally: their files first, their manifest last.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -323,11 +322,7 @@ def load_export_stores(directory: str, config: TrainConfig, tables, shards: int 
     removed at exit). A budget too small names ``--memory-budget`` and the size it needs."""
     configs = {t: None for t in tables}
     if memory_budget is not None:
-        serving = config.replace(
-            memory_budget_bytes=int(memory_budget), tier_dir=None,
-            embedding=dataclasses.replace(config.embedding, memory_budget_bytes=None),
-            tables=tuple((n, dataclasses.replace(t, memory_budget_bytes=None))
-                         for n, t in config.tables))
+        serving = config.with_memory_budget(int(memory_budget))
         tier_dir = tier_dir or tiers.temporary_tier_dir()
         try:
             if shards:

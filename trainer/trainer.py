@@ -412,9 +412,13 @@ class Trainer(ModelCore):
 
     @classmethod
     def restore(cls, directory: str | os.PathLike,
-                model: models_lib.DenseNet | None = None) -> "Trainer":
+                model: models_lib.DenseNet | None = None, *,
+                memory_budget: int | None = None,
+                tier_dir: str | None = None) -> "Trainer":
         """The trainer saved in ``directory``; training continues exactly where it stopped.
-        Built-in models are rebuilt from the checkpoint; pass ``model`` for your own."""
+        Built-in models are rebuilt from the checkpoint; pass ``model`` for your own.
+        ``memory_budget``: the whole model's, instead of the checkpoint config's budgets
+        (:meth:`TrainConfig.with_memory_budget`); ``tier_dir``: where the rows beyond go."""
         directory = os.fspath(directory)
         state = checkpoint_state(directory)
         if model is None:
@@ -423,24 +427,27 @@ class Trainer(ModelCore):
                                  "model= (a fresh instance of the same DenseNet)")
             model = models_lib.from_spec(state["model"])
         schema = schemas.from_dict(state["schema"])
-        config = checkpoint_config(directory, state)
-        trainer = cls(schema, model, config)
+        config = checkpoint_config(directory, state).with_memory_budget(memory_budget)
+        trainer = cls(schema, model, config, tier_dir=tier_dir)
         trainer._load_state(directory, state)
         return trainer
 
     @classmethod
     def restore_run(cls, run_dir: str | os.PathLike,
-                    model: models_lib.DenseNet | None = None) -> "Trainer":
+                    model: models_lib.DenseNet | None = None, *,
+                    memory_budget: int | None = None,
+                    tier_dir: str | None = None) -> "Trainer":
         """The model a ``trainer.train`` run kept (``RUN_DIR/checkpoint``), in process or on
         Ray, as one in-process Trainer: a Ray run's store shards are merged into one store
         per table (every row with its optimizer state, update count and last step, and the
         entry filters' state, as resharding moves them), its dense weights and optimizer
         state, step and counters taken as they are. What ``trainer.online --init-from``
-        starts from."""
+        starts from. ``memory_budget`` and ``tier_dir`` as :meth:`restore` takes them."""
         run_dir = os.fspath(run_dir)
         checkpoint = os.path.join(run_dir, "checkpoint")
         if os.path.isfile(os.path.join(checkpoint, "trainer.json")):
-            return cls.restore(checkpoint, model)
+            return cls.restore(checkpoint, model, memory_budget=memory_budget,
+                               tier_dir=tier_dir)
         if not os.path.isfile(os.path.join(checkpoint, "manifest.json")):
             raise FileNotFoundError(
                 f"{run_dir}: not a trainer.train run directory (no checkpoint/trainer.json or "
@@ -456,11 +463,12 @@ class Trainer(ModelCore):
             model = models_lib.from_spec(manifest["model"])
         schema = schemas.from_dict(manifest["schema"])
         config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
-        trainer = cls(schema, model, config)
+        trainer = cls(schema, model, config.with_memory_budget(memory_budget),
+                      tier_dir=tier_dir)
         arrays = _read_dense(checkpoint)
         trainer.check_dense_arrays(arrays, os.path.join(checkpoint, "dense.npz"),
                                    CheckpointDamagedError)
-        merged = Shard(0, 1, table_specs(config, trainer.tables, 1, trainer.tier_dir),
+        merged = Shard(0, 1, table_specs(trainer.config, trainer.tables, 1, trainer.tier_dir),
                        restore=shard_snapshot_spec(checkpoint, manifest, 0, 1))
         trainer.set_dense_arrays(arrays)
         trainer.stores.update(merged.stores)
