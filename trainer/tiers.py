@@ -209,9 +209,9 @@ def tier_stats(store) -> dict:
     """Where ``store``'s rows are (an EmbeddingStore, or anything with ``shards``: their
     sums): ``memory_rows``, ``disk_rows``, ``memory_bytes`` (the store's heap bytes),
     ``disk_bytes`` (the tier's files on disk), ``faults`` (rows read back from disk),
-    ``evicted_to_disk``, ``lookups``, ``disk_reads`` and ``disk_writes`` where the store
-    counts them, ``budget_bytes`` (None: unbounded) and ``hit_rate`` = 1 - faults / lookups
-    (None before any lookup)."""
+    ``evicted_to_disk``, ``lookups``, ``disk_reads`` and ``disk_writes`` (None while the
+    store does not count them), ``budget_bytes`` (None: unbounded) and ``hit_rate`` = 1 -
+    faults / lookups (None before any lookup)."""
     parts = getattr(store, "shards", None) or [store]
     out = dict.fromkeys(TIER_KEYS, 0)
     budget = 0
@@ -221,15 +221,21 @@ def tier_stats(store) -> dict:
         out["memory_rows"] += tiers.get("memory_rows", stats.rows)
         out["memory_bytes"] += stats.bytes
         out["lookups"] += stats.lookups
-        for key in ("disk_rows", "disk_bytes", "faults", "evicted_to_disk", "disk_reads",
-                    "disk_writes"):
+        for key in ("disk_rows", "disk_bytes", "faults", "evicted_to_disk"):
             out[key] += int(tiers.get(key, 0))
+        for key in ("disk_reads", "disk_writes"):  # None where the store does not count them
+            out[key] = _add(out[key], tiers.get(key))
         budget = None if budget is None or part.config.memory_budget_bytes is None else (
             budget + part.config.memory_budget_bytes)
     out["budget_bytes"] = budget
     out["hit_rate"] = (None if not out["lookups"]
                        else 1.0 - out["faults"] / out["lookups"])
     return out
+
+
+def _add(total, value):
+    """Sum of counters where one that is not counted (None) makes the total None."""
+    return None if total is None or value is None else total + int(value)
 
 
 def _native_tier_stats(store) -> dict:
@@ -245,7 +251,7 @@ def sum_tier_stats(parts: list[dict]) -> dict:
     budget = 0
     for part in parts:
         for key in TIER_KEYS:
-            out[key] += part.get(key, 0) or 0
+            out[key] = _add(out[key], part.get(key))
         budget = None if budget is None or part.get("budget_bytes") is None else (
             budget + part["budget_bytes"])
     out["budget_bytes"] = budget
