@@ -10,6 +10,7 @@ import pytest
 from commands import in_process
 
 import compression
+import native
 from trainer import TrainConfig, Trainer, tiers
 from trainer.config import ConfigError
 
@@ -57,7 +58,7 @@ def test_train_with_tables_4x_their_budget_equals_the_unbounded_run(data, tmp_pa
     for name in ("trees", "eval.parquet"):
         os.symlink(data / name, tmp_path / name)
     base = {"embedding": {"dim": 4, "optimizer": ADAGRAD}, "log_every": 5}
-    plain, _ = train(tmp_path, "plain", base)
+    plain, _ = train(tmp_path, "plain", base, "--export-dir", tmp_path / "export-plain")
     unbounded = Trainer.restore_run(tmp_path / "plain")
     # each table's budget a quarter of its rows (at least one row per store shard: the
     # smallest tables stay whole in memory)
@@ -68,7 +69,7 @@ def test_train_with_tables_4x_their_budget_equals_the_unbounded_run(data, tmp_pa
     assert len(big) >= 2, {t: len(s) for t, s in unbounded.stores.items()}
     config = {**base, "tables": {t: {"memory_budget": b, "eviction": "lru" if i % 2 else "lfu"}
                                  for i, (t, b) in enumerate(budgets.items())}}
-    tiered, _ = train(tmp_path, "tiered", config)
+    tiered, _ = train(tmp_path, "tiered", config, "--export-dir", tmp_path / "export-tiered")
 
     assert tiered["auc"] == pytest.approx(plain["auc"], abs=1e-9)
     assert tiered["logloss"] == pytest.approx(plain["logloss"], rel=1e-6)
@@ -82,9 +83,17 @@ def test_train_with_tables_4x_their_budget_equals_the_unbounded_run(data, tmp_pa
         assert stats["faults"] > 0 and 0 < stats["hit_rate"] < 1
         assert stats["disk_bytes"] > 0 and stats["budget_bytes"] == budgets[table]
     assert_same_tables(Trainer.restore_run(tmp_path / "tiered"), unbounded)
+    # the serving exports (snapshots of stores with rows on disk) hold the same rows
+    for table in budgets:
+        a = native.EmbeddingStore.load(tmp_path / "export-tiered" / "stores" / table)
+        b = native.EmbeddingStore.load(tmp_path / "export-plain" / "stores" / table)
+        ra, rb = sorted_rows(a), sorted_rows(b)
+        for key in COMPARED:
+            np.testing.assert_array_equal(ra[key], rb[key], err_msg=f"{table} {key}")
     # the disk tiers lived next to the run directory and went with the command
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "eval.parquet", "plain", "plain.yaml", "tiered", "tiered.yaml", "trees"]
+        "eval.parquet", "export-plain", "export-tiered", "plain", "plain.yaml", "tiered",
+        "tiered.yaml", "trees"]
     assert not (tmp_path / "tiered" / "tiers").exists()
 
 
