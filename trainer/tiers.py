@@ -202,16 +202,18 @@ def budgeted(config: native.StoreConfig | None, budget: int | None, disk_dir: st
 # -- statistics ----------------------------------------------------------------------------
 
 TIER_KEYS = ("memory_rows", "disk_rows", "memory_bytes", "disk_bytes", "faults",
-             "evicted_to_disk", "lookups", "disk_reads", "disk_writes")
+             "prefetched", "evicted_to_disk", "lookups", "disk_reads", "disk_writes")
 
 
 def tier_stats(store) -> dict:
     """Where ``store``'s rows are (an EmbeddingStore, or anything with ``shards``: their
     sums): ``memory_rows``, ``disk_rows``, ``memory_bytes`` (the store's heap bytes),
-    ``disk_bytes`` (the tier's files on disk), ``faults`` (rows read back from disk),
-    ``evicted_to_disk``, ``lookups``, ``disk_reads`` and ``disk_writes`` (None while the
-    store does not count them), ``budget_bytes`` (None: unbounded) and ``hit_rate`` = 1 -
-    faults / lookups (None before any lookup)."""
+    ``disk_bytes`` (the tier's files on disk), ``faults`` (rows a lookup or update read back
+    from disk), ``prefetched`` (rows the trainer's pipeline read back ahead of their
+    lookup), ``evicted_to_disk``, ``lookups``, ``disk_reads`` and ``disk_writes`` (None
+    while the store does not count them), ``budget_bytes`` (None: unbounded) and
+    ``hit_rate``: the share of looked-up ids found in memory without a read from disk,
+    1 - (faults + prefetched) / lookups (None before any lookup)."""
     parts = getattr(store, "shards", None) or [store]
     out = dict.fromkeys(TIER_KEYS, 0)
     budget = 0
@@ -221,16 +223,23 @@ def tier_stats(store) -> dict:
         out["memory_rows"] += tiers.get("memory_rows", stats.rows)
         out["memory_bytes"] += stats.bytes
         out["lookups"] += stats.lookups
-        for key in ("disk_rows", "disk_bytes", "faults", "evicted_to_disk"):
+        for key in ("disk_rows", "disk_bytes", "faults", "prefetched", "evicted_to_disk"):
             out[key] += int(tiers.get(key, 0))
         for key in ("disk_reads", "disk_writes"):  # None where the store does not count them
             out[key] = _add(out[key], tiers.get(key))
         budget = None if budget is None or part.config.memory_budget_bytes is None else (
             budget + part.config.memory_budget_bytes)
     out["budget_bytes"] = budget
-    out["hit_rate"] = (None if not out["lookups"]
-                       else 1.0 - out["faults"] / out["lookups"])
+    out["hit_rate"] = hit_rate(out)
     return out
+
+
+def hit_rate(stats: dict) -> float | None:
+    """1 - (faults + prefetched) / lookups: the share of looked-up ids that needed no read
+    from disk (None before any lookup)."""
+    if not stats["lookups"]:
+        return None
+    return max(0.0, 1.0 - (stats["faults"] + stats["prefetched"]) / stats["lookups"])
 
 
 def _add(total, value):
@@ -255,7 +264,7 @@ def sum_tier_stats(parts: list[dict]) -> dict:
         budget = None if budget is None or part.get("budget_bytes") is None else (
             budget + part["budget_bytes"])
     out["budget_bytes"] = budget
-    out["hit_rate"] = None if not out["lookups"] else 1.0 - out["faults"] / out["lookups"]
+    out["hit_rate"] = hit_rate(out)
     return out
 
 
@@ -267,9 +276,11 @@ TIER_METRICS = (
     ("disk_bytes", "tier_disk_bytes", "gauge", "bytes of the disk tier's files"),
     ("budget_bytes", "tier_budget_bytes", "gauge", "memory budget (NaN: unbounded)"),
     ("hit_rate", "tier_hit_ratio", "gauge",
-     "1 - rows read back from disk / ids looked up, since the store was loaded"),
+     "1 - rows read back from disk (faults + prefetched) / ids looked up"),
     ("lookups", "tier_lookups", "counter", "ids looked up"),
-    ("faults", "tier_faults", "counter", "rows read back from disk (lookup misses)"),
+    ("faults", "tier_faults", "counter", "rows a lookup or update read back from disk"),
+    ("prefetched", "tier_prefetched", "counter",
+     "rows the training pipeline read back from disk ahead of their lookup"),
     ("evicted_to_disk", "tier_evicted_to_disk", "counter", "rows moved from memory to disk"),
     ("disk_reads", "tier_disk_reads", "counter", "reads of the disk tier"),
     ("disk_writes", "tier_disk_writes", "counter", "writes to the disk tier"),

@@ -95,9 +95,10 @@ def test_online_with_a_memory_budget(kafka_broker, tmp_path):
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert json.loads((run_dir / "status.json").read_text()) == summary
     sid = summary["tiers"]["sid"]
-    # in memory: the budget's rows plus the last two batches' (pinned while they train)
+    # in memory: the budget's rows plus the batches pinned while they are looked up,
+    # trained and prefetched
     assert sid["memory_rows"] + sid["disk_rows"] == 600, sid
-    assert sid["memory_rows"] <= in_memory(BUDGET // 2) + 2 * CONFIG["batch_size"], sid
+    assert sid["memory_rows"] <= in_memory(BUDGET // 2) + 3 * CONFIG["batch_size"], sid
     # every sample id is new: rows go to disk and none comes back
     assert sid["evicted_to_disk"] >= sid["disk_rows"] > 0 and sid["faults"] == 0
     assert sid["budget_bytes"] == BUDGET // 2 and sid["hit_rate"] == 1.0
@@ -119,7 +120,7 @@ def test_online_with_a_memory_budget(kafka_broker, tmp_path):
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     sid = summary["tiers"]["sid"]
     assert sid["memory_rows"] + sid["disk_rows"] == 900, sid
-    assert sid["memory_rows"] <= in_memory(4096) + 2 * CONFIG["batch_size"], sid
+    assert sid["memory_rows"] <= in_memory(4096) + 3 * CONFIG["batch_size"], sid
     assert sid["budget_bytes"] == 4096
     rows = Trainer.restore(os.path.join(CheckpointManager(str(run_dir)).latest().path,
                                         "model")).stores["sid"].to_numpy()
