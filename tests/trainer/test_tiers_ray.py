@@ -32,12 +32,16 @@ def config(**embedding):
 
 
 @pytest.fixture(scope="module")
-def trees(schema):
-    raw = generated(schema, 1600, seed=5).drop_columns(["p_click", "p_conversion"])
+def raw(schema):
+    return generated(schema, 1600, seed=5).drop_columns(["p_click", "p_conversion"])
+
+
+@pytest.fixture(scope="module")
+def trees(schema, raw):
     return compression.build_trees(raw, schema)
 
 
-def test_budgeted_shards_equal_single_process_and_reshard_into_budgets(cluster, schema,
+def test_budgeted_shards_equal_single_process_and_reshard_into_budgets(cluster, schema, raw,
                                                                         trees, tmp_path):
     # 8 KiB a table: 4 KiB per Ray shard, 4 rows per native shard (dim 4, Adagrad: 57 B a row)
     budgeted = config(memory_budget="8KiB", eviction="lfu")
@@ -60,8 +64,24 @@ def test_budgeted_shards_equal_single_process_and_reshard_into_budgets(cluster, 
         for table in tiers:
             assert sorted(os.listdir(tier_dir / table)) == ["shard-0000", "shard-0001"]
         dt.save(tmp_path / "ckpt")
+        dt.export(tmp_path / "export")  # snapshots of the shards' stores, rows on disk too
     finally:
         dt.close()
+    # the sharded export served in a budget: each shard of each table its share
+    from trainer.serving import Predictor
+    from trainer import tiers as tier_stats
+
+    whole = Predictor(tmp_path / "export")
+    in_budget = Predictor(tmp_path / "export", memory_budget=96 * 1024,
+                         tier_dir=str(tmp_path / "serving"))
+    rows = raw.slice(0, 300)
+    np.testing.assert_allclose(in_budget.predict(rows), whole.predict(rows), rtol=1e-6)
+    served = {t: tier_stats.tier_stats(s) for t, s in in_budget.stores.items()}
+    assert sum(s["disk_rows"] for s in served.values()) > 0
+    # each table's share of the model's, over its 2 shards (rounded up: a byte at most each)
+    assert 96 * 1024 - len(served) <= sum(s["budget_bytes"] for s in served.values()) \
+        <= 96 * 1024 + len(served)
+    assert sorted(os.listdir(tmp_path / "serving" / "user_id")) == ["shard-0000", "shard-0001"]
     # resharded into three shards, each with a third of the budget (the shard class
     # itself, as the driver's restore builds it): the same rows, a third of them on disk
     manifest = read_manifest(str(tmp_path / "ckpt"))
