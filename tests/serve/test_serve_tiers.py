@@ -1,7 +1,6 @@
 """Serving a model larger than its memory budget (two tiers, docs/tiered-store.md): the
 Predictor, the live model and the service answer from memory and disk what an all-in-memory
 copy answers, follow published versions, and show where the rows are in /metrics."""
-import json
 
 import numpy as np
 import pyarrow as pa
