@@ -72,6 +72,8 @@ SLOW_FIRST = (
     "tests/test_commands.py::test_trainer_train_output_policy",
     "tests/online/test_online.py::test_kill_9_at_random_moments",
     "tests/trainer/test_resume.py",
+    "tests/trainer/test_tiers_ray.py",
+    "tests/online/test_online_tiers.py",
     "tests/trainer/test_startup_signals.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_online_benchmark_tiny",
     "tests/online/test_checkpoint_crash_and_pv.py",

@@ -16,11 +16,17 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
       expire: {every_steps: 1000, max_idle_steps: 100000}
       # or a user function of the row statistics: {every_steps: 1000, function: "mod:fn"}
       l2: 7.0                      # rows' L2 weight per pass, applied lazily; 0: none
+      # memory_budget: 512MiB      # rows kept in memory per table, the rest on local disk
+      # eviction: lru              # or lfu: which rows go to disk first (see tiered-store.md)
     features:                      # per feature: its table (default: its own) and pooling
       clicked_cats: {table: cate, pooling: sum}    # ids lists pool by mean unless told
       cate_id: {table: cate}
     tables:                        # per table: any key of `embedding`, over the defaults;
       cate: {dim: 18}              # a feature's own table has its name: {age_level: {dim: 4}}
+    memory_budget: 4GiB            # the whole model's rows in memory (tables without their
+                                   # own budget share it in proportion to their row bytes)
+    tier_dir: /mnt/ssd/tiers       # local disk for the rows beyond the budgets; default:
+                                   # next to trainer.train's run directory, removed at its end
     dense:                         # per dense feature: a transform, then standardization
       price: {transform: log1p}    # sign(x) * log(1 + |x|); none; or auto (the default):
                                    # log1p for values >= 0 whose p99 is over 10x their median
@@ -46,12 +52,14 @@ import yaml
 
 import native
 from schemas import Schema, stable_hash
+from trainer import tiers
 
 COMPUTE_MODES = ("structured", "flat")
 DENSE_TRANSFORMS = ("auto", "none", "log1p")
 ROW_GRADIENTS = ("sum", "mean")
 POOLINGS = ("sum", "mean")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
+EVICTIONS = ("lru", "lfu")
 STORE_OPTIMIZERS = {"sgd": native.SGD, "adagrad": native.Adagrad, "adam": native.Adam,
                     "ftrl": native.FTRL}
 INITIALIZERS = {"zeros": native.Zeros, "uniform": native.Uniform, "normal": native.Normal}
@@ -107,12 +115,34 @@ class TableConfig:
     # without it, 0.6562 (pass 5) with it; at 1M 0.6797 (pass 2) and 0.6821 (pass 8). 7 is
     # between the best values there (10 at 400k, 5 at 1M); see RESULTS.md ("Learning quality").
     l2: float = 7.0
+    # Two tiers (docs/tiered-store.md): about this many bytes of the table's rows (with their
+    # optimizer state) stay in memory, the rest move to local disk and come back when looked
+    # up; results are the same as without a budget. None: every row in memory. ``eviction``:
+    # which rows go to disk first, ``lru`` (least recently updated) or ``lfu`` (fewest
+    # updates). Run-time settings: a snapshot does not keep them.
+    memory_budget_bytes: int | None = None
+    eviction: str = "lru"
 
-    def store_config(self, seed: int, num_threads: int = 0) -> native.StoreConfig:
+    @property
+    def memory_row_bytes(self) -> int:
+        """A memory row's share of a budget (row, optimizer state, header, table slot)."""
+        return tiers.memory_row_bytes(self.dim, self.optimizer)
+
+    def store_config(self, seed: int, num_threads: int = 0, *, disk_dir: str | None = None,
+                     memory_budget_bytes: int | None = None) -> native.StoreConfig:
+        """The table's store config; with a memory budget (``memory_budget_bytes``, else the
+        table's own) its disk tier goes under ``disk_dir`` (required then)."""
+        budget = memory_budget_bytes if memory_budget_bytes is not None else \
+            self.memory_budget_bytes
+        if budget is not None and disk_dir is None:
+            raise ConfigError("a table with a memory budget needs a directory on local disk "
+                              "for the rows beyond it (tier_dir)")
         return native.StoreConfig(dim=self.dim, optimizer=self.optimizer,
                                   initializer=self.initializer, seed=seed,
                                   entry_filter=self.entry_filter, max_rows=self.max_rows,
-                                  num_threads=num_threads)
+                                  num_threads=num_threads, memory_budget_bytes=budget,
+                                  disk_dir=None if budget is None else disk_dir,
+                                  eviction=self.eviction)
 
 
 @dataclass(frozen=True)
@@ -236,6 +266,10 @@ class TrainConfig:
     stale_lookups: bool = False
     threads: int = 0          # TensorFlow intra-op threads; 0 = one per core
     log_every: int = 20       # steps between TensorBoard points
+    # the whole model's memory budget (bytes), split over the tables without a budget of
+    # their own (see table_budgets); None: only the tables' own budgets
+    memory_budget_bytes: int | None = None
+    tier_dir: str | None = None  # local directory of the disk tiers (see tier_dirs)
 
     def __post_init__(self):
         _check_int("batch_size", self.batch_size, 1)
@@ -262,6 +296,14 @@ class TrainConfig:
             if feature.pooling not in POOLINGS:
                 raise ConfigError(f"features.{name}.pooling: {feature.pooling!r} is not a "
                                   f"pooling; use one of {', '.join(POOLINGS)}")
+        if self.memory_budget_bytes is not None:
+            _check_int("memory_budget", self.memory_budget_bytes, 1)
+        if self.tier_dir is not None and (not isinstance(self.tier_dir, str)
+                                          or not self.tier_dir):
+            raise ConfigError(f"tier_dir: expected a local directory, got {self.tier_dir!r}")
+        for where, table in (("embedding", self.embedding),
+                             *((f"tables.{n}", t) for n, t in self.tables)):
+            _check_tiers(table, where)
 
     # -- reading and writing --------------------------------------------------------------
 
@@ -293,7 +335,7 @@ class TrainConfig:
             raise ConfigError("a training config is a mapping, e.g. `batch_size: 5000`")
         known = ("batch_size", "compute", "seed", "embedding", "features", "tables", "dense",
                  "dense_optimizer", "split_trees", "pipeline_depth", "stale_lookups", "threads",
-                 "log_every", "row_gradients")
+                 "log_every", "row_gradients", "memory_budget", "tier_dir")
         _no_unknown(data, known, "config")
         defaults = _table(data.get("embedding") or {}, "embedding", TableConfig())
         for key, example in (("features", "{clicked_cats: {pooling: mean}}"),
@@ -332,7 +374,9 @@ class TrainConfig:
                                      epochs=epochs)
         scalars = {k: data[k] for k in ("batch_size", "compute", "seed", "split_trees",
                                         "pipeline_depth", "stale_lookups", "threads",
-                                        "log_every", "row_gradients") if k in data}
+                                        "log_every", "row_gradients", "tier_dir") if k in data}
+        if data.get("memory_budget") is not None:
+            scalars["memory_budget_bytes"] = _size(data["memory_budget"], "memory_budget")
         return cls(embedding=defaults, features=tuple(features), tables=tuple(tables),
                    dense=tuple(dense_transforms), dense_optimizer=dense, **scalars)
 
@@ -349,6 +393,11 @@ class TrainConfig:
         out["dense"] = {name: {k: list(v) if isinstance(v, tuple) else v
                                for k, v in dataclasses.asdict(d).items()}
                         for name, d in self.dense}
+        # memory budgets only when set: a config without them writes what it always wrote
+        if self.memory_budget_bytes is not None:
+            out["memory_budget"] = self.memory_budget_bytes
+        if self.tier_dir is not None:
+            out["tier_dir"] = self.tier_dir
         return out
 
     def replace(self, **changes) -> "TrainConfig":
@@ -413,7 +462,100 @@ class TrainConfig:
             if name not in tables:
                 raise ConfigError(f"tables.{name}: no feature uses table {name!r}; set "
                                   f"`features: {{<feature>: {{table: {name}}}}}` or remove it")
+        self.table_budgets(tables)
         return tables
+
+    # -- memory budgets (two tiers: docs/tiered-store.md) ------------------------------------
+
+    def table_budgets(self, tables, shards: int = 1) -> dict[str, int | None]:
+        """Each table's memory budget in bytes (None: unbounded), per store when a table is
+        split over ``shards`` stores (the table's budget / shards each).
+
+        A table's own ``memory_budget`` (in ``tables`` or the ``embedding`` defaults) is its
+        budget. The model's ``memory_budget`` less the tables' own is split over the other
+        tables in proportion to their bytes a row (dim and optimizer state), so each of them
+        can hold the same number of rows in memory. ConfigError naming the table and the
+        fix when a share cannot hold one row per store shard."""
+        own = {t: self.table(t).memory_budget_bytes for t in tables}
+        out = dict(own)
+        if self.memory_budget_bytes is not None:
+            rest = [t for t in tables if own[t] is None]
+            if not rest:
+                raise ConfigError("memory_budget: every table has a memory_budget of its own, "
+                                  "so the model's is not used; remove one of them")
+            taken = sum(b for b in own.values() if b is not None)
+            left = self.memory_budget_bytes - taken
+            if left <= 0:
+                raise ConfigError(
+                    f"memory_budget: {self.memory_budget_bytes} bytes, but the tables' own "
+                    f"budgets take {taken} ({', '.join(t for t in tables if own[t])}); raise "
+                    "memory_budget or lower the tables' budgets")
+            out.update(tiers.split_budget(left, {t: self.table(t).memory_row_bytes
+                                                 for t in rest}))
+        for table, budget in out.items():
+            if budget is None:
+                continue
+            tc = self.table(table)
+            if tc.max_rows is not None:
+                raise ConfigError(f"tables.{table}: max_rows and a memory budget together are "
+                                  "not supported yet; remove max_rows or give the table no "
+                                  "share of memory_budget")
+            each = tiers.split_over_shards(budget, shards)
+            least = tiers.min_budget(tc.dim, tc.optimizer)
+            if each < least:
+                whose = ("its share of memory_budget" if own[table] is None
+                         else f"tables.{table}.memory_budget")
+                per = f" over {shards} shards" if shards > 1 else ""
+                raise ConfigError(
+                    f"table {table}: {whose} is {budget} bytes{per}, below one row per store "
+                    f"shard ({least} bytes a store at dim {tc.dim}); raise it to at least "
+                    f"{tiers.format_size(least * shards)}")
+            out[table] = each
+        return out
+
+    def with_memory_budget(self, budget: int | None, tier_dir: str | None = None
+                           ) -> "TrainConfig":
+        """This config with ``budget`` bytes for the whole model (the tables' own budgets
+        dropped: the model's is split over all of them) and ``tier_dir`` when given (the
+        ``--memory-budget``/``--tier-dir`` of trainer.online and trainer.serve); as it is
+        when ``budget`` is None."""
+        if budget is None:
+            return self if tier_dir is None else dataclasses.replace(self, tier_dir=tier_dir)
+        _check_int("--memory-budget", budget, 1)
+        unbudgeted = lambda t: dataclasses.replace(t, memory_budget_bytes=None)  # noqa: E731
+        return dataclasses.replace(
+            self, memory_budget_bytes=int(budget), tier_dir=tier_dir or self.tier_dir,
+            embedding=unbudgeted(self.embedding),
+            tables=tuple((n, unbudgeted(t)) for n, t in self.tables))
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether some table has a memory budget (so the run needs a tier directory)."""
+        return self.memory_budget_bytes is not None or any(
+            t.memory_budget_bytes is not None for t in (self.embedding,
+                                                        *(t for _, t in self.tables)))
+
+    def store_configs(self, tables, tier_dir: str | None, shards: int = 1,
+                      num_threads: int = 0, index: int | None = None
+                      ) -> dict[str, native.StoreConfig]:
+        """Every table's store config (its seed and its memory budget): a budgeted table's
+        disk tiers under ``tier_dir/<table>`` (``tier_dir/<table>/shard-<index>`` for store
+        shard ``index`` of ``shards``)."""
+        budgets = self.table_budgets(tables, shards)
+        out = {}
+        for table in tables:
+            disk_dir = None
+            if budgets[table] is not None:
+                if tier_dir is None:
+                    raise ConfigError(f"table {table} has a memory budget but no tier_dir is "
+                                      "set; set tier_dir (a directory on local disk)")
+                disk_dir = os.path.join(tier_dir, table)
+                if index is not None:
+                    disk_dir = os.path.join(disk_dir, f"shard-{index:04d}")
+            out[table] = self.table(table).store_config(
+                table_seed(self.seed, table), num_threads, disk_dir=disk_dir,
+                memory_budget_bytes=budgets[table])
+        return out
 
 
 _FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -498,9 +640,14 @@ def _dense(raw, where: str) -> DenseConfig:
 def _table(raw, where: str, base: TableConfig) -> TableConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping like `{{dim: 18}}`")
-    _no_unknown(raw, ("dim", "optimizer", "initializer", "filter", "max_rows", "expire", "l2"),
-                where)
+    _no_unknown(raw, ("dim", "optimizer", "initializer", "filter", "max_rows", "expire", "l2",
+                      "memory_budget", "eviction"), where)
     changes: dict[str, Any] = {}
+    if "memory_budget" in raw:
+        changes["memory_budget_bytes"] = (None if raw["memory_budget"] is None else
+                                          _size(raw["memory_budget"], f"{where}.memory_budget"))
+    if "eviction" in raw:
+        changes["eviction"] = raw["eviction"]
     if "l2" in raw:
         l2 = raw["l2"]
         if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) \
@@ -547,7 +694,36 @@ def _table(raw, where: str, base: TableConfig) -> TableConfig:
             if exp.get("max_idle_steps") is not None:
                 _check_int(f"{where}.expire.max_idle_steps", exp["max_idle_steps"], 0)
             changes["expire"] = ExpiryConfig(**exp)
-    return dataclasses.replace(base, **changes)
+    table = dataclasses.replace(base, **changes)
+    _check_tiers(table, where)
+    return table
+
+
+def _size(value, key: str) -> int:
+    try:
+        return tiers.parse_size(value, key)
+    except tiers.BudgetError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_tiers(table: TableConfig, where: str) -> None:
+    """A table's budget settings, on their own (against the model: ``table_budgets``)."""
+    if table.eviction not in EVICTIONS:
+        raise ConfigError(f"{where}.eviction: {table.eviction!r} is not an eviction policy; "
+                          f"use one of {', '.join(EVICTIONS)}")
+    budget = table.memory_budget_bytes
+    if budget is None:
+        return
+    _check_int(f"{where}.memory_budget", budget, 1)
+    if table.max_rows is not None:
+        raise ConfigError(f"{where}: max_rows and memory_budget together are not supported "
+                          "yet; keep one (memory_budget keeps every row, on disk beyond it)")
+    least = tiers.min_budget(table.dim, table.optimizer)
+    if budget < least:
+        raise ConfigError(f"{where}.memory_budget: {budget} bytes is below one row per store "
+                          f"shard ({least} bytes at dim {table.dim} with "
+                          f"{type(table.optimizer).__name__}); give at least "
+                          f"{tiers.format_size(least)}, or no memory_budget")
 
 
 def _table_dict(t: TableConfig) -> dict:
@@ -560,7 +736,26 @@ def _table_dict(t: TableConfig) -> dict:
             "filter": None if t.entry_filter is None else named(t.entry_filter, FILTERS),
             "max_rows": t.max_rows,
             "expire": None if t.expire is None else dataclasses.asdict(t.expire),
-            "l2": t.l2}
+            "l2": t.l2,
+            # only when set: a table without a budget writes what it always wrote
+            **({} if t.memory_budget_bytes is None else {
+                "memory_budget": t.memory_budget_bytes}),
+            **({} if t.eviction == "lru" else {"eviction": t.eviction})}
+
+
+def resolve_tier_dir(config: TrainConfig, tier_dir: str | None) -> str | None:
+    """Where the disk tiers of ``config``'s budgeted tables go: ``tier_dir``, else the
+    config's ``tier_dir``, else a temporary directory removed at exit; None without a budget.
+    Checked to be a writable local directory (ConfigError naming the setting)."""
+    if not config.budgeted:
+        return None
+    key = "tier_dir" if tier_dir is None else "the tier directory"
+    tier_dir = tier_dir or config.tier_dir
+    try:
+        return (tiers.check_tier_dir(tier_dir, key) if tier_dir is not None
+                else tiers.temporary_tier_dir())
+    except tiers.BudgetError as e:
+        raise ConfigError(str(e)) from None
 
 
 def table_seed(seed: int, table: str) -> int:

@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-import native
 import schemas
 from compression import TreeBatch
 from compression.fs import StorageError, is_local
@@ -64,9 +63,9 @@ from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
 from trainer.requests import BadRequest, RequestBody, decode_request, scan_request
-from trainer.serving import (EXPORT_VERSION, ShardedStore, mirror_export, one_node_per_sample,
-                             published_versions, read_lineage, read_version_manifest,
-                             request_table, request_tree, version_path)
+from trainer.serving import (EXPORT_VERSION, ShardedStore, load_export_stores, mirror_export,
+                             one_node_per_sample, published_versions, read_lineage,
+                             read_version_manifest, request_table, request_tree, version_path)
 
 
 class Overlay:
@@ -112,7 +111,8 @@ class VersionedTable:
 class Base:
     """What a full export loads: its description, stores and two SavedModel copies."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, memory_budget: int | None = None,
+                 tier_dir: str | None = None):
         path = os.path.join(directory, "export.json")
         try:
             with open(path) as f:
@@ -141,13 +141,8 @@ class Base:
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")
         self.tables = tables
-        if self.shards:
-            self.stores = {t: ShardedStore([native.EmbeddingStore.load(os.path.join(
-                directory, "stores", t, f"shard-{i:04d}")) for i in range(self.shards)])
-                for t in tables}
-        else:
-            self.stores = {t: native.EmbeddingStore.load(os.path.join(directory, "stores", t))
-                           for t in tables}
+        self.stores = load_export_stores(directory, self.config, tables, self.shards,
+                                         memory_budget, tier_dir)
         saved = os.path.join(directory, "saved_model")
         self.slots = [tf.saved_model.load(saved), tf.saved_model.load(saved)]
         # the one concrete function of each copy, called directly: skips the dispatch that
@@ -227,7 +222,8 @@ class LiveModel:
     sample trained into the served version) to be at most that many seconds."""
 
     def __init__(self, directory: str | os.PathLike, batch_size: int = 4096,
-                 max_lag: float | None = None):
+                 max_lag: float | None = None, *, memory_budget: int | None = None,
+                 tier_dir: str | None = None):
         self.source = os.fspath(directory)  # the export as named (maybe s3://...)
         self.directory = None
         if is_local(self.source):
@@ -245,6 +241,10 @@ class LiveModel:
         self._retired: list[Version] = []   # replaced versions some request may still pin
         self._staging = tempfile.mkdtemp(prefix="prefixrec-serve-")
         self._current: Version | None = None
+        # with a memory budget (bytes, the whole model's): the rows beyond it on local disk
+        # under tier_dir (default: in the staging directory), each full export loaded into it
+        self.memory_budget = memory_budget
+        self.tier_dir = tier_dir or os.path.join(self._staging, "tiers")
         try:
             if self.directory is None:  # on an object store: follow a local copy of it
                 self.directory = os.path.join(self._staging, "mirror", "export")
@@ -504,7 +504,7 @@ class LiveModel:
                 os.path.join(self.directory, "export.json")):
             self.problem = f"{self.directory}: export.json missing; waiting for an export"
             return None
-        base = Base(self.directory)
+        base = Base(self.directory, self.memory_budget, self.tier_dir)
         return Version(base, 0, int(base.meta["step"]), 0,
                        published_at=base.meta.get("published_at"))
 

@@ -160,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                         help="larger messages go to the dead-letter topic "
                              f"(default {DEFAULT_MAX_MESSAGE_BYTES})")
+    parser.add_argument("--memory-budget", metavar="SIZE",
+                        help="keep about SIZE (e.g. 2GiB, 512MiB or bytes) of embedding rows "
+                             "in memory, the rest on local disk (--tier-dir): the whole "
+                             "model's budget, split over the tables in proportion to their "
+                             "bytes a row (and over --shards), instead of the config's or the "
+                             "checkpoint's budgets")
+    parser.add_argument("--tier-dir", metavar="DIR",
+                        help="with --memory-budget: a directory on local disk for the rows "
+                             "beyond it (default: the config's tier_dir, else a temporary "
+                             "directory removed at exit)")
     ray = parser.add_argument_group("online learning on Ray (see the README)")
     ray.add_argument("--workers", type=int, metavar="W",
                      help="online workers (Ray actors), each reading its share of the topic's "

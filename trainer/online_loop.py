@@ -106,6 +106,15 @@ class OnlineOptions:
     kafka_options: dict = field(default_factory=dict)
     broker_timeout: float | None = None  # None: compression.kafka's default
     debug: bool = False
+    memory_budget: str | None = None  # --memory-budget as given (a size: 2GiB, bytes...)
+    tier_dir: str | None = None
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        from trainer import tiers
+
+        return (None if self.memory_budget is None
+                else tiers.parse_size(self.memory_budget, "--memory-budget"))
 
     @property
     def on_ray(self) -> bool:
@@ -125,6 +134,17 @@ class OnlineOptions:
         if self.init_from and (self.config or self.model):
             raise OnlineUsageError("--init-from takes the batch run's config and model; drop "
                                    "--config and --model")
+        from trainer import tiers
+
+        if self.tier_dir is not None and self.memory_budget is None:
+            raise OnlineUsageError("--tier-dir holds the rows beyond --memory-budget; give "
+                                   "--memory-budget too (or set tier_dir in the config)")
+        try:
+            self.memory_budget_bytes  # noqa: B018 - parsed to be checked
+            if self.tier_dir is not None:
+                self.tier_dir = tiers.check_tier_dir(self.tier_dir, "--tier-dir")
+        except tiers.BudgetError as e:
+            raise OnlineUsageError(str(e)) from None
 
 
 @dataclass
@@ -678,6 +698,8 @@ class OnlineLoop:
             "trainer_waited_s": round(stats.trainer_waited, 3),
             "offsets": {str(p): o for p, o in sorted(self.positions.items())},
             "metrics_url": self.metrics_url,
+            # tables with a memory budget: rows and bytes in memory and on disk, hit rate...
+            **({"tiers": store["tiers"]} if "tiers" in store else {}),
             # workers, shards, assignment, bytes_per_step, recoveries, busy_seconds, timings
             **self.engine.summary(self, timings)}
 

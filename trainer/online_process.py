@@ -355,39 +355,44 @@ def restore_process_trainer(options, schema, latest, models):
     from trainer.config import TrainConfig
     from trainer.trainer import Trainer
 
+    budget = {"memory_budget": options.memory_budget_bytes, "tier_dir": options.tier_dir}
     if latest is not None:
-        trainer = Trainer.restore(os.path.join(latest.path, "model"))
+        trainer = Trainer.restore(os.path.join(latest.path, "model"), **budget)
         offsets = {int(p): o for p, o in latest.state["offsets"].items()}
         log.info("restored %s: step %d, offsets %s", latest.path, trainer.step, offsets)
         if options.init_from:
             log.info("--init-from %s ignored: %s holds a checkpoint of its own",
                      options.init_from, options.run_dir)
     elif options.init_from:
-        trainer = init_from(options.init_from, schema, _restore_batch_run)
+        trainer = init_from(options.init_from, schema,
+                            lambda run_dir: _restore_batch_run(run_dir, **budget))
         log.info("initialised from %s: step %d, %d store rows", options.init_from,
                  trainer.step, trainer.store_rows())
         offsets = {}
     else:
         config = TrainConfig.load(options.config) if options.config else TrainConfig()
-        trainer = Trainer(schema, models[options.model or "mlp"](), config)
+        config = config.with_memory_budget(budget["memory_budget"])
+        trainer = Trainer(schema, models[options.model or "mlp"](), config,
+                          tier_dir=options.tier_dir)
         offsets = {}
     if options.expire_every is not None:
         trainer.config = trainer.config.with_expire_every(options.expire_every)
     return trainer, offsets
 
 
-def _restore_batch_run(run_dir: str):
-    """The Trainer a batch run kept (in process or on Ray), and its schema."""
+def _restore_batch_run(run_dir: str, **budget):
+    """The Trainer a batch run kept (in process or on Ray), and its schema; ``budget``:
+    ``memory_budget`` and ``tier_dir`` as ``Trainer.restore_run`` takes them."""
     from compression import fs
     from trainer.checkpoints import CheckpointDamagedError
     from trainer.trainer import Trainer
 
     if fs.is_local(run_dir):
-        trainer = Trainer.restore_run(run_dir)
+        trainer = Trainer.restore_run(run_dir, **budget)
     else:  # the published run, restored from a local copy
         with fs.working_copy(run_dir) as local:
             try:
-                trainer = Trainer.restore_run(local)
+                trainer = Trainer.restore_run(local, **budget)
             except (FileNotFoundError, ValueError, CheckpointDamagedError) as e:
                 raise type(e)(str(e).replace(local, run_dir)) from None
     return trainer, trainer.schema.to_dict()

@@ -96,6 +96,10 @@ def serve_metrics(run, host: str, port: int):
                        delay.get("p99")),
                 family("gauge", "broker_reachable", "1 while the broker answers",
                        s["broker_reachable"]))
+            if s.get("tiers"):  # tables with a memory budget: per table, per tier
+                from trainer.tiers import tier_metric_families
+
+                yield from tier_metric_families("prefixrec_online", s["tiers"])
 
     registry = CollectorRegistry()
     registry.register(Collector())

@@ -277,6 +277,8 @@ def fit_result(args, config, history: dict, stats: dict, keep_best: bool, epochs
                   rejected=stats.get("rejected", 0), expired=stats.get("expired", 0),
                   model=args.model, compute=config.compute, batch_size=config.batch_size,
                   epochs=epochs, run_dir=os.path.abspath(args.out))
+    if "tiers" in stats:  # tables with a memory budget: where their rows are, per table
+        result["tiers"] = stats["tiers"]
     if getattr(args, "export_dir", None):
         result["export_dir"] = (os.path.abspath(args.export_dir)
                                 if fs.is_local(args.export_dir) else args.export_dir)

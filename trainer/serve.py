@@ -101,6 +101,11 @@ def _metrics(live, registry):
                 c = CounterMetricFamily(name, text)
                 c.add_metric([], value)
                 yield c
+            if version is not None and live.memory_budget is not None:
+                from trainer.tiers import tier_metric_families, tier_stats
+
+                yield from tier_metric_families("prefixrec_serve", {
+                    t: tier_stats(s) for t, s in version.base.stores.items()})
 
     registry.register(ModelCollector())
     return {
@@ -439,6 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=8,
                         help="requests computed at once, off the event loop (default 8)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
+    parser.add_argument("--memory-budget", metavar="SIZE",
+                        help="keep about SIZE (e.g. 2GiB, 512MiB or bytes) of embedding rows "
+                             "in memory, the rest on local disk under --tier-dir; split over "
+                             "the tables in proportion to their bytes a row (default: every "
+                             "row in memory)")
+    parser.add_argument("--tier-dir", metavar="DIR",
+                        help="with --memory-budget: a directory on local disk for the rows "
+                             "beyond it (default: under the service's temporary directory; "
+                             "emptied at exit)")
     return parser
 
 
@@ -453,6 +467,7 @@ def run(args) -> int:
         raise cli.UsageError(f"--max-lag must be positive, got {args.max_lag}")
     if not 0 <= args.port <= 65535:
         raise cli.UsageError(f"--port must be 0-65535, got {args.port}")
+    budget, tier_dir = _memory_budget(args)
     if not fs.is_local(args.export_dir):
         fs.check_bucket(args.export_dir)  # the export itself may come later
     elif not os.path.isdir(args.export_dir):
@@ -473,11 +488,33 @@ def run(args) -> int:
     runs.load_tensorflow(args.debug)
     from trainer.live import LiveModel
 
-    live = LiveModel(args.export_dir, batch_size=args.batch_size, max_lag=args.max_lag)
+    live = LiveModel(args.export_dir, batch_size=args.batch_size, max_lag=args.max_lag,
+                     memory_budget=budget, tier_dir=tier_dir)
+    if budget is not None and live.problem is not None and "--memory-budget" in live.problem:
+        live.close()
+        raise cli.UsageError(live.problem)
     try:  # its staging directory goes also when a signal ends the start-up
         return _serve(args, sock, live, log)
     finally:
         live.close()
+
+
+def _memory_budget(args) -> tuple[int | None, str | None]:
+    """``--memory-budget`` in bytes and ``--tier-dir`` checked (a usage error otherwise)."""
+    from trainer import tiers
+
+    if args.memory_budget is None:
+        if args.tier_dir is not None:
+            raise cli.UsageError("--tier-dir holds the rows beyond --memory-budget; give "
+                                 "--memory-budget too")
+        return None, None
+    try:
+        budget = tiers.parse_size(args.memory_budget, "--memory-budget")
+        tier_dir = (None if args.tier_dir is None
+                    else tiers.check_tier_dir(args.tier_dir, "--tier-dir"))
+    except tiers.BudgetError as e:
+        raise cli.UsageError(str(e)) from None
+    return budget, tier_dir
 
 
 def _serve(args, sock, live, log) -> int:

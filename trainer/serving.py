@@ -70,7 +70,8 @@ from compression import LayerBatch, TreeBatch, fs
 from compression.batches import feature_array
 from schemas.hashing import id_shards
 from trainer.checkpoints import dense_name
-from trainer.config import TrainConfig
+from trainer import tiers
+from trainer.config import ConfigError, TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed, feed_signature
 from trainer.requests import TreeRequest
@@ -311,10 +312,43 @@ def read_version_manifest(directory: str, version: int) -> dict:
     return manifest
 
 
-class Predictor:
-    """Scores raw samples with an export directory's SavedModel and embedding snapshots."""
+def load_export_stores(directory: str, config: TrainConfig, tables, shards: int | None,
+                       memory_budget: int | None = None, tier_dir: str | None = None) -> dict:
+    """Every table's store of the export in ``directory`` (a :class:`ShardedStore` for a
+    sharded export). With ``memory_budget`` (bytes, for the whole model) the stores load
+    into budgets: split over the tables in proportion to their bytes a row (the training
+    config's own budgets do not apply to serving) and over each table's shards, the rows
+    beyond them on local disk under ``tier_dir/<table>`` (default: a temporary directory
+    removed at exit). A budget too small names ``--memory-budget`` and the size it needs."""
+    configs = {t: None for t in tables}
+    if memory_budget is not None:
+        serving = config.with_memory_budget(int(memory_budget))
+        tier_dir = tier_dir or tiers.temporary_tier_dir()
+        try:
+            if shards:
+                configs = {t: [serving.store_configs(tables, tier_dir, shards, index=i)[t]
+                               for i in range(shards)] for t in tables}
+            else:
+                configs = serving.store_configs(tables, tier_dir)
+        except ConfigError as e:
+            raise ConfigError(f"--memory-budget {tiers.format_size(int(memory_budget))}: "
+                              f"{e}") from None
+    if shards:
+        return {t: ShardedStore([
+            tiers.load_store(os.path.join(directory, "stores", t, f"shard-{i:04d}"),
+                             configs[t][i] if configs[t] else None)
+            for i in range(shards)]) for t in tables}
+    return {t: tiers.load_store(os.path.join(directory, "stores", t), configs[t])
+            for t in tables}
 
-    def __init__(self, directory: str | os.PathLike, batch_size: int = 4096):
+
+class Predictor:
+    """Scores raw samples with an export directory's SavedModel and embedding snapshots;
+    with ``memory_budget`` (bytes) its stores keep about that much in memory and the rest
+    on local disk under ``tier_dir`` (see :func:`load_export_stores`)."""
+
+    def __init__(self, directory: str | os.PathLike, batch_size: int = 4096, *,
+                 memory_budget: int | None = None, tier_dir: str | None = None):
         self.directory = self.source = os.fspath(directory)
         if not fs.is_local(self.source):  # a local copy (mirror_export) of the published one
             self.directory = self._download(self.source)
@@ -337,14 +371,8 @@ class Predictor:
         self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")  # a sharded (distributed) run's export
-        if self.shards:
-            self.stores = {t: ShardedStore([
-                native.EmbeddingStore.load(os.path.join(self.directory, "stores", t,
-                                                        f"shard-{i:04d}"))
-                for i in range(self.shards)]) for t in tables}
-        else:
-            self.stores = {t: native.EmbeddingStore.load(
-                os.path.join(self.directory, "stores", t)) for t in tables}
+        self.stores = load_export_stores(self.directory, self.config, tables, self.shards,
+                                         memory_budget, tier_dir)
         self.model = tf.saved_model.load(os.path.join(self.directory, "saved_model"))
         self.batch_size = batch_size
         self.heads = meta["heads"]   # probability columns, in the model's order
@@ -467,6 +495,13 @@ class ShardedStore:
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)
+
+    def stats(self):
+        """The shards' counters summed (:class:`native.StoreStats`; global step and delta
+        sequence: the largest)."""
+        parts = [s.stats().as_dict() for s in self.shards]
+        return native.StoreStats(**{k: (max if k in ("global_step", "delta_sequence") else sum)(
+            p[k] for p in parts) for k in parts[0]})
 
 
 def _apply_deltas(store, directory: str) -> int:

@@ -42,6 +42,7 @@ import compression  # noqa: F401
 import schemas
 from compression import cli, fs
 from compression.signal_points import signal_point
+from trainer import tiers
 from trainer.config import ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
                           StopOnSignal, check_export_dir, fit_result, interrupted_run, link_tree,
@@ -143,9 +144,30 @@ def run(argv=None) -> dict:
                                        ("batch_size", options.batch_size),
                                        ("seed", options.seed)) if v is not None}
         config = config.replace(**overrides)
-        config.check(schema)  # the config against the schema, before TensorFlow is imported
-    except (schemas.SchemaError, ConfigError) as e:
+        tables = config.check(schema)  # against the schema, before TensorFlow is imported
+        if options.distributed:  # each store shard its share of a table's budget
+            config.table_budgets(tables, options.shards)
+        if config.tier_dir is not None:
+            tiers.check_tier_dir(config.tier_dir, "tier_dir")
+    except (schemas.SchemaError, ConfigError, tiers.BudgetError) as e:
         parser.error(str(e))
+    # Budgeted tables keep their rows beyond memory in tier_dir, by default in a directory
+    # next to the run directory (same disk), removed when the command ends.
+    tier_dir = None
+    if config.budgeted and config.tier_dir is None:
+        parent, name = os.path.split(os.path.abspath(options.out))
+        try:
+            tier_dir = tiers.temporary_tier_dir(parent, prefix=f".{name}.tiers-")
+        except tiers.BudgetError as e:
+            parser.error(f"{e}; set tier_dir in the config")
+    try:
+        return _run(parser, argv, options, schema, config, tier_dir)
+    finally:
+        if tier_dir is not None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
+
+
+def _run(parser, argv, options, schema, config, tier_dir) -> dict:
     model_args = {}
     if options.hidden:
         try:
@@ -207,7 +229,7 @@ def run(argv=None) -> dict:
                 result = run_training(options, schema, config,
                                       models.MODELS[options.model](**model_args), staged,
                                       settings, resume=interrupted,
-                                      go_on=go_on[0].upper() + go_on[1:])
+                                      go_on=go_on[0].upper() + go_on[1:], tier_dir=tier_dir)
             except OptionError as e:
                 parser.error(str(e))
             with open(os.path.join(staged.tmp, "result.json"), "w") as f:
@@ -215,7 +237,8 @@ def run(argv=None) -> dict:
             staged.commit()
         return result
     try:
-        trainer = Trainer(schema, models.MODELS[options.model](**model_args), config)
+        trainer = Trainer(schema, models.MODELS[options.model](**model_args), config,
+                          tier_dir=tier_dir)
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
     progress = not options.no_progress

@@ -32,11 +32,11 @@ from compression import TreeBatch
 from compression.outputs import replace_directory
 from schemas import Schema
 from trainer import models as models_lib
-from trainer import fitting
+from trainer import fitting, tiers
 from trainer.checkpoints import (CHECKPOINT_VERSION, CheckpointDamagedError, checkpoint_config,
                                  checkpoint_state, config_before_l2, file_sha256,
                                  read_trainer_state, sealed)
-from trainer.config import TrainConfig, resolve_function, row_l2, table_seed
+from trainer.config import TrainConfig, resolve_function, resolve_tier_dir, row_l2
 from trainer.data import batch_source, count_samples
 from trainer.feed import Feed, Prepared
 from trainer.fitting import FitState
@@ -50,14 +50,19 @@ _END = object()
 class Trainer(ModelCore):
     """Trains ``model`` on data of ``schema`` as ``config`` says (see :class:`TrainConfig`): a
     :class:`~trainer.model_core.ModelCore` plus one native embedding store per table, the
-    three-stage input pipeline and checkpoints; ``fit`` is :func:`trainer.fitting.fit` over it."""
+    three-stage input pipeline and checkpoints; ``fit`` is :func:`trainer.fitting.fit` over it.
+
+    Tables with a memory budget (``TableConfig.memory_budget_bytes``,
+    ``TrainConfig.memory_budget_bytes``) keep the rows beyond it on local disk under
+    ``tier_dir/<table>``: ``tier_dir`` given here, else the config's, else a temporary
+    directory removed at exit."""
 
     def __init__(self, schema: Schema, model: models_lib.DenseNet | None = None,
-                 config: TrainConfig | None = None):
+                 config: TrainConfig | None = None, *, tier_dir: str | None = None):
         super().__init__(schema, model, config)
         config = self.config
-        self.stores = {t: native.EmbeddingStore(config.table(t).store_config(
-            seed=table_seed(config.seed, t))) for t in self.tables}
+        self.tier_dir = resolve_tier_dir(config, tier_dir)
+        self.stores = {t: tiers.new_store(c) for t, c in self._store_configs(config).items()}
         self.step = 0          # training steps so far (the step apply_gradients receives)
         self.samples = 0       # training samples so far
         self.expired = 0       # rows removed by the configured expiry
@@ -345,14 +350,27 @@ class Trainer(ModelCore):
     def store_rows(self) -> int:
         return sum(len(s) for s in self.stores.values())
 
+    def _store_configs(self, config: TrainConfig) -> dict:
+        return config.store_configs(self.tables, self.tier_dir)
+
     def store_stats(self) -> dict:
-        """Summed counters of all tables: rows, admitted, rejected, expired, evicted, bytes."""
+        """Summed counters of all tables: rows, admitted, rejected, expired, evicted, bytes;
+        with a memory budget also ``tiers``: per table, where its rows are
+        (:func:`trainer.tiers.tier_stats`)."""
         out = defaultdict(int)
         for store in self.stores.values():
             for k, v in store.stats().as_dict().items():
                 if k in ("rows", "bytes", "admitted", "rejected", "expired", "evicted"):
                     out[k] += v
-        return dict(out)
+        out = dict(out)
+        if self.tier_dir is not None:
+            out["tiers"] = self.tier_stats()
+        return out
+
+    def tier_stats(self) -> dict:
+        """Per table: rows and bytes in memory and on disk, faults, hit rate...
+        (:func:`trainer.tiers.tier_stats`)."""
+        return {t: tiers.tier_stats(s) for t, s in self.stores.items()}
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a checkpoint (dense weights, dense optimizer state, every store's snapshot, the
@@ -394,9 +412,13 @@ class Trainer(ModelCore):
 
     @classmethod
     def restore(cls, directory: str | os.PathLike,
-                model: models_lib.DenseNet | None = None) -> "Trainer":
+                model: models_lib.DenseNet | None = None, *,
+                memory_budget: int | None = None,
+                tier_dir: str | None = None) -> "Trainer":
         """The trainer saved in ``directory``; training continues exactly where it stopped.
-        Built-in models are rebuilt from the checkpoint; pass ``model`` for your own."""
+        Built-in models are rebuilt from the checkpoint; pass ``model`` for your own.
+        ``memory_budget``: the whole model's, instead of the checkpoint config's budgets
+        (:meth:`TrainConfig.with_memory_budget`); ``tier_dir``: where the rows beyond go."""
         directory = os.fspath(directory)
         state = checkpoint_state(directory)
         if model is None:
@@ -405,24 +427,27 @@ class Trainer(ModelCore):
                                  "model= (a fresh instance of the same DenseNet)")
             model = models_lib.from_spec(state["model"])
         schema = schemas.from_dict(state["schema"])
-        config = checkpoint_config(directory, state)
-        trainer = cls(schema, model, config)
+        config = checkpoint_config(directory, state).with_memory_budget(memory_budget)
+        trainer = cls(schema, model, config, tier_dir=tier_dir)
         trainer._load_state(directory, state)
         return trainer
 
     @classmethod
     def restore_run(cls, run_dir: str | os.PathLike,
-                    model: models_lib.DenseNet | None = None) -> "Trainer":
+                    model: models_lib.DenseNet | None = None, *,
+                    memory_budget: int | None = None,
+                    tier_dir: str | None = None) -> "Trainer":
         """The model a ``trainer.train`` run kept (``RUN_DIR/checkpoint``), in process or on
         Ray, as one in-process Trainer: a Ray run's store shards are merged into one store
         per table (every row with its optimizer state, update count and last step, and the
         entry filters' state, as resharding moves them), its dense weights and optimizer
         state, step and counters taken as they are. What ``trainer.online --init-from``
-        starts from."""
+        starts from. ``memory_budget`` and ``tier_dir`` as :meth:`restore` takes them."""
         run_dir = os.fspath(run_dir)
         checkpoint = os.path.join(run_dir, "checkpoint")
         if os.path.isfile(os.path.join(checkpoint, "trainer.json")):
-            return cls.restore(checkpoint, model)
+            return cls.restore(checkpoint, model, memory_budget=memory_budget,
+                               tier_dir=tier_dir)
         if not os.path.isfile(os.path.join(checkpoint, "manifest.json")):
             raise FileNotFoundError(
                 f"{run_dir}: not a trainer.train run directory (no checkpoint/trainer.json or "
@@ -438,11 +463,12 @@ class Trainer(ModelCore):
             model = models_lib.from_spec(manifest["model"])
         schema = schemas.from_dict(manifest["schema"])
         config = TrainConfig.from_dict(config_before_l2(manifest["config"]))
-        trainer = cls(schema, model, config)
+        trainer = cls(schema, model, config.with_memory_budget(memory_budget),
+                      tier_dir=tier_dir)
         arrays = _read_dense(checkpoint)
         trainer.check_dense_arrays(arrays, os.path.join(checkpoint, "dense.npz"),
                                    CheckpointDamagedError)
-        merged = Shard(0, 1, table_specs(config, trainer.tables, 1),
+        merged = Shard(0, 1, table_specs(trainer.config, trainer.tables, 1, trainer.tier_dir),
                        restore=shard_snapshot_spec(checkpoint, manifest, 0, 1))
         trainer.set_dense_arrays(arrays)
         trainer.stores.update(merged.stores)
@@ -463,10 +489,13 @@ class Trainer(ModelCore):
         leaves this trainer as it was."""
         config = config or self.config
         stores = {}
+        if self.tier_dir is None:  # a checkpoint of a budgeted config into a trainer without
+            self.tier_dir = resolve_tier_dir(config, None)
+        configs = self._store_configs(config)
         for table in self.tables:
             path = os.path.join(directory, "stores", table)
             try:
-                stores[table] = native.EmbeddingStore.load(path, config.table(table).store_config(0))
+                stores[table] = tiers.load_store(path, configs[table])
             except native.CorruptFileError as e:
                 raise CheckpointDamagedError(f"{e}; the checkpoint {directory} is damaged") from None
         arrays = _read_dense(directory)

@@ -91,7 +91,7 @@ class Actors:
 
     def start(self, worker_class, schema, model, config, tables, *, workers: int,
               shards: int, actor_cpus: float, max_restarts: int,
-              ray_address: str | None) -> None:
+              ray_address: str | None, tier_dir: str | None = None) -> None:
         """Create the actors and wait until each answers (failing here, not in the first
         step, when one cannot start)."""
         cpus = ray.cluster_resources().get("CPU", 0)
@@ -101,7 +101,7 @@ class Actors:
                 f"the Ray cluster{'' if ray_address is None else ' at ' + ray_address} "
                 f"has {cpus:g} CPUs; {workers} workers + {shards} shards at "
                 f"{actor_cpus:g} CPU each need {needed:g} (lower actor_cpus or add nodes)")
-        specs = table_specs(config, tables, shards)
+        specs = table_specs(config, tables, shards, tier_dir)
         options = dict(num_cpus=actor_cpus, max_restarts=max_restarts, max_task_retries=0)
         shard_cls = ray.remote(Shard)
         self.shards = [shard_cls.options(**options).remote(s, shards, specs)

@@ -26,7 +26,8 @@ from schemas import Schema
 from trainer import models as models_lib
 from trainer import fitting
 from trainer.checkpoints import config_before_l2, dense_name
-from trainer.config import TrainConfig, resolve_function
+from trainer import tiers
+from trainer.config import TrainConfig, resolve_function, resolve_tier_dir
 from trainer.data import count_samples
 from trainer.distributed import exports, steps
 from trainer.distributed.actors import Actors, check_count, join_ray
@@ -69,7 +70,7 @@ class DistributedTrainer:
                  workers: int = 2, shards: int = 2, ray_address: str | None = None,
                  num_cpus: int | None = None, actor_cpus: float = 1.0,
                  connect_timeout: float = 10.0, runtime_env: dict | None = None,
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, tier_dir: str | None = None):
         if not isinstance(schema, Schema):
             raise TypeError(f"schema: expected a schemas.Schema, got {type(schema).__name__}")
         self.workers = check_count("workers", workers)
@@ -77,6 +78,10 @@ class DistributedTrainer:
         self.schema = schema
         self.config = config = config or TrainConfig()
         self.tables = config.check(schema)
+        config.table_budgets(self.tables, self.shards)  # each shard's share holds a row
+        # budgeted tables: each shard's disk tier in tier_dir/<table>/shard-NNNN (a local
+        # directory on every node that runs a shard)
+        self.tier_dir = resolve_tier_dir(config, tier_dir)
         for table in self.tables:
             tc = config.table(table)
             if tc.expire is not None and tc.expire.function is not None:
@@ -132,7 +137,8 @@ class DistributedTrainer:
         try:
             self.actors.start(self.worker_class, schema, self._model, config, self.tables,
                               workers=self.workers, shards=self.shards, actor_cpus=actor_cpus,
-                              max_restarts=max_restarts, ray_address=ray_address)
+                              max_restarts=max_restarts, ray_address=ray_address,
+                              tier_dir=self.tier_dir)
         except BaseException:
             self.close()
             raise
@@ -400,7 +406,17 @@ class DistributedTrainer:
                     if k in ("rows", "bytes", "admitted", "rejected", "expired", "evicted",
                              "lookups", "updates"):
                         out[k] += v
-        return dict(out)
+        out = dict(out)
+        if self.tier_dir is not None:
+            out["tiers"] = self.tier_stats()
+        return out
+
+    def tier_stats(self) -> dict:
+        """Per table, summed over the shards: where its rows are
+        (:func:`trainer.tiers.tier_stats`)."""
+        per_shard = ray.get([s.tier_stats.remote() for s in self._shards])
+        return {t: tiers.sum_tier_stats([shard[t] for shard in per_shard])
+                for t in self.tables}
 
     def store_rows(self) -> int:
         return self.store_stats().get("rows", 0)

@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 import native
-from trainer.config import row_l2, table_seed
+from trainer import tiers
+from trainer.config import row_l2
 from trainer.distributed.placement import id_shards
 
 RESTARTED = "prefixrec: actor restarted"
@@ -36,17 +37,20 @@ def reconstructed() -> bool:
         return False
 
 
-def table_specs(config, tables, shards: int) -> dict:
+def table_specs(config, tables, shards: int, tier_dir: str | None = None) -> dict:
     """What a :class:`Shard` of ``shards`` takes for every table of ``config`` (a
-    TrainConfig): its store config (a table's ``max_rows`` split over the shards), row L2 and
-    expiry."""
+    TrainConfig): its store config (a table's ``max_rows`` and memory budget split over the
+    shards; the disk tier under ``tier_dir/<table>``, each shard in its own ``shard-NNNN``
+    there), row L2 and expiry."""
     specs = {}
+    stores = config.store_configs(tables, tier_dir, shards)
     for table in tables:
         tc = config.table(table)
+        store = stores[table]
         if tc.max_rows is not None and shards > 1:
-            tc = dataclasses.replace(tc, max_rows=math.ceil(tc.max_rows / shards))
+            store = dataclasses.replace(store, max_rows=math.ceil(tc.max_rows / shards))
         expire = tc.expire
-        specs[table] = {"store": tc.store_config(seed=table_seed(config.seed, table)),
+        specs[table] = {"store": store,
                         "l2": tc.l2,
                         "expire": None if expire is None else {
                             "every_steps": expire.every_steps,
@@ -65,7 +69,7 @@ class Shard:
         snapshots) or a list of several: the snapshots of a checkpoint with another
         number of shards, of which this shard keeps its own ids (resharding)."""
         self.index, self.shards = index, shards
-        self.tables = tables
+        self.tables = tables = {t: self._own_tier(spec) for t, spec in tables.items()}
         self.expiry = {t: spec["expire"] for t, spec in tables.items()}
         self.expired = 0
         self.timings = {"lookup": 0.0, "apply": 0.0}
@@ -76,14 +80,21 @@ class Shard:
         self.load(restore)
         self.restarted = reconstructed()
 
+    def _own_tier(self, spec: dict) -> dict:
+        """``spec`` with a budgeted store's disk tier in this shard's own directory."""
+        store = spec["store"]
+        if store.memory_budget_bytes is None:
+            return spec
+        return {**spec, "store": dataclasses.replace(
+            store, disk_dir=os.path.join(store.disk_dir, f"shard-{self.index:04d}"))}
+
     def load(self, restore=None, expired: int | None = None):
         """Replace every store: ``restore`` as the constructor takes it."""
         tables = self.tables
         if restore is None:
-            stores = {t: native.EmbeddingStore(spec["store"]) for t, spec in tables.items()}
+            stores = {t: tiers.new_store(spec["store"]) for t, spec in tables.items()}
         elif isinstance(restore, tuple):
-            stores = {t: native.EmbeddingStore.load(os.path.join(restore[0], t),
-                                                     spec["store"])
+            stores = {t: tiers.load_store(os.path.join(restore[0], t), spec["store"])
                       for t, spec in tables.items()}
         else:
             stores = {t: self._reshard(t, spec["store"], restore)
@@ -131,16 +142,16 @@ class Shard:
           independent draw either way).
 
         The admitted/rejected counters start over."""
-        store = native.EmbeddingStore(config)
+        store = tiers.new_store(config)
         tmp = tempfile.mkdtemp(prefix=f"reshard-{table}-")
         try:
             for i, directory in enumerate(directories):
-                old = native.EmbeddingStore.load(os.path.join(directory, table), config)
+                old = tiers.load_store(os.path.join(directory, table), config)
                 old.expire_where(lambda ids, *rows: ~self._owned(ids))
                 part = os.path.join(tmp, f"part-{i}")
                 os.makedirs(part)
                 old.save(part)
-                blank = native.EmbeddingStore(config)  # at the new store's delta sequence
+                blank = tiers.new_store(config)  # at the new store's delta sequence
                 while blank.stats().delta_sequence < store.stats().delta_sequence:
                     empty = os.path.join(tmp, f"empty-{i}-{blank.stats().delta_sequence}")
                     os.makedirs(empty)
@@ -255,6 +266,10 @@ class Shard:
 
     def stats(self) -> dict:
         return {t: s.stats().as_dict() for t, s in self.stores.items()}
+
+    def tier_stats(self) -> dict:
+        """Per table: where this shard's rows are (:func:`trainer.tiers.tier_stats`)."""
+        return {t: tiers.tier_stats(s) for t, s in self.stores.items()}
 
     def rows(self) -> dict:
         return {t: s.to_numpy() for t, s in self.stores.items()}

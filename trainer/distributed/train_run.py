@@ -18,7 +18,7 @@ from trainer.train_options import OptionError, TrainOptions
 
 def run_training(options: TrainOptions, schema: Schema, config: TrainConfig, model,
                  staged, settings: dict, resume: dict | None = None,
-                 go_on: str = "") -> dict:
+                 go_on: str = "", tier_dir: str | None = None) -> dict:
     """``python -m trainer.train ... --workers W --shards S [--ray-address ADDR]`` (its
     ``options``): train on Ray, evaluate, checkpoint to ``OUT/checkpoint``; returns the
     result dict train.py prints and writes. ``staged``: the run directory (a
@@ -54,12 +54,12 @@ def run_training(options: TrainOptions, schema: Schema, config: TrainConfig, mod
         if resume is None:
             trainer = DistributedTrainer(schema, model, config, workers=options.workers,
                                          shards=options.shards,
-                                         ray_address=options.ray_address)
+                                         ray_address=options.ray_address, tier_dir=tier_dir)
         else:  # the interrupted run's checkpoint: its step, stores, input positions
             trainer = DistributedTrainer.restore(
                 os.path.join(staged.path, resume["checkpoint"]), model,
                 workers=options.workers, shards=options.shards,
-                ray_address=options.ray_address)
+                ray_address=options.ray_address, tier_dir=tier_dir)
     except (ConnectionError, ValueError, ConfigError) as e:
         raise OptionError(str(e)) from e
     try:
