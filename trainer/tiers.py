@@ -210,8 +210,8 @@ def tier_stats(store) -> dict:
     sums): ``memory_rows``, ``disk_rows``, ``memory_bytes`` (the store's heap bytes),
     ``disk_bytes`` (the tier's files on disk), ``faults`` (rows a lookup or update read back
     from disk), ``prefetched`` (rows the trainer's pipeline read back ahead of their
-    lookup), ``evicted_to_disk``, ``lookups``, ``disk_reads`` and ``disk_writes`` (None
-    while the store does not count them), ``budget_bytes`` (None: unbounded) and
+    lookup), ``evicted_to_disk``, ``lookups``, ``disk_reads`` and ``disk_writes`` (rows read
+    from / written to the disk tier by any call), ``budget_bytes`` (None: unbounded) and
     ``hit_rate``: the share of looked-up ids found in memory without a read from disk,
     1 - (faults + prefetched) / lookups (None before any lookup)."""
     parts = getattr(store, "shards", None) or [store]
@@ -225,7 +225,7 @@ def tier_stats(store) -> dict:
         out["lookups"] += stats.lookups
         for key in ("disk_rows", "disk_bytes", "faults", "prefetched", "evicted_to_disk"):
             out[key] += int(tiers.get(key, 0))
-        for key in ("disk_reads", "disk_writes"):  # None where the store does not count them
+        for key in ("disk_reads", "disk_writes"):  # None for a store that does not count them
             out[key] = _add(out[key], tiers.get(key))
         budget = None if budget is None or part.config.memory_budget_bytes is None else (
             budget + part.config.memory_budget_bytes)
@@ -282,8 +282,8 @@ TIER_METRICS = (
     ("prefetched", "tier_prefetched", "counter",
      "rows the training pipeline read back from disk ahead of their lookup"),
     ("evicted_to_disk", "tier_evicted_to_disk", "counter", "rows moved from memory to disk"),
-    ("disk_reads", "tier_disk_reads", "counter", "reads of the disk tier"),
-    ("disk_writes", "tier_disk_writes", "counter", "writes to the disk tier"),
+    ("disk_reads", "tier_disk_reads", "counter", "rows read from the disk tier"),
+    ("disk_writes", "tier_disk_writes", "counter", "rows written to the disk tier"),
 )
 
 

@@ -378,6 +378,9 @@ class SlotFileTier final : public DiskTier {
     return capacity_ * (sizeof(int64_t) + sizeof(uint32_t)) + free_.capacity() * sizeof(uint32_t);
   }
 
+  uint64_t RowsRead() const override { return reads_; }
+  uint64_t RowsWritten() const override { return writes_; }
+
   bool NeedsReclaim() const override {
     return static_cast<double>(slot_count_) > 1.25 * static_cast<double>(size_) + static_cast<double>(kSlotChunk);
   }
@@ -432,6 +435,8 @@ class SlotFileTier final : public DiskTier {
       }
     }
     result.rows_moved = moves.size();
+    reads_ += moves.size();
+    writes_ += moves.size();
     // The holes still free: those below `end` that were not filled.
     std::vector<uint32_t> still(free_.begin() + static_cast<std::ptrdiff_t>(lo),
                                 free_.begin() + static_cast<std::ptrdiff_t>(hi_hole));
@@ -470,6 +475,7 @@ class SlotFileTier final : public DiskTier {
         std::memcpy(live.data() + k * row_bytes_, row, row_bytes_);
         ++k;
       }
+      reads_ += k;
       if (k > 0) visit(live.data(), k);
     }
   }
@@ -628,7 +634,8 @@ class SlotFileTier final : public DiskTier {
   std::vector<uint32_t> slot_of_;  // index: slot of each entry, kEmptySlot if the entry is empty
   size_t capacity_ = 0;
   size_t size_ = 0;
-  uint64_t reads_ = 0, writes_ = 0;
+  mutable uint64_t reads_ = 0;  // ForEach (const) counts its reads too
+  uint64_t writes_ = 0;
 };
 
 }  // namespace

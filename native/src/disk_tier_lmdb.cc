@@ -201,7 +201,9 @@ class LmdbTier final : public DiskTier {
     if (stat(data_path_.c_str(), &st) != 0) Fail("cannot stat", data_path_);
     return static_cast<uint64_t>(st.st_blocks) * 512;
   }
-  uint64_t IndexBytes() const override { return 0; }  // the B+tree's pages are the file's (page cache)
+  uint64_t IndexBytes() const override { return 0; }
+  uint64_t RowsRead() const override { return 0; }     // not counted: a comparison engine
+  uint64_t RowsWritten() const override { return 0; }  // the B+tree's pages are the file's (page cache)
 
   bool NeedsReclaim() const override {
     return static_cast<double>(BytesOnDisk()) >

@@ -1492,6 +1492,8 @@ StoreStats EmbeddingStore::Stats() const {
     if (shard->tier) {
       stats.disk_rows += shard->tier->Count();
       stats.disk_bytes += shard->tier->BytesOnDisk();
+      stats.disk_reads += shard->tier->RowsRead();
+      stats.disk_writes += shard->tier->RowsWritten();
       stats.bytes += shard->tier->IndexBytes();
     }
   }

@@ -169,6 +169,8 @@ void CheckSameAsUnbounded(OptimizerKind kind, FilterKind filter, EvictionKind ev
   CHECK(sb.faults + sb.prefetched > 0);  // ... and some came back
   CHECK((sb.prefetched > 0) == prefetch);
   CHECK(sb.evicted_to_disk >= sb.disk_rows);
+  CHECK(sb.disk_reads >= sb.faults + sb.prefetched);  // and the streams of exports and expiry
+  CHECK(sb.disk_writes >= sb.evicted_to_disk);
   CHECK(sa.disk_rows == 0);
   CHECK(sa.memory_rows == sa.rows);
   // With rows on disk: its snapshot loads (unbounded) to the unbounded store's rows.

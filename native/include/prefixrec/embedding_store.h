@@ -140,6 +140,8 @@ struct StoreStats {
   uint64_t faults = 0;           // rows a lookup or update had to read back from disk
   uint64_t prefetched = 0;       // rows Prefetch read back from disk ahead of their lookup
   uint64_t evicted_to_disk = 0;  // rows moved from memory to disk
+  uint64_t disk_reads = 0;       // rows read from the disk tiers (faults, prefetches, streams)
+  uint64_t disk_writes = 0;      // rows written to the disk tiers (evictions, clean write-backs)
 };
 
 // Column copies of all rows, shard by shard. values/state are filled only when asked for.

@@ -355,6 +355,8 @@ void BindStore(py::module_& m) {
              d["disk_bytes"] = st.disk_bytes;
              d["faults"] = st.faults;
              d["prefetched"] = st.prefetched;
+             d["disk_reads"] = st.disk_reads;
+             d["disk_writes"] = st.disk_writes;
              d["evicted_to_disk"] = st.evicted_to_disk;
              return d;
            })

@@ -77,6 +77,9 @@ class DiskTier {
   virtual uint64_t BytesOnDisk() const = 0;
   // Bytes of the tier's in-memory index and buffers (the store adds them to its own count).
   virtual uint64_t IndexBytes() const = 0;
+  // Rows read (Get, ForEach) and written (Put, Reclaim's moves) since the tier was opened.
+  virtual uint64_t RowsRead() const = 0;
+  virtual uint64_t RowsWritten() const = 0;
 
   // Gives back disk space of rows that moved up, expired or were erased, rewriting at most
   // max_rows rows (0: no limit). Each engine states its bound (see its Open function).
