@@ -58,6 +58,7 @@ import traceback
 
 from compression import cli, fs
 from trainer import faces
+from trainer.faces import oip, tfserving
 from trainer.batching import Batcher
 from trainer.requests import MAX_SAMPLES, BadRequest, scan_request
 
@@ -149,7 +150,7 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     request's worker thread); ``max_queue_delay`` (s): how long the scoring thread waits for
     requests still being decoded before it calls the model. ``model_name``: the name the
     faces of other ecosystems' clients serve the model under (:mod:`trainer.faces`); their
-    gRPC server is started on ``app.state.core`` by :func:`trainer.faces.grpc_server`."""
+    gRPC server is started on ``app.state.core`` by :func:`trainer.faces.tfserving.grpc_server`."""
     from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry,
                                    disable_created_metrics, generate_latest)
     from starlette.applications import Starlette
@@ -312,8 +313,8 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
         Route("/livez", livez, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-        *faces.rest_routes(core),
-        *faces.oip_routes(core),
+        *tfserving.rest_routes(core),
+        *oip.routes(core),
     ])
     app.state.metrics = metrics
     app.state.batcher = batcher
@@ -555,7 +556,7 @@ def _serve(args, sock, live, log) -> int:
     grpc_server = None
     if args.grpc_port is not None:
         try:
-            grpc_server, grpc_port = faces.grpc_server(app.state.core, args.host,
+            grpc_server, grpc_port = tfserving.grpc_server(app.state.core, args.host,
                                                        args.grpc_port, args.threads)
         except ImportError as e:
             raise cli.UsageError(f"--grpc-port needs tensorflow-serving-api ({e}): pip install "

@@ -29,7 +29,8 @@ from tritonclient.utils import InferenceServerException
 import compression
 import schemas
 from service import Service
-from trainer import faces, models
+from trainer import models
+from trainer.faces import tfserving
 from trainer.config import TrainConfig
 from trainer.live import LiveModel
 from trainer.serve import build_app, listen
@@ -113,7 +114,7 @@ def service(export):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    rpc, port = faces.grpc_server(app.state.core, "127.0.0.1", 0, 8)
+    rpc, port = tfserving.grpc_server(app.state.core, "127.0.0.1", 0, 8)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 60
