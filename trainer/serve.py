@@ -499,12 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also answer TF Serving's gRPC PredictionService (Predict, "
                              "GetModelMetadata) on this port (default: off; 0 picks a free "
                              "one, printed on start)")
+    parser.add_argument("--grpc-threads", type=int, default=32,
+                        help="gRPC requests in flight at once (each waits for its model call "
+                             "in a thread of its own; default 32)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
     return parser
 
 
 def run(args) -> int:
-    for name in ("poll_interval", "max_samples", "max_body_bytes", "batch_size", "threads"):
+    for name in ("poll_interval", "max_samples", "max_body_bytes", "batch_size", "threads",
+                 "grpc_threads"):
         if getattr(args, name) <= 0:
             raise cli.UsageError(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(args, name)}")
@@ -557,7 +561,7 @@ def _serve(args, sock, live, log) -> int:
     if args.grpc_port is not None:
         try:
             grpc_server, grpc_port = tfserving.grpc_server(app.state.core, args.host,
-                                                       args.grpc_port, args.threads)
+                                                       args.grpc_port, args.grpc_threads)
         except ImportError as e:
             raise cli.UsageError(f"--grpc-port needs tensorflow-serving-api ({e}): pip install "
                                  "--no-deps -r requirements-faces.txt") from None

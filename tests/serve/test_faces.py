@@ -350,6 +350,28 @@ def test_open_inference_protocol_refusals_name_sample_and_column(service):
     assert answer.status_code == 400
     assert answer.json()["error"] == "input 'uid': value 1 is \"x\", not an integer " \
                                      "(datatype INT64)"
+    # an integer beyond int64 gets the decoder's verdict, as on /v1/predict
+    def json_inputs(uid):  # nested JSON data; every sample one tag: a [n, 1] tensor
+        return {"inputs": [
+            {"name": "uid", "shape": [2], "datatype": "INT64", "data": uid},
+            {"name": "tags", "shape": [2, 1], "datatype": "INT64", "data": [[3], [4]]},
+            {"name": "item", "shape": [2, 1], "datatype": "INT64", "data": [5, 6]},
+            {"name": "pid", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]},
+            {"name": "price", "shape": [2, 2], "datatype": "FP32",
+             "data": [[0.5, 0.25], [1.0, 2.0]]}]}
+
+    answer = requests.post(f"{service.url}/v2/models/{NAME}/infer", json=json_inputs([1, 2]),
+                           timeout=60)
+    assert answer.status_code == 200, answer.text
+    rows = [{"uid": 1, "tags": [3], "item": 5, "pid": "a", "price": [0.5, 0.25]},
+            {"uid": 2, "tags": [4], "item": 6, "pid": "b", "price": [1.0, 2.0]}]
+    np.testing.assert_allclose(answer.json()["outputs"][0]["data"],
+                               service.live.predict(rows)[0].reshape(-1), rtol=2e-5, atol=1e-7)
+    answer = requests.post(f"{service.url}/v2/models/{NAME}/infer",
+                           json=json_inputs([1, 2**64]), timeout=60)
+    assert answer.status_code == 400
+    assert "sample 1: not a valid sample: field 'uid': expected an integer (kind id, dtype " \
+           "int64), got 18446744073709551616, out of the int64 range" in answer.json()["error"]
 
 
 # --- every face, one batcher --------------------------------------------------------------------

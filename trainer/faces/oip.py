@@ -140,12 +140,12 @@ def routes(core: Core) -> list:
 
     async def infer(request):
         started = time.perf_counter()
+        body = await core.read_body(request, OIP)  # read first, whatever the answer
+        if isinstance(body, Response):
+            return body
         name = request.path_params["name"]
         if name != core.model_name:
             return unknown(name, OIP)
-        body = await core.read_body(request, OIP)
-        if isinstance(body, Response):
-            return body
         header_length = request.headers.get("inference-header-content-length")
         encoding = request.headers.get("content-encoding", "identity")
         wanted = {}

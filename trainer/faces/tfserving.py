@@ -115,12 +115,12 @@ def rest_routes(core: Core) -> list:
 
     async def predict(request):
         started = time.perf_counter()
+        body = await core.read_body(request, TFSERVING_REST)  # read first, whatever the answer
+        if isinstance(body, Response):
+            return body
         name = request.path_params["name"]
         if name != core.model_name:
             return unknown(name, TFSERVING_REST)
-        body = await core.read_body(request, TFSERVING_REST)
-        if isinstance(body, Response):
-            return body
         form = []
 
         def make():
