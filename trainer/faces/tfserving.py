@@ -151,12 +151,15 @@ def rest_routes(core: Core) -> list:
             return unknown(name)
         if core.live.version is None:
             return no_model()
-        version, signatures = _signature_map(core)
+        version = core.live.version
+        # TF Serving's SignatureDefMap in JSON, made without its package (the gRPC face's)
+        signature = _signature(version.base.schema, version.base.heads)
         return JSONResponse({
             "model_spec": {"name": core.model_name, "signature_name": "",
                            "version": str(version.number)},
-            "metadata": {"signature_def": json_format.MessageToDict(
-                signatures, preserving_proto_field_name=True)}})
+            "metadata": {"signature_def": {"signature_def": {
+                SIGNATURE: json_format.MessageToDict(signature,
+                                                     preserving_proto_field_name=True)}}}})
 
     return [Route("/v1/models/{name}:predict", predict, methods=["POST"]),
             Route("/v1/models/{name}/metadata", metadata, methods=["GET"]),
