@@ -125,6 +125,8 @@ def _values(name: str, flat: np.ndarray, sample_of) -> list:
         return flat.tolist()
     if kind in "OSU":
         out = flat.tolist()
+        if set(map(type, out)) <= {str}:  # JSON's strings (OIP): nothing to convert
+            return out
         for i, v in enumerate(out):
             if isinstance(v, bytes):
                 try:
