@@ -276,6 +276,8 @@ def test_tf_serving_grpc_predicts_tensors_and_names_the_served_version(service):
                                        "'colour'"),
     ({"uid": tf.make_tensor_proto(7, shape=[1 << 30])}, grpc.StatusCode.RESOURCE_EXHAUSTED,
      "input 'uid': more than"),
+    ({"uid": tf.make_tensor_proto(7, shape=[1 << 20])}, grpc.StatusCode.INVALID_ARGUMENT,
+     "input 'uid': its shape holds 1048576 values, it carries"),
 ])
 def test_tf_serving_grpc_refuses_bad_input_with_invalid_argument_naming_sample_and_column(
         service, tensors, code, words):

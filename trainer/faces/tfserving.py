@@ -167,8 +167,10 @@ def rest_routes(core: Core) -> list:
 
 
 def _tensor_array(name: str, proto, limit: int) -> np.ndarray:
-    """A TensorProto as an array; a shape above ``limit`` elements is refused before it is
-    made (one value may be repeated to any shape)."""
+    """A TensorProto as an array. A shape above ``limit`` elements, or holding more elements
+    than the tensor has bytes, is refused before it is made: every value sent costs a byte at
+    least, and a TensorProto's last value repeated over a large shape would cost the service
+    the memory the client did not send."""
     import tensorflow as tf
 
     if proto.tensor_shape.unknown_rank:
@@ -180,6 +182,10 @@ def _tensor_array(name: str, proto, limit: int) -> np.ndarray:
         count *= d.size
         if count > limit:
             raise BadRequest(f"input {name!r}: more than {limit} elements", status=413)
+    if count > proto.ByteSize():
+        raise BadRequest(f"input {name!r}: its shape holds {count} values, it carries "
+                         f"{proto.ByteSize()} bytes: give every value (the repetition of a "
+                         "tensor's last value is not read)")
     try:
         return tf.make_ndarray(proto)
     except Exception as e:  # noqa: BLE001 - whatever the proto's fault, the client's
