@@ -58,8 +58,8 @@ import traceback
 
 from compression import cli, fs
 from trainer import faces
-from trainer.faces import oip, tfserving
 from trainer.batching import Batcher
+from trainer.faces import oip, tfserving
 from trainer.requests import MAX_SAMPLES, BadRequest, scan_request
 
 PROG = "python -m trainer.serve"
@@ -150,7 +150,8 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     request's worker thread); ``max_queue_delay`` (s): how long the scoring thread waits for
     requests still being decoded before it calls the model. ``model_name``: the name the
     faces of other ecosystems' clients serve the model under (:mod:`trainer.faces`); their
-    gRPC server is started on ``app.state.core`` by :func:`trainer.faces.tfserving.grpc_server`."""
+    gRPC server is started on ``app.state.core`` by
+    :func:`trainer.faces.tfserving.grpc_server`."""
     from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry,
                                    disable_created_metrics, generate_latest)
     from starlette.applications import Starlette
@@ -329,11 +330,12 @@ class _ConnectionAnswered(Exception):
 
 class _AnswerGuard:
     """The app as uvicorn calls it. Every endpoint but the predict ones (``/v1/predict`` and
-    the faces', which read their own body, under ``--max-body-bytes``) answers without reading a body: the request's body is
-    read (and dropped) first, so that a body whose framing breaks (bad chunked encoding) ends
-    the request as a client gone, counted as status 499, instead of uvicorn answering 400
-    while the endpoint's answer is on its way and logging the clash. An answer the connection
-    still refuses is counted as 499 too, never logged with a traceback as the service's fault.
+    the faces', which read their own body, under ``--max-body-bytes``) answers without
+    reading a body: the request's body is read (and dropped) first, so that a body whose
+    framing breaks (bad chunked encoding) ends the request as a client gone, counted as status
+    499, instead of uvicorn answering 400 while the endpoint's answer is on its way and
+    logging the clash. An answer the connection still refuses is counted as 499 too, never
+    logged with a traceback as the service's fault.
     """
 
     def __init__(self, app, max_body_bytes: int):
@@ -459,8 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "(Prometheus); TF Serving's POST /v1/models/NAME:predict, GET "
                   "/v1/models/NAME[/metadata] (and its gRPC PredictionService with "
                   "--grpc-port); the Open Inference Protocol's POST /v2/models/NAME/infer, GET "
-                  "/v2/health/ready, /v2/health/live, /v2/models/NAME[/ready]. SIGTERM and Ctrl-C answer every accepted request, then exit "
-                  "0; SIGHUP reloads the full export.",
+                  "/v2/health/ready, /v2/health/live, /v2/models/NAME[/ready]. SIGTERM and "
+                  "Ctrl-C answer every accepted request, then exit 0; SIGHUP reloads the full "
+                  "export.",
             exit_codes=cli.SERVICE_EXIT_CODES))
     cli.add_debug_flag(parser)
     parser.add_argument("--export-dir", required=True,

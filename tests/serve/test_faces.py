@@ -419,8 +419,8 @@ def test_requests_of_every_face_arriving_together_share_one_model_call(service):
     expected = service.expected
     np.testing.assert_allclose(answers["rest"]["predictions"], expected[:3], rtol=2e-5,
                                atol=1e-7)
-    np.testing.assert_allclose([[p[h] for h in service.heads] for p in answers["own"]["predictions"]],
-                               expected[3:5], rtol=2e-5, atol=1e-7)
+    own = [[p[h] for h in service.heads] for p in answers["own"]["predictions"]]
+    np.testing.assert_allclose(own, expected[3:5], rtol=2e-5, atol=1e-7)
     np.testing.assert_allclose(tf.make_ndarray(answers["grpc"].outputs["probabilities"]),
                                expected[2:6], rtol=2e-5, atol=1e-7)
     np.testing.assert_allclose(answers["oip"].as_numpy("probabilities"), expected[1:7],
