@@ -7,7 +7,9 @@ this process, one LiveModel, one Batcher); answers are checked against the model
 same samples in process, refusals name the sample and the column, requests of every face
 arriving together share one model call. A last test runs the command with --grpc-port 0."""
 
+import asyncio
 import contextlib
+import json
 import re
 import signal
 import threading
@@ -437,6 +439,56 @@ def _wait(condition, what):
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.005)
+
+
+# --- before a model -----------------------------------------------------------------------------
+
+def _asgi(app, method, path, body=b""):
+    """``(status, JSON body)`` of ``app`` called as an ASGI server calls it."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "root_path": "", "query_string": b"", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 1),
+             "headers": [(b"content-length", str(len(body)).encode())]}
+    asyncio.run(app(scope, receive, send))
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(text) if text else None
+
+
+def test_before_a_model_is_loaded_every_face_answers_unavailable(tmp_path):
+    live = LiveModel(tmp_path / "export")  # nothing exported yet
+    app = build_app(live, model_name=NAME)
+    rpc, port = tfserving.grpc_server(app.state.core, "127.0.0.1", 0, 2)
+    try:
+        rows = json.dumps({"instances": SAMPLES}).encode()
+        for method, path, body in (("POST", f"/v1/models/{NAME}:predict", rows),
+                                   ("GET", f"/v1/models/{NAME}", b""),
+                                   ("GET", f"/v1/models/{NAME}/metadata", b""),
+                                   ("POST", f"/v2/models/{NAME}/infer", b'{"inputs": []}'),
+                                   ("GET", f"/v2/models/{NAME}", b""),
+                                   ("GET", f"/v2/models/{NAME}/ready", b""),
+                                   ("GET", "/v2/health/ready", b"")):
+            status, answer = _asgi(app, method, path, body)
+            assert status == 503, (path, answer)
+        assert _asgi(app, "GET", "/v2/health/live")[0] == 200  # alive is not ready
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Predict(_grpc_request(SAMPLES), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no model loaded yet" in refused.value.details()
+    finally:
+        rpc.stop(0).wait()
+        app.state.batcher.close()
+        live.close()
 
 
 # --- the command --------------------------------------------------------------------------------
