@@ -18,11 +18,14 @@ DEMO_SAMPLES ?= 500000
 install: $(STAMP)
 
 $(STAMP): setup.py pyproject.toml requirements.txt requirements-test.txt requirements-bench.txt \
-          $(NATIVE_SOURCES)
+          requirements-faces.txt $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 	$(UV) -q --compile-bytecode -r requirements.txt -r requirements-test.txt
 	$(UV) -q --compile-bytecode --no-deps -r requirements-bench.txt
+	@# the serving faces' protos and clients: --no-deps, so tensorflow-serving-api brings no
+	@# second TensorFlow (requirements-faces.txt)
+	$(UV) -q --compile-bytecode --no-deps -r requirements-faces.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 

@@ -28,7 +28,10 @@ baseline measured in the same run:
    candidates ranking requests for ``--seconds`` s at each concurrency, to the service with
    batching (its defaults) and without (``--max-batch-samples 0``): candidates/s against the
    in-process ``LiveModel.predict_tree`` on the same requests one after another (target >= 0.8x
-   at 32 clients), p50/p99 (target p99 <= 4x the 1-client p50), non-200 answers.
+   at 32 clients), p50/p99 (target p99 <= 4x the 1-client p50), non-200 answers. With
+   ``--face tfserving-rest`` or ``--face oip`` the same samples go to that face instead
+   (TF Serving REST ``instances``, Open Inference Protocol JSON tensors): flat samples, the
+   user's features in each, against the in-process ``LiveModel.predict`` of the same rows.
 Prints a table and a final JSON line.
 """
 
@@ -151,9 +154,11 @@ def load(service: Service, body: bytes, seconds: float, processes: int, threads:
 LOCUSTFILE = os.path.join(ROOT, "benchmarks", "serving_locustfile.py")
 
 
-def locust_load(service: Service, bodies: str, users: int, seconds: float, work: str) -> dict:
+def locust_load(service: Service, bodies: str, users: int, seconds: float, work: str,
+                path: str = "/v1/predict") -> dict:
     """``users`` locust clients (one process of its own, headless, keep-alive, no wait) for
-    ``seconds``: requests/s, p50/p99 of every request's latency and the non-200 answers."""
+    ``seconds``, posting to ``path``: requests/s, p50/p99 of every request's latency and the
+    non-200 answers."""
     times = os.path.join(work, f"locust-{users}.json")
     command = [os.path.join(os.path.dirname(sys.executable), "locust"), "-f", LOCUSTFILE,
                "--headless", "--users", str(users), "--spawn-rate", str(users * 100),
@@ -161,7 +166,8 @@ def locust_load(service: Service, bodies: str, users: int, seconds: float, work:
                f"http://{service.host}:{service.port}", "--only-summary", "--loglevel",
                "WARNING", "--stop-timeout", "30"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={
-        **os.environ, "PREFIXREC_BENCH_BODIES": bodies, "PREFIXREC_BENCH_TIMES": times})
+        **os.environ, "PREFIXREC_BENCH_BODIES": bodies, "PREFIXREC_BENCH_TIMES": times,
+        "PREFIXREC_BENCH_PATH": path})
     if not os.path.exists(times):
         raise RuntimeError(f"locust ended without a report (exit {done.returncode}):\n"
                            f"{done.stderr[-3000:]}")
@@ -174,6 +180,38 @@ def locust_load(service: Service, bodies: str, users: int, seconds: float, work:
     return {"users": users, "requests": len(ms), "non_200": report["non_200"],
             "requests_per_sec": len(ms) / report["seconds"],
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+# what each face's request of the concurrency part is: its path and its body
+FACE_PATHS = {"own": "/v1/predict", "tfserving-rest": "/v1/models/prefixrec:predict",
+              "oip": "/v2/models/prefixrec/infer"}
+
+
+def _face_body(face: str, schema, root: dict, candidates: list[dict]) -> dict:
+    """A ranking request as ``face`` sends it: the service's own tree, or flat samples (the
+    faces have no tree form) as TF Serving instances or OIP tensors (trainer/faces/)."""
+    if face == "own":
+        return {"root": root, "candidates": candidates}
+    rows = [{**root, **c} for c in candidates]
+    if face == "tfserving-rest":
+        return {"instances": rows}
+    tensors = []
+    for f in schema.features:
+        values = [r[f.name] for r in rows]
+        datatype = "BYTES" if f.dtype == "string" else "INT64"
+        if f.kind == "id":
+            tensors.append({"name": f.name, "shape": [len(rows)], "datatype": datatype,
+                            "data": values})
+        elif f.kind == "dense":
+            tensors.append({"name": f.name, "shape": [len(rows), f.dim], "datatype": "FP32",
+                            "data": values})
+        else:  # a ragged pair: all samples' values, each sample's count
+            flat = [v for value in values for v in value]
+            tensors += [{"name": f.name, "shape": [len(flat)], "datatype": datatype,
+                         "data": flat},
+                        {"name": f.name + "/row_lengths", "shape": [len(rows)],
+                         "datatype": "INT64", "data": [len(v) for v in values]}]
+    return {"inputs": tensors}
 
 
 def concurrency(args, schema, work: str) -> dict:
@@ -197,31 +235,38 @@ def concurrency(args, schema, work: str) -> dict:
     bodies = os.path.join(work, "bodies.jsonl")
     with open(bodies, "w") as f:
         for root, candidates in requests:
-            f.write(json.dumps({"root": root, "candidates": candidates}) + "\n")
+            f.write(json.dumps(_face_body(args.face, schema, root, candidates)) + "\n")
 
     live = LiveModel(export)
+
+    def bound(root, candidates):  # the same work in process: trees, or flat rows (faces)
+        if args.face == "own":
+            return live.predict_tree(root, candidates)
+        return live.predict([{**root, **c} for c in candidates])
+
     try:  # the bound: the same requests scored one after another in one thread
         for root, candidates in requests[:4]:
-            live.predict_tree(root, candidates)
+            bound(root, candidates)
         started, done = time.perf_counter(), 0
         while time.perf_counter() - started < args.seconds:
             for root, candidates in requests:
-                live.predict_tree(root, candidates)
+                bound(root, candidates)
                 done += len(candidates)
         in_process = done / (time.perf_counter() - started)
     finally:
         live.close()
 
-    result = {"candidates": args.load_candidates, "seconds": args.seconds,
+    result = {"candidates": args.load_candidates, "seconds": args.seconds, "face": args.face,
               "in_process_candidates_per_sec": in_process, "modes": {}}
     modes = {"batching": [], "no_batching": ["--max-batch-samples", "0"]}
     for mode, flags in modes.items():
         service = Service(export, *flags)
         try:
-            locust_load(service, bodies, 1, 1, work)  # warm
+            locust_load(service, bodies, 1, 1, work, FACE_PATHS[args.face])  # warm
             runs = {}
             for users in levels:
-                r = locust_load(service, bodies, users, args.seconds, work)
+                r = locust_load(service, bodies, users, args.seconds, work,
+                                FACE_PATHS[args.face])
                 r["candidates_per_sec"] = r["requests_per_sec"] * args.load_candidates
                 r["vs_in_process"] = r["candidates_per_sec"] / in_process
                 runs[str(users)] = r
@@ -250,8 +295,11 @@ def _scrape_batches(service: Service) -> dict:
 
 
 def _print_concurrency(c: dict) -> None:
-    print(f"  1 user x {c['candidates']} candidates, locust clients, {c['seconds']} s each; "
-          f"in-process LiveModel.predict_tree one after another: "
+    face = c.get("face", "own")
+    print(f"  1 user x {c['candidates']} candidates, locust clients, {c['seconds']} s each"
+          + ("" if face == "own" else f", face {face} (flat samples)") + "; in-process "
+          + ("LiveModel.predict_tree" if face == "own" else "LiveModel.predict")
+          + " one after another: "
           f"{c['in_process_candidates_per_sec']:,.0f} candidates/s")
     for mode, m in c["modes"].items():
         per_call = m["requests_per_call"]
@@ -534,6 +582,10 @@ def run(argv=None) -> dict:
                              "batching, against the in-process LiveModel")
     parser.add_argument("--load-candidates", type=int, default=100,
                         help="--concurrency: candidates per ranking request (default 100)")
+    parser.add_argument("--face", choices=sorted(FACE_PATHS), default="own",
+                        help="--concurrency: the protocol the clients speak (default own: "
+                             "/v1/predict ranking requests; tfserving-rest, oip: flat samples "
+                             "to that face)")
     parser.add_argument("--reload-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reload_child:

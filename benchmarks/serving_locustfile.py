@@ -1,6 +1,7 @@
 """The locust user of ``python -m benchmarks.serving --concurrency``: one keep-alive HTTP client
 (geventhttpclient) posting ranking requests back to back, no wait between them, taking the
-bodies in turn from the file named by ``PREFIXREC_BENCH_BODIES`` (one JSON body a line). When
+bodies in turn from the file named by ``PREFIXREC_BENCH_BODIES`` (one JSON body a line), to
+the path ``PREFIXREC_BENCH_PATH`` (default ``/v1/predict``; a face's, ``--face``). When
 the run stops, every request's latency (ms, as locust measured it, unrounded), the non-200
 answers and the run's seconds go to the JSON file named by ``PREFIXREC_BENCH_TIMES``.
 
@@ -18,6 +19,7 @@ from locust import FastHttpUser, constant, events, task
 
 with open(os.environ["PREFIXREC_BENCH_BODIES"], "rb") as f:
     BODIES = [line.rstrip(b"\n") for line in f if line.strip()]
+PATH = os.environ.get("PREFIXREC_BENCH_PATH", "/v1/predict")
 TIMES = {"ms": [], "non_200": 0, "started": None, "stopped": None}
 
 
@@ -50,5 +52,5 @@ class RankingClient(FastHttpUser):
 
     @task
     def rank(self):
-        self.client.post("/v1/predict", data=next(self.bodies),
+        self.client.post(PATH, data=next(self.bodies),
                          headers={"Content-Type": "application/json"}, name="rank")

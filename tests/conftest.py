@@ -84,6 +84,7 @@ SLOW_FIRST = (
     "tests/serve/test_serve_online.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_serving_benchmark_tiny",
     "tests/serve/test_serve.py",
+    "tests/serve/test_faces.py",
     "tests/serve/test_serve_bad_clients.py",
     "tests/trainer/test_train_out_s3.py",
     "tests/pipelines/test_compress_dask.py",
@@ -105,6 +106,8 @@ ONE_WORKER = {
     "tests/trainer/test_distributed.py::test_cli_": "distributed-cli",
     "tests/trainer/test_distributed.py::test_two_shards_two_workers": "distributed-fit",
     "tests/trainer/test_distributed.py::test_resharding": "distributed-fit",
+    # one service (a trained model, uvicorn and a gRPC server) for the module, built once
+    "tests/serve/test_faces.py": "serve-faces",
 }
 
 

@@ -76,7 +76,7 @@ def scan_request(body: bytes, max_samples: int = MAX_SAMPLES) -> RequestBody:
     try:
         envelope = scan_envelope(body, MEMBERS, max_depth=MAX_DEPTH, max_elements=max_samples)
     except MalformedJsonError as e:
-        raise BadRequest(_malformed(e)) from None
+        raise BadRequest(malformed_message(e)) from None
     if not envelope.is_object:
         raise BadRequest(f"the body must be a JSON object: {FORMS}")
     members = envelope.members
@@ -104,13 +104,15 @@ def scan_request(body: bytes, max_samples: int = MAX_SAMPLES) -> RequestBody:
                        None if root is None else (root.start, root.end))
 
 
-def _malformed(e: MalformedJsonError) -> str:
+def malformed_message(e: MalformedJsonError, items: dict | None = None) -> str:
     """A scan refusal's message: inside a sample (candidate, the root), the sample decoder's
-    reason for it, named by its place; elsewhere, where the body's JSON breaks."""
+    reason for it, named by its place; elsewhere, where the body's JSON breaks. ``items``:
+    the members that list samples and what one is called (default: samples and candidates)."""
+    items = items or {"samples": "sample", "candidates": "candidate"}
     if e.message is not None and not e.at_end and (
-            (e.member in ("samples", "candidates") and e.element >= 0) or
+            (e.member in items and e.element >= 0) or
             (e.member == "root" and e.element < 0)):
-        place = "root" if e.member == "root" else f"{e.member[:-1]} {e.element}"
+        place = "root" if e.member == "root" else f"{items[e.member]} {e.element}"
         if e.too_deep:
             return f"{place}: {e.what} at byte {e.offset - e.message}; the service reads at " \
                    f"most {MAX_DEPTH} levels"

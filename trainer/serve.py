@@ -25,6 +25,12 @@ Endpoints:
   connection is closed) is counted as status 499 in the requests metric, nothing logged; a
   client that stalls halfway is waited for (no read timeout: put a proxy with one in front of
   untrusted clients).
+- The faces other ecosystems' clients speak (:mod:`trainer.faces`), named by ``--model-name``:
+  TF Serving's REST ``POST /v1/models/NAME:predict`` (``{"instances": [...]}``),
+  ``GET /v1/models/NAME`` and ``/metadata``; with ``--grpc-port``, TF Serving's gRPC
+  ``PredictionService`` (``Predict``, ``GetModelMetadata``); the Open Inference Protocol (KServe
+  v2, Triton's clients) ``POST /v2/models/NAME/infer``, ``GET /v2/health/ready`` and the rest.
+  Their requests are decoded by the same decoder and batched with ``/v1/predict``'s.
 - ``GET /livez`` (200 while the process serves), ``GET /readyz`` (200 once a model is loaded and
   warmed, the newest published version is applied and, with ``--max-lag``, the freshness lag is
   under it; else 503 with the reason), ``GET /metrics`` (Prometheus), ``GET /v1/model``.
@@ -51,7 +57,9 @@ import time
 import traceback
 
 from compression import cli, fs
+from trainer import faces
 from trainer.batching import Batcher
+from trainer.faces import oip, tfserving
 from trainer.requests import MAX_SAMPLES, BadRequest, scan_request
 
 PROG = "python -m trainer.serve"
@@ -139,12 +147,16 @@ def _metrics(live, registry):
 
 def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX_BODY_BYTES,
               registry=None, max_batch_samples: int = MAX_BATCH_SAMPLES,
-              max_queue_delay: float = MAX_QUEUE_DELAY_MS / 1000):
+              max_queue_delay: float = MAX_QUEUE_DELAY_MS / 1000,
+              model_name: str = faces.DEFAULT_MODEL_NAME):
     """The Starlette app over a :class:`trainer.live.LiveModel` (and its metrics).
     ``max_batch_samples``: requests queued together are scored in one model call of up to
     that many samples (:mod:`trainer.batching`; 0: every request scored on its own, in the
     request's worker thread); ``max_queue_delay`` (s): how long the scoring thread waits for
-    requests still being decoded before it calls the model."""
+    requests still being decoded before it calls the model. ``model_name``: the name the
+    faces of other ecosystems' clients serve the model under (:mod:`trainer.faces`); their
+    gRPC server is started on ``app.state.core`` by
+    :func:`trainer.faces.tfserving.grpc_server`."""
     from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry,
                                    disable_created_metrics, generate_latest)
     from starlette.applications import Starlette
@@ -159,16 +171,16 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     registry = registry if registry is not None else CollectorRegistry()
     metrics = _metrics(live, registry)
 
-    def refuse(status, message):
+    def refuse(status, message, endpoint="predict"):
         """An error answer. ASCII JSON: a message quoting a client's text stays valid JSON
         whatever that text holds."""
-        metrics["requests"].labels("predict", str(status)).inc()
+        metrics["requests"].labels(endpoint, str(status)).inc()
         return Response(json.dumps({"error": message}), status_code=status,
                         media_type="application/json")
 
-    def work(body: bytes):
+    def work(make):
         """Decode and score, in a worker thread (a large JSON body is CPU work too)."""
-        request = scan_request(body, max_samples)
+        request = make()
         if live.version is None:
             raise BadRequest(f"no model loaded yet: {live.problem}", status=503)
         return live.predict_request(request)
@@ -183,67 +195,96 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     if max_batch_samples > 0:
         batcher = Batcher(live.predict_decoded, max_batch_samples, max_queue_delay, observe)
 
-    async def score(body: bytes):
-        """Decoded in a worker thread (per request: its own verdict), then scored there at
-        once if no model call runs, else queued for the scoring thread, which scores it with
-        the requests queued beside it."""
-        if batcher is None:
-            return await run_in_threadpool(work, body)
-        def decode_and_queue():
-            try:
-                decoded = live.decode(scan_request(body, max_samples))
-            except BaseException:
-                batcher.gone()
-                raise
-            # idle: scored here at once; else queued for the next model call
-            return batcher.score_or_submit(decoded, len(decoded), arrived=True)
+    def decode_and_queue(make):
+        """In a worker thread: the request ``make()`` gives (a
+        :class:`trainer.requests.RequestBody`, from any face) decoded, with its own verdict,
+        then scored here at once if no model call runs, else queued for the scoring thread,
+        which scores it with the requests queued beside it."""
+        try:
+            decoded = live.decode(make())
+        except BaseException:
+            batcher.gone()
+            raise
+        # idle: scored here at once; else queued for the next model call
+        return batcher.score_or_submit(decoded, len(decoded), arrived=True)
 
+    async def score(make):
+        """``(kind, probabilities, info)`` of the request ``make()`` gives, computed off the
+        event loop (on one version, batched with the requests of every face)."""
+        if batcher is None:
+            return await run_in_threadpool(work, make)
         batcher.arriving()
-        future = await run_in_threadpool(decode_and_queue)
+        future = await run_in_threadpool(decode_and_queue, make)
         return future.result() if future.done() else await asyncio.wrap_future(future)
 
-    async def predict(request):
-        started = time.perf_counter()
+    def score_blocking(make):
+        """As :func:`score`, for a thread that may block (the gRPC face's)."""
+        if batcher is None:
+            return work(make)
+        batcher.arriving()
+        return decode_and_queue(make).result()
+
+    async def read_body(request, endpoint="predict"):
+        """The request's body, or the refusal to send (413 above ``max_body_bytes``; 499, a
+        client gone before its body arrived)."""
         length = request.headers.get("content-length")
         # ASCII digits only: str.isdigit() also passes '²', which int() refuses
         if length is not None and length.isascii() and length.isdigit() and \
                 int(length) > max_body_bytes:
             return refuse(413, f"request body of {length} bytes; the limit is {max_body_bytes} "
-                               "(--max-body-bytes)")
+                               "(--max-body-bytes)", endpoint)
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > max_body_bytes:
                     return refuse(413, f"request body above {max_body_bytes} bytes "
-                                       "(--max-body-bytes)")
+                                       "(--max-body-bytes)", endpoint)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
-            metrics["requests"].labels("predict", "499").inc()
+            metrics["requests"].labels(endpoint, "499").inc()
             return Response(status_code=499)
+        return bytes(body)
+
+    async def answer(endpoint, started, make, render):
+        """A predict request of any HTTP face answered: ``make()`` (in a worker thread) gives
+        its :class:`trainer.requests.RequestBody`, ``render(kind, probabilities, info)`` the
+        200's Response; a refusal is the face's JSON ``{"error": ...}``."""
         metrics["in_flight"].inc()
         try:
-            kind, probabilities, info = await score(bytes(body))
+            kind, probabilities, info = await score(make)
+            response = render(kind, probabilities, info)
+        except BadRequest as e:
+            return refuse(e.status, str(e), endpoint)
+        except RawDataError as e:
+            return refuse(400, str(e), endpoint)
+        except Exception as e:  # noqa: BLE001 - a fault of ours (client input is refused above)
+            traceback.print_exc()
+            metrics["internal_errors"].inc()
+            return refuse(500, f"internal error: {type(e).__name__}: {e}", endpoint)
+        finally:
+            metrics["in_flight"].dec()
+        metrics["samples"].inc(len(probabilities))
+        metrics["latency"].labels(kind).observe(time.perf_counter() - started)
+        metrics["requests"].labels(endpoint, "200").inc()
+        return response
+
+    async def predict(request):
+        started = time.perf_counter()
+        body = await read_body(request)
+        if isinstance(body, Response):
+            return body
+
+        def render(kind, probabilities, info):
             heads = info["heads"]  # of the version that answered
             predictions = [dict(zip(heads, map(float, row))) for row in probabilities]
             lag = None if info["newest_sample_time"] is None else time.time() - info[
                 "newest_sample_time"]
-            response = JSONResponse({"predictions": predictions, "model": {
+            return JSONResponse({"predictions": predictions, "model": {
                 "lineage": info["lineage"], "version": info["version"], "step": info["step"],
                 "newest_sample_time": info["newest_sample_time"], "freshness_lag_s": lag}})
-        except BadRequest as e:
-            return refuse(e.status, str(e))
-        except RawDataError as e:
-            return refuse(400, str(e))
-        except Exception as e:  # noqa: BLE001 - a fault of ours (client input is refused above)
-            traceback.print_exc()
-            metrics["internal_errors"].inc()
-            return refuse(500, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            metrics["in_flight"].dec()
-        metrics["samples"].inc(len(predictions))
-        metrics["latency"].labels(kind).observe(time.perf_counter() - started)
-        metrics["requests"].labels("predict", "200").inc()
-        return response
+
+        return await answer("predict", started, lambda: scan_request(body, max_samples),
+                            render)
 
     async def livez(request):
         return Response("ok\n", media_type="text/plain")
@@ -270,15 +311,20 @@ def build_app(live, *, max_samples: int = MAX_SAMPLES, max_body_bytes: int = MAX
     async def prometheus(request):
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    core = faces.Core(live, model_name, max_samples, max_body_bytes, metrics, answer,
+                      score_blocking, read_body, refuse)
     app = Starlette(routes=[
         Route("/v1/predict", predict, methods=["POST"]),
         Route("/v1/model", model_info, methods=["GET"]),
         Route("/livez", livez, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        *tfserving.rest_routes(core),
+        *oip.routes(core),
     ])
     app.state.metrics = metrics
     app.state.batcher = batcher
+    app.state.core = core
     return _AnswerGuard(app, max_body_bytes)
 
 
@@ -288,25 +334,25 @@ class _ConnectionAnswered(Exception):
 
 
 class _AnswerGuard:
-    """The app as uvicorn calls it. Every endpoint but ``/v1/predict`` (which reads its own
-    body, under ``--max-body-bytes``) answers without reading a body: the request's body is
-    read (and dropped) first, so that a body whose framing breaks (bad chunked encoding) ends
-    the request as a client gone, counted as status 499, instead of uvicorn answering 400
-    while the endpoint's answer is on its way and logging the clash. An answer the connection
-    still refuses is counted as 499 too, never logged with a traceback as the service's fault.
+    """The app as uvicorn calls it. Every endpoint but the predict ones (``/v1/predict`` and
+    the faces', which read their own body, under ``--max-body-bytes``) answers without
+    reading a body: the request's body is read (and dropped) first, so that a body whose
+    framing breaks (bad chunked encoding) ends the request as a client gone, counted as status
+    499, instead of uvicorn answering 400 while the endpoint's answer is on its way and
+    logging the clash. An answer the connection still refuses is counted as 499 too, never
+    logged with a traceback as the service's fault.
     """
 
     def __init__(self, app, max_body_bytes: int):
         self.app, self.state, self.max_body_bytes = app, app.state, max_body_bytes
 
     def _client_gone(self, scope) -> None:
-        endpoint = "predict" if scope.get("path") == "/v1/predict" else "other"
-        self.state.metrics["requests"].labels(endpoint, "499").inc()
+        self.state.metrics["requests"].labels(_predict_endpoint(scope) or "other", "499").inc()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope.get("path") != "/v1/predict":
+        if _predict_endpoint(scope) is None:
             read = 0
             while read <= self.max_body_bytes:
                 message = await receive()
@@ -327,6 +373,12 @@ class _AnswerGuard:
             await self.app(scope, receive, guarded)
         except _ConnectionAnswered:
             self._client_gone(scope)
+
+
+def _predict_endpoint(scope) -> str | None:
+    """The metrics label of a predict endpoint (of any face: it reads its own body)."""
+    path = scope.get("path") or ""
+    return "predict" if path == "/v1/predict" else faces.predict_endpoint(path)
 
 
 def _after_body(receive):
@@ -411,8 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
             "curl -s localhost:8500/v1/predict -d '{\"root\": {\"user_id\": 7, ...}, "
             "\"candidates\": [{\"item_id\": 3, ...}, ...]}'",
             notes="Endpoints: POST /v1/predict, GET /v1/model, /livez, /readyz, /metrics "
-                  "(Prometheus). SIGTERM and Ctrl-C answer every accepted request, then exit "
-                  "0; SIGHUP reloads the full export.",
+                  "(Prometheus); TF Serving's POST /v1/models/NAME:predict, GET "
+                  "/v1/models/NAME[/metadata] (and its gRPC PredictionService with "
+                  "--grpc-port); the Open Inference Protocol's POST /v2/models/NAME/infer, GET "
+                  "/v2/health/ready, /v2/health/live, /v2/models/NAME[/ready]. SIGTERM and "
+                  "Ctrl-C answer every accepted request, then exit 0; SIGHUP reloads the full "
+                  "export.",
             exit_codes=cli.SERVICE_EXIT_CODES))
     cli.add_debug_flag(parser)
     parser.add_argument("--export-dir", required=True,
@@ -443,6 +499,17 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default {MAX_QUEUE_DELAY_MS}); a lone request never waits")
     parser.add_argument("--threads", type=int, default=8,
                         help="requests computed at once, off the event loop (default 8)")
+    parser.add_argument("--model-name", default=faces.DEFAULT_MODEL_NAME,
+                        help="the model's name on the faces of TF Serving and KServe clients "
+                             "(/v1/models/NAME:predict, /v2/models/NAME/infer, gRPC "
+                             f"model_spec.name; default {faces.DEFAULT_MODEL_NAME})")
+    parser.add_argument("--grpc-port", type=int,
+                        help="also answer TF Serving's gRPC PredictionService (Predict, "
+                             "GetModelMetadata) on this port (default: off; 0 picks a free "
+                             "one, printed on start)")
+    parser.add_argument("--grpc-threads", type=int, default=32,
+                        help="gRPC requests in flight at once (each waits for its model call "
+                             "in a thread of its own; default 32)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
     parser.add_argument("--memory-budget", metavar="SIZE",
                         help="keep about SIZE (e.g. 2GiB, 512MiB or bytes) of embedding rows "
@@ -457,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    for name in ("poll_interval", "max_samples", "max_body_bytes", "batch_size", "threads"):
+    for name in ("poll_interval", "max_samples", "max_body_bytes", "batch_size", "threads",
+                 "grpc_threads"):
         if getattr(args, name) <= 0:
             raise cli.UsageError(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(args, name)}")
@@ -467,6 +535,11 @@ def run(args) -> int:
         raise cli.UsageError(f"--max-lag must be positive, got {args.max_lag}")
     if not 0 <= args.port <= 65535:
         raise cli.UsageError(f"--port must be 0-65535, got {args.port}")
+    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+        raise cli.UsageError(f"--grpc-port must be 0-65535, got {args.grpc_port}")
+    if not args.model_name or "/" in args.model_name or ":" in args.model_name:
+        raise cli.UsageError(f"--model-name {args.model_name!r}: a non-empty name without '/' "
+                             "or ':'")
     budget, tier_dir = _memory_budget(args)
     if not fs.is_local(args.export_dir):
         fs.check_bucket(args.export_dir)  # the export itself may come later
@@ -523,7 +596,20 @@ def _serve(args, sock, live, log) -> int:
 
     app = build_app(live, max_samples=args.max_samples, max_body_bytes=args.max_body_bytes,
                     max_batch_samples=args.max_batch_samples,
-                    max_queue_delay=args.max_queue_delay_ms / 1000)
+                    max_queue_delay=args.max_queue_delay_ms / 1000, model_name=args.model_name)
+    grpc_server = None
+    if args.grpc_port is not None:
+        try:
+            grpc_server, grpc_port = tfserving.grpc_server(app.state.core, args.host,
+                                                       args.grpc_port, args.grpc_threads)
+        except ImportError as e:
+            raise cli.UsageError(f"--grpc-port needs tensorflow-serving-api ({e}): pip install "
+                                 "--no-deps -r requirements-faces.txt") from None
+        except RuntimeError as e:
+            raise cli.UsageError(f"cannot listen on {args.host}:{args.grpc_port} for gRPC "
+                                 f"({e}); pick another --grpc-port") from None
+        log(f"TF Serving gRPC (PredictionService, model {args.model_name!r}) on "
+            f"{args.host}:{grpc_port}")
     follower = Follower(live, args.poll_interval, app.state.metrics, log)
     signals = []
 
@@ -564,6 +650,8 @@ def _serve(args, sock, live, log) -> int:
     try:
         asyncio.run(serve())
     finally:
+        if grpc_server is not None:  # new calls refused; those accepted answered (30 s)
+            grpc_server.stop(30).wait()
         follower.stop.set()
         follower.thread.join(timeout=10)
         if app.state.batcher is not None:
