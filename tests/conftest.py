@@ -76,6 +76,7 @@ SLOW_FIRST = (
     "tests/online/test_online_tiers.py",
     "tests/trainer/test_startup_signals.py",
     "tests/benchmarks/test_tiny_benchmarks.py::test_online_benchmark_tiny",
+    "tests/benchmarks/test_tiers_end_to_end_tiny.py",
     "tests/online/test_checkpoint_crash_and_pv.py",
     "tests/online/test_online.py",
     "tests/test_commands.py::test_a_signal_stops_training",
