@@ -559,7 +559,9 @@ constexpr size_t kTierBlockRows = 16384;
 size_t EmbeddingStore::Impl::FaultIn(Shard& shard, const int64_t* ids, const uint32_t* hashes,
                                      size_t n, std::atomic<uint64_t>& counter) {
   if (!shard.tier || n == 0 || shard.tier->Count() == 0) return 0;
-  std::vector<uint8_t> block(n * row_bytes), found(n);
+  static thread_local std::vector<uint8_t> block, found;  // reused: no fresh pages per call
+  block.resize(n * row_bytes);
+  found.assign(n, 0);
   // Read, placed in memory, then erased from disk: a failure in between (a shard at its
   // maximum rows) leaves every row in exactly one tier.
   const size_t got = shard.tier->Get(ids, n, block.data(), found.data(), /*take=*/false);
@@ -610,7 +612,10 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
     int64_t id;
     uint32_t row;
   };
-  std::vector<Candidate> candidates;
+  // Kept per thread: a fresh vector of every row each eviction was mostly the kernel zeroing
+  // new pages (the allocator maps blocks this large anew each time).
+  static thread_local std::vector<Candidate> candidates;
+  candidates.clear();
   candidates.reserve(shard.size());
   const int64_t current_step = global_step.load();
   const bool lfu = options.eviction == EvictionKind::kLfu;
@@ -657,8 +662,10 @@ size_t EmbeddingStore::Impl::EvictToDisk(Shard& shard, const IdSet* pinned, cons
   }
   const size_t excess = chosen.size();
   if (excess == 0) return 0;
-  std::vector<int64_t> ids(excess);
-  std::vector<uint8_t> block(excess * row_bytes);
+  static thread_local std::vector<int64_t> ids;
+  static thread_local std::vector<uint8_t> block;
+  ids.resize(excess);
+  block.resize(excess * row_bytes);
   for (size_t i = 0; i < excess; ++i) {
     ids[i] = shard.IdOf(chosen[i]);
     std::memcpy(block.data() + i * row_bytes, shard.Row(chosen[i]), row_bytes);
