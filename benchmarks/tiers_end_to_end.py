@@ -12,8 +12,9 @@ On generated data (taobao_like, seeds 0 and 1), in the same run:
   left unbounded: a budget must hold a row per store shard). Runs alternate (unbounded,
   budgeted, budgeted, unbounded... ``--rounds``), each in a process of its own; reported:
   samples/s from result.json, their ratio (target >= 0.7x), eval AUC of each (equal: the
-  budgeted store is exact), the hit rate (1 - rows read from disk / ids looked up, over the
-  budgeted tables) and peak RSS of each run.
+  budgeted store is exact), the hit rate (1 - rows read back from disk / ids looked up, over
+  the budgeted tables; the reads counted whether the pipeline's prefetch or the lookup made
+  them) and peak RSS of each run.
 - ``trainer.serve`` on the unbounded run's export, all in memory and with ``--memory-budget`` a
   quarter of its tables' rows: 1 user x ``--candidates`` candidates ranking requests built from
   the eval data (so most users' rows are not in memory at first) from ``--clients`` locust
@@ -97,11 +98,14 @@ def train(args, work: str, data: dict, config: str | None, name: str) -> dict:
         result = json.load(f)
     tiers = result.get("tiers") or {}
     lookups = sum(t["lookups"] for t in tiers.values() if t.get("budget_bytes"))
-    faults = sum(t["faults"] for t in tiers.values() if t.get("budget_bytes"))
+    # rows read back from disk, by a lookup or update (faults) or ahead of it (prefetched)
+    faults = sum(t["faults"] + t["prefetched"] for t in tiers.values() if t.get("budget_bytes"))
+    prefetched = sum(t["prefetched"] for t in tiers.values() if t.get("budget_bytes"))
     summary = {"samples_per_sec": result["samples_per_sec"], "auc": result["auc"],
                "logloss": result["logloss"], "store_rows": result["store_rows"],
                "wall_seconds": seconds, "peak_rss_mib": ran["peak_rss_mib"],
                "hit_rate": 1 - faults / lookups if lookups else None,
+               "prefetched_share": prefetched / faults if faults else None,
                "disk_rows": sum(t["disk_rows"] for t in tiers.values()) if tiers else 0}
     shutil.rmtree(out, ignore_errors=True)
     return {"summary": summary, "export": export}
