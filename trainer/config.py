@@ -528,6 +528,20 @@ class TrainConfig:
             embedding=unbudgeted(self.embedding),
             tables=tuple((n, unbudgeted(t)) for n, t in self.tables))
 
+    def with_table_budgets(self, budgets: dict[str, int], tier_dir: str | None = None
+                           ) -> "TrainConfig":
+        """This config with exactly ``budgets`` (table -> bytes) as the tables' memory budgets
+        and no model budget (how trainer.serve splits ``--memory-budget`` once it knows the
+        tables' sizes)."""
+        entries = dict(self.tables)
+        for table, budget in budgets.items():
+            _check_int(f"tables.{table}.memory_budget", budget, 1)
+            entries[table] = dataclasses.replace(self.table(table),
+                                                 memory_budget_bytes=int(budget))
+        return dataclasses.replace(self, memory_budget_bytes=None,
+                                   tier_dir=tier_dir or self.tier_dir,
+                                   tables=tuple(entries.items()))
+
     @property
     def budgeted(self) -> bool:
         """Whether some table has a memory budget (so the run needs a tier directory)."""

@@ -514,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-budget", metavar="SIZE",
                         help="keep about SIZE (e.g. 2GiB, 512MiB or bytes) of embedding rows "
                              "in memory, the rest on local disk under --tier-dir; split over "
-                             "the tables in proportion to their bytes a row (default: every "
-                             "row in memory)")
+                             "the tables in proportion to their snapshots' bytes (default: "
+                             "every row in memory)")
     parser.add_argument("--tier-dir", metavar="DIR",
                         help="with --memory-budget: a directory on local disk for the rows "
                              "beyond it (default: under the service's temporary directory; "

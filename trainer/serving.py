@@ -312,17 +312,51 @@ def read_version_manifest(directory: str, version: int) -> dict:
     return manifest
 
 
+def serving_budgets(directory: str, config: TrainConfig, tables, shards: int | None,
+                    memory_budget: int) -> dict[str, int]:
+    """``memory_budget`` over the export's tables in proportion to the bytes of their
+    snapshots (so each table keeps the same share of its rows in memory: a big table does
+    not get a small one's share); a table whose share is below one row per store shard gets
+    that, and the others share the rest."""
+    sizes = {}
+    for table in tables:
+        parts = ([os.path.join(directory, "stores", table, f"shard-{i:04d}") for i in
+                  range(shards)] if shards else [os.path.join(directory, "stores", table)])
+        sizes[table] = sum(os.path.getsize(os.path.join(p, "store.snapshot")) for p in parts
+                           if os.path.exists(os.path.join(p, "store.snapshot")))
+    least = {t: tiers.min_budget(config.table(t).dim, config.table(t).optimizer) * (shards or 1)
+             for t in tables}
+    if memory_budget < sum(least.values()):
+        raise ConfigError(
+            f"--memory-budget {tiers.format_size(memory_budget)} cannot hold one row per store "
+            f"shard of every table; raise it to at least "
+            f"{tiers.format_size(sum(least.values()))}")
+    out, rest, left = {}, list(tables), memory_budget
+    while True:  # tables whose share is below their least get it, the rest share what is left
+        total = sum(sizes[t] for t in rest) or 1
+        small = [t for t in rest if left * sizes[t] // total < least[t]]
+        if not small:
+            out.update({t: left * sizes[t] // total for t in rest})
+            return out
+        for t in small:
+            out[t] = least[t]
+            left -= least[t]
+            rest.remove(t)
+
+
 def load_export_stores(directory: str, config: TrainConfig, tables, shards: int | None,
                        memory_budget: int | None = None, tier_dir: str | None = None) -> dict:
     """Every table's store of the export in ``directory`` (a :class:`ShardedStore` for a
     sharded export). With ``memory_budget`` (bytes, for the whole model) the stores load
-    into budgets: split over the tables in proportion to their bytes a row (the training
-    config's own budgets do not apply to serving) and over each table's shards, the rows
+    into budgets: split over the tables in proportion to their snapshots' bytes
+    (:func:`serving_budgets`; the training config's own budgets do not apply to serving) and
+    over each table's shards, the rows
     beyond them on local disk under ``tier_dir/<table>`` (default: a temporary directory
     removed at exit). A budget too small names ``--memory-budget`` and the size it needs."""
     configs = {t: None for t in tables}
     if memory_budget is not None:
-        serving = config.with_memory_budget(int(memory_budget))
+        serving = config.with_table_budgets(
+            serving_budgets(directory, config, tables, shards, int(memory_budget)))
         tier_dir = tier_dir or tiers.temporary_tier_dir()
         try:
             if shards:

@@ -2,6 +2,8 @@
 Predictor, the live model and the service answer from memory and disk what an all-in-memory
 copy answers, follow published versions, and show where the rows are in /metrics."""
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -13,7 +15,7 @@ import schemas
 from trainer import models, tiers
 from trainer.config import ConfigError, TrainConfig
 from trainer.live import LiveModel
-from trainer.serving import Predictor, export_increment
+from trainer.serving import Predictor, export_increment, serving_budgets
 from trainer.trainer import Trainer
 
 SCHEMA = schemas.from_dict({"name": "tier_serve", "labels": ["click"], "layers": [
@@ -70,12 +72,22 @@ def test_predictor_with_the_model_4x_its_budget_answers_as_all_in_memory(trained
     assert stats["item"]["faults"] > 0 and 0 < stats["item"]["hit_rate"] < 1
     assert sum(s["memory_rows"] + s["disk_rows"] for s in stats.values()) == \
         trainer.store_rows()
-    # split in proportion to the tables' row bytes (equal here): a third of the budget each
-    assert {t: s["budget_bytes"] for t, s in stats.items()} == dict.fromkeys(
-        ("uid", "age", "item"), quarter(trainer) // 3)
+    # split in proportion to the tables' snapshot bytes (a table's share of its rows the
+    # same), a small table at least one row per store shard
+    budgets = {t: s["budget_bytes"] for t, s in stats.items()}
+    sizes = {t: os.path.getsize(os.path.join(export, "stores", t, "store.snapshot"))
+             for t in budgets}
+    assert budgets["item"] > budgets["uid"] > budgets["age"]
+    least = tiers.min_budget(4, CONFIG.embedding.optimizer)
+    if budgets["age"] == least:  # the small table got its least, the others share the rest
+        left = quarter(trainer) - least
+        assert budgets["item"] == left * sizes["item"] // (sizes["item"] + sizes["uid"])
+    else:
+        assert budgets["item"] == quarter(trainer) * sizes["item"] // sum(sizes.values())
+    assert quarter(trainer) - 3 <= sum(budgets.values()) <= quarter(trainer)
     # a budget that cannot hold one row per store shard names the flag and the size
-    with pytest.raises(ConfigError, match=r"--memory-budget 1000 B: table \w+: its share of "
-                                          r"memory_budget is 333 bytes.*raise it to at least"):
+    with pytest.raises(ConfigError, match=r"--memory-budget 1000 B cannot hold one row per "
+                                          r"store shard of every table; raise it to at least"):
         Predictor(export, memory_budget=1000, tier_dir=str(tmp_path))
 
 
@@ -119,8 +131,10 @@ def test_service_with_a_memory_budget_answers_and_reports_tiers(trained, tmp_pat
         assert service.metric('prefixrec_serve_tier_disk_rows{table="item"}') > 0
         assert service.metric('prefixrec_serve_tier_faults_total{table="item"}') > 0
         assert 0 < service.metric('prefixrec_serve_tier_hit_ratio{table="item"}') < 1
+        budgets = serving_budgets(str(export), CONFIG, ("uid", "age", "item"), None,
+                                  quarter(trainer))
         assert service.metric('prefixrec_serve_tier_budget_bytes{table="uid"}') == \
-            quarter(trainer) // 3
+            budgets["uid"]
 
 
 @pytest.mark.parametrize("args, message", [
