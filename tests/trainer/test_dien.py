@@ -159,3 +159,49 @@ def test_spec_rebuilds_the_model():
     model = dien(aux_weight=0.5)
     again = models.from_spec(model.spec())
     assert isinstance(again, models.DIEN) and again.spec() == model.spec()
+
+
+def test_train_evaluate_and_export_with_the_command(seq_schema, raw, tmp_path):
+    """``trainer.train --model dien`` on raw files (trees built on the way), evaluated after
+    each epoch, exported; the export scores the eval data as the run did, and
+    ``trainer.evaluate`` gives the kept checkpoint's AUC."""
+    import json
+
+    import pyarrow.parquet as pq
+    from commands import in_process
+
+    from trainer.metrics import auc
+    from trainer.serving import Predictor
+    from trainer_data import auc_tolerance
+
+    schema_path = tmp_path / "schema.yaml"
+    schema_path.write_text(seq_schema.to_yaml())
+    pq.write_table(raw.slice(0, 1600), tmp_path / "train.parquet")
+    pq.write_table(raw.slice(1600), tmp_path / "eval.parquet")
+    config = tmp_path / "trainer.yaml"
+    config.write_text("embedding: {dim: 4}\n"
+                      "features: {clicked_cats: {table: cate}, cate_id: {table: cate}}\n")
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    out = in_process("trainer.train", "--schema", schema_path,
+                     "--train-data", tmp_path / "train.parquet",
+                     "--eval-data", tmp_path / "eval.parquet", "--config", config,
+                     "--model", "dien", "--hidden", "8", "--batch-size", "400", "--epochs", "2",
+                     "--no-progress", "--out", run_dir, "--export-dir", export)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["samples"] == 2 * 1600 and result["eval_samples"] == 400
+    assert [e["step"] for e in result["evaluations"]] == [4, 8]
+    assert 0.0 < result["auc"] < 1.0 and result["logloss"] > 0
+
+    evaluation = in_process("trainer.evaluate", "--run", run_dir,
+                            "--data", tmp_path / "eval.parquet", "--no-progress")
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    assert json.loads(evaluation.stdout.strip().splitlines()[-1])["auc"] == result["auc"]
+
+    eval_table = pq.read_table(tmp_path / "eval.parquet")
+    scores = Predictor(export).predict(eval_table)
+    labels = eval_table.column("click").to_numpy()
+    assert auc(scores, labels) == pytest.approx(result["auc"],
+                                                abs=auc_tolerance(scores, labels))
+    kept = Trainer.restore_run(run_dir)
+    assert isinstance(kept.model, models.DIEN) and kept.model.spec()["gru_units"] == 36
