@@ -91,6 +91,32 @@ def test_structured_and_flat_first_step_equal(seq_schema, trees):
                                rtol=1e-4, atol=1e-8)
 
 
+@pytest.mark.parametrize("compute", ["structured", "flat"])
+def test_the_sequence_runs_once_per_user_node_and_the_augru_once_per_ad_node(
+        seq_schema, trees, compute):
+    """What each recurrent layer runs on in one forward pass: structured, the extractor's
+    sequences are the batch's user nodes and the AUGRU's its ad nodes; flat, both run on every
+    leaf."""
+    batch = first_batch(seq_schema, trees)
+    trainer = Trainer(seq_schema, dien(), TrainConfig.from_dict(CONFIG).replace(compute=compute))
+    model, seen = trainer.model, {}
+    for part in ("extractor", "evolver"):
+        layer = getattr(model, part)
+
+        def recorded(x, mask, attention=None, layer=layer, part=part):
+            seen[part] = int(x.shape[0])
+            return layer(x, mask, attention)
+
+        object.__setattr__(model, part, recorded)   # around the real layer, for one call
+    feed = trainer.builder.lookup(trainer.prepare(batch), trainer.stores, train=False).feed
+    trainer.network.outputs(feed)
+    if compute == "structured":
+        assert seen == {"extractor": batch.layers[0].size, "evolver": batch.layers[1].size}
+        assert batch.layers[0].size < batch.layers[1].size < batch.num_leaves
+    else:
+        assert seen == {"extractor": batch.num_leaves, "evolver": batch.num_leaves}
+
+
 def test_the_auxiliary_loss_is_part_of_training_only(seq_schema, trees):
     batch = first_batch(seq_schema, trees)
     config = TrainConfig.from_dict(CONFIG)
