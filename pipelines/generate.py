@@ -655,11 +655,11 @@ class _Plan:
             rows.columns[name] = _id_array(pool.values(rank), f.dtype)
             if plan is self.taste_plan:
                 rows.taste_rank = rank
-        for time, sequence in self.sequence_of_time.items():
+        for time_column, sequence in self.sequence_of_time.items():
             inverse, times, offsets = rows.list_times[sequence]
             nodes = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
                                              pa.array(times, pa.int64()))
-            rows.columns[time] = nodes.take(pa.array(inverse.astype(np.int32)))
+            rows.columns[time_column] = nodes.take(pa.array(inverse.astype(np.int32)))
         return rows
 
     def _list_column(self, rows: _Rows, plan: _FeaturePlan, node: np.ndarray, is_root: bool):
@@ -671,8 +671,8 @@ class _Plan:
         ubase = (uniq // 2) if is_root else uniq
         # Sequences ordered by one time column share the lengths of the first of them (one
         # time per item).
-        time = f.sequence.time if f.sequence is not None else None
-        stream = self.sequence_of_time[time] if time else f.name
+        time_column = f.sequence.time if f.sequence is not None else None
+        stream = self.sequence_of_time[time_column] if time_column else f.name
         empty = r.uniform(f"len0:{stream}", ubase) < _LIST_EMPTY
         length = np.ceil(np.exp(_LIST_LOG_MEAN + _LIST_LOG_SIGMA *
                                 r.normal(f"len:{stream}", ubase))).astype(np.int64)
@@ -690,12 +690,12 @@ class _Plan:
                                    pool.exponent)
                 values, offsets = _append_one(values, offsets, late, extra)
         rows.list_parts[f.name] = (inverse, values, offsets)   # true order: oldest first
-        if time is not None:
+        if time_column is not None:
             # Stored in a shuffled order (the same for every sequence of this time column);
             # the times say the true one: an hour apart, from a start of the owner's own.
-            stored = np.lexsort((r.uniform(f"store:{time}", owner, position),
+            stored = np.lexsort((r.uniform(f"store:{time_column}", owner, position),
                                  np.repeat(np.arange(len(length)), length)))
-            start = r.bits(f"t0:{time}", ubase) % np.uint64(365 * 86400)
+            start = r.bits(f"t0:{time_column}", ubase) % np.uint64(365 * 86400)
             times = (_EPOCH_2024_S + np.repeat(start.astype(np.int64), length)
                      + 3600 * position)
             values = values[stored]

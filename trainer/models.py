@@ -463,6 +463,13 @@ class DeepFM(DenseNet):
                 "activation": self.activation_name, "label": self.label}
 
 
+class _Outputs(dict):
+    """A forward pass's logits per head, with the auxiliary loss of the same pass (what the
+    model's ``loss`` adds; 0 when the pass computed none)."""
+
+    aux_loss = 0.0
+
+
 class DIEN(DenseNet):
     """Deep Interest Evolution Network (Zhou et al., AAAI 2019), then the MLP.
 
@@ -505,7 +512,6 @@ class DIEN(DenseNet):
         self.activation_name, self.label = activation, label
         self.extractor = self.attention_kernel = None
         self.tower = _Tower(self.hidden, activation)
-        self._aux_loss = 0.0
 
     def check(self, schema):
         """Raise ValueError unless the schema has the behaviour sequence and the query."""
@@ -539,8 +545,8 @@ class DIEN(DenseNet):
         mask = tf.sequence_mask(lengths, tf.shape(x)[1])
         states = self.extractor(x, mask)                     # once per b_level node
         # (the first call builds the auxiliary network's variables, whatever the mode)
-        self._aux_loss = (self._auxiliary_loss(inputs, b_level, x, lengths, mask, states)
-                          if (inputs.training or first) and self.aux_weight else 0.0)
+        aux_loss = (self._auxiliary_loss(inputs, b_level, x, lengths, mask, states)
+                    if (inputs.training or first) and self.aux_weight else 0.0)
         index = inputs.ancestor_index(b_level, q_level)
         if index is not None:                                # to the query's nodes
             states, mask = tf.gather(states, index), tf.gather(mask, index)
@@ -553,8 +559,10 @@ class DIEN(DenseNet):
         scores = tf.where(mask, scores, tf.fill(tf.shape(scores), -1e9))
         weights = tf.nn.softmax(scores, axis=1) * tf.cast(mask, scores.dtype)
         interest = self.evolver(states, mask, attention=weights)[:, -1, :]   # per q node
-        logits = self.tower(inputs, extra={q_level: [interest]})
-        return {self.label or inputs.label_names[0]: logits}
+        outputs = _Outputs({self.label or inputs.label_names[0]:
+                            self.tower(inputs, extra={q_level: [interest]})})
+        outputs.aux_loss = aux_loss
+        return outputs
 
     def _auxiliary_loss(self, inputs, b_level, x, lengths, mask, states):
         """The next-behaviour loss per node of the behaviour's layer, averaged over the leaves
@@ -591,9 +599,10 @@ class DIEN(DenseNet):
         return tf.reduce_sum(per_node * counts) / leaves
 
     def loss(self, outputs, labels):
-        """The click log loss plus ``aux_weight`` times the auxiliary loss of the same
-        training forward pass (none outside training)."""
-        return super().loss(outputs, labels) + self.aux_weight * self._aux_loss
+        """The click log loss plus ``aux_weight`` times the auxiliary loss of the forward
+        pass that gave ``outputs`` (none outside training)."""
+        return (super().loss(outputs, labels)
+                + self.aux_weight * getattr(outputs, "aux_loss", 0.0))
 
     def spec(self):
         return {"name": "dien", "behaviour": self.behaviour, "query": self.query,

@@ -47,7 +47,7 @@ class GRU(keras.layers.Layer):
     def __call__(self, x, mask, attention=None):
         if self.kernel is None:
             self._build(int(x.shape[-1]))
-        n, units = self.units, self.units
+        n = self.units
         # [steps, nodes, ...]: the scan runs over the first axis
         projected = tf.transpose(tf.einsum("ntd,dk->ntk", x, self.kernel) + self.bias,
                                  [1, 0, 2])
@@ -55,7 +55,7 @@ class GRU(keras.layers.Layer):
         if attention is not None:
             steps.append(tf.transpose(attention))
         recurrent = self.recurrent
-        initial = tf.zeros([tf.shape(x)[0], units], x.dtype)
+        initial = tf.zeros([tf.shape(x)[0], n], x.dtype)
 
         def step(h, inputs):
             xw, keep = inputs[0], inputs[1][:, None]
