@@ -188,8 +188,8 @@ def test_spec_rebuilds_the_model():
 
 
 def test_train_evaluate_and_export_with_the_command(seq_schema, raw, tmp_path):
-    """``trainer.train --model dien`` on raw files (trees built on the way), evaluated after
-    each epoch, exported; the export scores the eval data as the run did, and
+    """``trainer.train --model dien`` with trainer/examples/dien.yaml on raw files (trees
+    built on the way), evaluated after each epoch, exported; the export scores the eval data as the run did, and
     ``trainer.evaluate`` gives the kept checkpoint's AUC."""
     import json
 
@@ -204,9 +204,7 @@ def test_train_evaluate_and_export_with_the_command(seq_schema, raw, tmp_path):
     schema_path.write_text(seq_schema.to_yaml())
     pq.write_table(raw.slice(0, 1600), tmp_path / "train.parquet")
     pq.write_table(raw.slice(1600), tmp_path / "eval.parquet")
-    config = tmp_path / "trainer.yaml"
-    config.write_text("embedding: {dim: 4}\n"
-                      "features: {clicked_cats: {table: cate}, cate_id: {table: cate}}\n")
+    config = os.path.join(ROOT, "trainer", "examples", "dien.yaml")
     run_dir, export = tmp_path / "run", tmp_path / "export"
     out = in_process("trainer.train", "--schema", schema_path,
                      "--train-data", tmp_path / "train.parquet",
@@ -231,3 +229,5 @@ def test_train_evaluate_and_export_with_the_command(seq_schema, raw, tmp_path):
                                                 abs=auc_tolerance(scores, labels))
     kept = Trainer.restore_run(run_dir)
     assert isinstance(kept.model, models.DIEN) and kept.model.spec()["gru_units"] == 36
+    assert set(kept.stores) == {"cate", "user_id", "age_level", "gender", "ad_id", "brand_id",
+                                "creative_id", "pid", "hour"}   # no table of clicked_times
