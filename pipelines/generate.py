@@ -17,7 +17,13 @@ see in production:
 * the labels come from a planted logistic model over hidden per-id weights (plus a user x
   category interaction, the behaviour lists and the dense features); its bias is tuned so the
   click rate is close to ``ctr``; further labels are ESMM-like funnels (conversion = click AND
-  Bernoulli(p_cvr)). The Bayes-optimal AUC of the true probabilities is written to ``_truth.json``.
+  Bernoulli(p_cvr)). The Bayes-optimal AUC of the true probabilities is written to ``_truth.json``;
+* with ``sequential`` > 0 the click also depends on the ORDER of a user's behaviour sequence (an
+  ``ids`` feature the schema declares ``sequence``): interest drift, the target ad's category
+  matched against the user's recent behaviours more than the older ones (see
+  :meth:`_Plan.sequence_term`). ``_truth.json`` then also holds the order-blind Bayes AUC: the
+  best a model that sees the behaviours as a bag can reach. A sequence with a time column is
+  stored shuffled, its time column giving the true order.
 
 Every random value is a hash of (seed, what it is, which row/node it belongs to), a counter-based
 RNG: any part of the stream can be built on its own, so chunking and sharding never change the
@@ -88,6 +94,14 @@ _LIST_LOG_MEAN, _LIST_LOG_SIGMA, _LIST_MAX = 2.0, 0.9, 400
 _TASTE_GROUPS = 32
 # Rows used to calibrate the planted model's bias and gain.
 _PILOT_ROWS = 100_000
+# The sequential signal: hidden category vectors of this dimension; the i-th most recent
+# behaviour weighs _SEQUENCE_DECAY ** i (the last ~3 carry most of it); shuffles averaged for
+# the order-blind Bayes AUC.
+_SEQUENCE_DIM = 4
+_SEQUENCE_DECAY = 0.5
+_ORDER_BLIND_SHUFFLES = 16
+# A time column's times: seconds from 2024-01-01 UTC, one behaviour an hour at most.
+_EPOCH_2024_S = 1_704_067_200
 
 
 # --- counter-based random numbers -----------------------------------------------------------
@@ -242,6 +256,7 @@ class _Rows:
     ranks: dict = field(default_factory=dict)         # id feature -> int64 rank per row
     list_parts: dict = field(default_factory=dict)    # ids -> (node of row, values, offsets)
     dense: dict = field(default_factory=dict)         # dense feature -> float32[n, dim]
+    list_times: dict = field(default_factory=dict)    # time column -> its values, stored order
     user: np.ndarray | None = None
     root_node: np.ndarray | None = None               # user * 2 + version
     row_id: np.ndarray | None = None
@@ -253,11 +268,12 @@ class _Plan:
     and the planted model's calibrated bias and gain per label."""
 
     def __init__(self, schema: Schema, samples: int, seed: int, samples_per_user: float,
-                 ctr: float):
+                 ctr: float, sequential: float = 0.0):
         self.schema = schema
         self.samples = samples
         self.seed = seed
         self.ctr = ctr
+        self.sequential = float(sequential)
         self.rand = _Random(seed)
         self.num_layers = len(schema.layers)
         flat = self.num_layers == 1
@@ -267,6 +283,7 @@ class _Plan:
         self.ad_vocab = int(min(5_000_000, max(1000, samples // 8)))
         self._build_pageviews(flat)
         self._build_features()
+        self.sequence_plan, self.query_plan = self._sequence_signal()
         self._calibrate()
 
     # -- users and pageviews --
@@ -346,10 +363,16 @@ class _Plan:
         for plan in self.plans:
             if plan.role == "list":
                 plan.pool = self._list_pool(plan.feature.name)
+        self.sequence_of_time = {}  # time column -> the first sequence it orders
+        for f in schema.sequences:
+            if f.sequence.time is not None:
+                self.sequence_of_time.setdefault(f.sequence.time, f.name)
         # The one user feature that changes mid-stream for ~1% of users: prefer an age-like id.
         self.changed: _FeaturePlan | None = None
         if L > 1:
-            candidates = [p for p in self.plans if p.layer == 0 and p.role not in ("key",)]
+            # (not a list that shares its length with a time column)
+            candidates = [p for p in self.plans if p.layer == 0 and p.role not in (
+                "key", "list_time") and not (p.feature.sequence and p.feature.sequence.time)]
             def preference(p):
                 return p.feature.kind != "id", not any(
                     t.startswith("age") for t in _tokens(p.feature.name))
@@ -367,6 +390,8 @@ class _Plan:
             return _FeaturePlan(f, li, "dense", scale=0.25,
                                 price_like=any(t.startswith(w) for t in toks for w in _PRICE_WORDS))
         if f.kind == "ids":
+            if name in self.schema.time_columns:
+                return _FeaturePlan(f, li, "list_time")   # the times of a sequence's items
             return _FeaturePlan(f, li, "list", scale=0.6)
         pool = self.layer_pools[li]
         if key and name == key[0]:
@@ -411,6 +436,29 @@ class _Plan:
                 if p.role == "key" and p.layer > 0:
                     return p.pool
         return _Pool(name, max(10, self._vocab(stem, self.ad_vocab)), 1.0)
+
+    def _sequence_signal(self):
+        """The sequence and the target id of the sequential signal (None, None without one)."""
+        if not self.sequential:
+            return None, None
+        schema = self.schema
+        by_name = {p.feature.name: p for p in self.plans}
+        sequences = [by_name[f.name] for f in schema.sequences
+                     if schema.layer_index(f.name) == 0]
+        if self.num_layers < 2 or not sequences:
+            raise ValueError(
+                "sequential: the schema declares no behaviour sequence on its first (user) "
+                "layer; mark an ids feature of it `sequence: true` (e.g. clicked_cats) and give "
+                "the schema a layer below with the id it draws from (e.g. cate_id)")
+        for seq in sequences:
+            queries = [p for p in self.plans if p.layer > 0 and p.feature.kind == "id"
+                       and p.pool is seq.pool]
+            if queries:
+                return seq, queries[0]
+        raise ValueError(
+            f"sequential: no id feature below the user layer draws from the pool of the "
+            f"sequence {sequences[0].feature.name!r}, so no ad can match its behaviours; name "
+            "them alike (clicked_cats and cate_id)")
 
     # -- the planted model --
 
@@ -457,6 +505,8 @@ class _Plan:
                 seg = np.repeat(np.arange(len(lengths)), lengths)
                 mean = np.bincount(seg, w, minlength=len(lengths)) / np.maximum(lengths, 1)
                 out += plan.scale * mean[node]
+            elif plan.role == "list_time":
+                continue  # times order a sequence; the sequential term reads that order
             elif plan.role == "dense":
                 x = rows.dense[name].astype(np.float64)
                 if plan.price_like:
@@ -468,7 +518,49 @@ class _Plan:
         if rows.taste_rank is not None:
             group = r.bits("taste", rows.user) % np.uint64(_TASTE_GROUPS)
             out += 0.7 * r.normal(f"{tag}:taste", group, rows.taste_rank)
+        if self.sequence_plan is not None and label == 0:
+            out += self.sequential * self.sequence_term(rows)
         return out
+
+    def sequence_term(self, rows: _Rows, shuffle: int | None = None) -> np.ndarray:
+        """Interest drift: ``<v(target), sum_i decay^i v(b_i)> / sqrt(dim)`` per row, where
+        ``b_0`` is the user's most recent behaviour, ``b_1`` the one before... and ``v`` a
+        hidden normal vector per category rank (the target is the query id of the row's ad,
+        from the same pool). Its std is about 1.15 on long lists, and a bag of the
+        behaviours cannot tell which are recent. ``shuffle=k``: the same with the
+        behaviours in the k-th random order (what a model blind to order could at best
+        assume)."""
+        r, name = self.rand, self.sequence_plan.feature.name
+        node, values, offsets = rows.list_parts[name]
+        lengths = np.diff(offsets)
+        seg = np.repeat(np.arange(len(lengths)), lengths)
+        start = np.repeat(offsets[:-1], lengths)
+        rank = np.arange(len(values)) - start          # position in the list, oldest first
+        if shuffle is not None:
+            key = r.uniform(f"blind:{shuffle}", seg, rank)
+            order = np.lexsort((key, seg))
+            shuffled = np.empty_like(rank)
+            shuffled[order] = rank
+            rank = shuffled
+        decay = _SEQUENCE_DECAY ** (lengths[seg] - 1 - rank)
+        salt = f"seq:{self.query_plan.feature.name}"
+        dims = np.arange(_SEQUENCE_DIM)
+        vectors = r.normal(salt, values[:, None], dims[None, :])
+        interest = np.stack([np.bincount(seg, decay * vectors[:, k], minlength=len(lengths))
+                             for k in dims], axis=1)
+        target = r.normal(salt, rows.ranks[self.query_plan.feature.name][:, None], dims[None, :])
+        return (interest[node] * target).sum(axis=1) / math.sqrt(_SEQUENCE_DIM)
+
+    def order_blind_probability(self, rows: _Rows) -> np.ndarray:
+        """The first label's probability as a model that sees the sequence as a bag could know
+        it at best: the true probability averaged over random orders of the behaviours (every
+        order of a bag is equally likely: the items are drawn independently)."""
+        base = self.raw_logit(rows, 0) - self.sequential * self.sequence_term(rows)
+        total = np.zeros(rows.n)
+        for k in range(_ORDER_BLIND_SHUFFLES):
+            logit = base + self.sequential * self.sequence_term(rows, shuffle=k)
+            total += _sigmoid(self.bias[0] + self.gain[0] * logit)
+        return total / _ORDER_BLIND_SHUFFLES
 
     # -- rows --
 
@@ -540,6 +632,8 @@ class _Plan:
             if plan.role == "list":
                 self._list_column(rows, plan, node if li < L - 1 else row_id, li == 0 < L - 1)
                 continue
+            if plan.role == "list_time":
+                continue  # made with the first sequence it orders, below
             pool = plan.pool
             if plan.role == "key":
                 rank = node
@@ -561,6 +655,11 @@ class _Plan:
             rows.columns[name] = _id_array(pool.values(rank), f.dtype)
             if plan is self.taste_plan:
                 rows.taste_rank = rank
+        for time_column, sequence in self.sequence_of_time.items():
+            inverse, times, offsets = rows.list_times[sequence]
+            nodes = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                             pa.array(times, pa.int64()))
+            rows.columns[time_column] = nodes.take(pa.array(inverse.astype(np.int32)))
         return rows
 
     def _list_column(self, rows: _Rows, plan: _FeaturePlan, node: np.ndarray, is_root: bool):
@@ -570,9 +669,13 @@ class _Plan:
         uniq, inverse = np.unique(key, return_inverse=True)
         # The list is a function of the node (for users: without the version bit).
         ubase = (uniq // 2) if is_root else uniq
-        empty = r.uniform(f"len0:{f.name}", ubase) < _LIST_EMPTY
+        # Sequences ordered by one time column share the lengths of the first of them (one
+        # time per item).
+        time_column = f.sequence.time if f.sequence is not None else None
+        stream = self.sequence_of_time[time_column] if time_column else f.name
+        empty = r.uniform(f"len0:{stream}", ubase) < _LIST_EMPTY
         length = np.ceil(np.exp(_LIST_LOG_MEAN + _LIST_LOG_SIGMA *
-                                r.normal(f"len:{f.name}", ubase))).astype(np.int64)
+                                r.normal(f"len:{stream}", ubase))).astype(np.int64)
         length = np.where(empty, 0, np.minimum(length, _LIST_MAX))
         offsets = np.concatenate([[0], np.cumsum(length)])
         owner = np.repeat(ubase, length)
@@ -586,7 +689,17 @@ class _Plan:
                 extra = _zipf_rank(r.uniform(f"late:{f.name}", ubase[late]), pool.vocab,
                                    pool.exponent)
                 values, offsets = _append_one(values, offsets, late, extra)
-        rows.list_parts[f.name] = (inverse, values, offsets)
+        rows.list_parts[f.name] = (inverse, values, offsets)   # true order: oldest first
+        if time_column is not None:
+            # Stored in a shuffled order (the same for every sequence of this time column);
+            # the times say the true one: an hour apart, from a start of the owner's own.
+            stored = np.lexsort((r.uniform(f"store:{time_column}", owner, position),
+                                 np.repeat(np.arange(len(length)), length)))
+            start = r.bits(f"t0:{time_column}", ubase) % np.uint64(365 * 86400)
+            times = (_EPOCH_2024_S + np.repeat(start.astype(np.int64), length)
+                     + 3600 * position)
+            values = values[stored]
+            rows.list_times[f.name] = (inverse, times[stored], offsets)
         nodes = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
                                          _id_array(pool.values(values), f.dtype))
         rows.columns[f.name] = nodes.take(pa.array(inverse.astype(np.int32)))
@@ -683,7 +796,7 @@ def _carried_column(carried, row_id: np.ndarray) -> pa.Array:
     return pa.array(row_id).cast(carried.raw_arrow_type())
 
 
-def _check(schema, samples, seed, samples_per_user, ctr, chunk_rows):
+def _check(schema, samples, seed, samples_per_user, ctr, chunk_rows, sequential=0.0):
     if not isinstance(schema, Schema):
         raise TypeError(f"schema: expected a schemas.Schema, got {type(schema).__name__}; "
                         "load one with schemas.load(path)")
@@ -698,11 +811,16 @@ def _check(schema, samples, seed, samples_per_user, ctr, chunk_rows):
         raise ValueError(f"ctr: expected a click rate strictly between 0 and 1, got {ctr!r}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected a positive integer, got {chunk_rows!r}")
+    if isinstance(sequential, bool) or not isinstance(sequential, (int, float)) or not (
+            0.0 <= sequential < math.inf):
+        raise ValueError(f"sequential: expected the strength of the sequential signal, a "
+                         f"number >= 0 (0: none), got {sequential!r}")
 
 
-def _stream(schema, samples, seed, samples_per_user, ctr, chunk_rows):
-    _check(schema, samples, seed, samples_per_user, ctr, chunk_rows)
-    plan = _Plan(schema, int(samples), int(seed), float(samples_per_user), float(ctr))
+def _stream(schema, samples, seed, samples_per_user, ctr, chunk_rows, sequential=0.0):
+    _check(schema, samples, seed, samples_per_user, ctr, chunk_rows, sequential)
+    plan = _Plan(schema, int(samples), int(seed), float(samples_per_user), float(ctr),
+                 sequential)
     for pvs in plan.chunks(chunk_rows):
         rows = plan.rows(pvs)
         labels, probs = plan.labels(rows)
@@ -713,7 +831,7 @@ def generate_tables(schema: Schema, samples: int, seed: int = 0, *,
                     samples_per_user: float = DEFAULT_SAMPLES_PER_USER, ctr: float = DEFAULT_CTR,
                     chunk_rows: int = DEFAULT_CHUNK_ROWS,
                     with_probabilities: bool = False,
-                    with_hidden: bool = False) -> Iterator[pa.Table]:
+                    with_hidden: bool = False, sequential: float = 0.0) -> Iterator[pa.Table]:
     """Yield the ``samples`` rows in time order as tables of about ``chunk_rows`` rows.
 
     Columns are exactly ``schema.raw_arrow_schema()``; with ``with_probabilities`` each table
@@ -722,13 +840,19 @@ def generate_tables(schema: Schema, samples: int, seed: int = 0, *,
     also ends with an int64 column ``h_taste_cross``: the planted interaction's hidden token,
     ``taste group * 2^32 + the category's rank`` (what a model given the generator's hidden
     features would know; null when the schema has no interaction). Memory holds one chunk
-    plus a per-pageview plan of about 7 bytes per sample.
+    plus a per-pageview plan of about 7 bytes per sample. ``sequential``: the strength of the
+    sequential signal (0: none; the module's docstring); with it and ``with_probabilities``,
+    also ``p_<label>_order_blind`` for the first label (:meth:`_Plan.order_blind_probability`).
     """
     for plan, rows, table, _, probs in _stream(schema, samples, seed, samples_per_user, ctr,
-                                               chunk_rows):
+                                               chunk_rows, sequential):
         if with_probabilities:
             for name in schema.labels:
                 table = table.append_column(f"p_{name}", pa.array(probs[name], pa.float64()))
+            if plan.sequence_plan is not None:
+                table = table.append_column(
+                    f"p_{schema.labels[0]}_order_blind",
+                    pa.array(plan.order_blind_probability(rows), pa.float64()))
         if with_hidden:
             cross = None
             if rows.taste_rank is not None:
@@ -794,7 +918,7 @@ def taste_oracles(schema: Schema, samples: int, seed: int = 0, *, train_rows: in
 def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int = 0, *,
              shards: int | None = None, samples_per_user: float = DEFAULT_SAMPLES_PER_USER,
              ctr: float = DEFAULT_CTR, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-             progress: bool = False) -> dict:
+             progress: bool = False, sequential: float = 0.0) -> dict:
     """Write ``out_dir/part-00000.parquet``... (zstd) and ``out_dir/_truth.json``; return the truth.
 
     ``shards`` defaults to one file per ~500k rows. Files are written under a temporary name and
@@ -805,8 +929,12 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
     file is then one object that appears complete when it is closed, written in place (the
     command writes into the hidden generation of a :class:`compression.fs.StagedObjectOutput`,
     published by its manifest at the end).
+
+    ``sequential`` > 0 plants the sequential signal (the module's docstring); the truth then
+    has ``sequential``: its strength, sequence and target feature, and
+    ``order_blind_bayes_auc``, the best AUC of a model that sees the sequence as a bag.
     """
-    _check(schema, samples, seed, samples_per_user, ctr, chunk_rows)
+    _check(schema, samples, seed, samples_per_user, ctr, chunk_rows, sequential)
     samples = int(samples)
     if shards is None:
         shards = max(1, math.ceil(samples / DEFAULT_ROWS_PER_SHARD))
@@ -825,6 +953,7 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
     probs_all = {name: np.empty(samples, np.float32) for name in schema.labels}
     labels_all = {name: np.empty(samples, bool) for name in schema.labels}
     root_counts = None
+    blind = None   # the order-blind probability of the first label, with a sequential signal
     written = 0
     # Parquet encoding (zstd) releases the GIL: one writer thread overlaps it with generating
     # the next chunk. Waiting for the previous write first keeps at most two chunks in memory.
@@ -835,13 +964,17 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
         # made inside the try, so that an interrupt closes it (ends its line) whenever it comes
         bar = _progress_bar(samples, progress)
         for plan, rows, table, labels, probs in _stream(schema, samples, seed, samples_per_user,
-                                                         ctr, chunk_rows):
+                                                         ctr, chunk_rows, sequential):
             if root_counts is None:
                 root_counts = np.zeros(plan.users * 2, np.int64)
             root_counts += np.bincount(rows.root_node, minlength=plan.users * 2)
             for name in schema.labels:
                 probs_all[name][written:written + rows.n] = probs[name]
                 labels_all[name][written:written + rows.n] = labels[name]
+            if plan.sequence_plan is not None:
+                if blind is None:
+                    blind = np.empty(samples, np.float32)
+                blind[written:written + rows.n] = plan.order_blind_probability(rows)
             if pending is not None:
                 pending.result()
             pending = pool.submit(shard_writer.write, table)
@@ -859,6 +992,12 @@ def generate(schema: Schema, samples: int, out_dir: str | os.PathLike, seed: int
         _remove_stale(out_dir, set(names))
 
     truth = _truth(plan, root_counts, labels_all, probs_all, out_dir, names, seed)
+    if blind is not None:
+        first = schema.labels[0]
+        truth["sequential"] = {
+            "strength": plan.sequential, "sequence": plan.sequence_plan.feature.name,
+            "target": plan.query_plan.feature.name, "decay": _SEQUENCE_DECAY,
+            "order_blind_bayes_auc": _json_float(auc(blind, labels_all[first]))}
     fs.write_text(fs.join(out_dir, TRUTH_FILE), json.dumps(truth, indent=2) + "\n")
     return truth
 
@@ -1036,6 +1175,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ctr", type=float, default=DEFAULT_CTR,
                    help="target click rate; the planted model's bias is tuned so the realised "
                         "rate is close (default 0.04)")
+    p.add_argument("--sequential", type=float, default=0.0, metavar="STRENGTH",
+                   help="plant a sequential signal of this strength (e.g. 1.5): the click "
+                        "also depends on the order of the user's behaviour sequence (an ids "
+                        "feature the schema declares `sequence`); _truth.json gains the "
+                        "order-blind Bayes AUC (default 0: none)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (shown by default from 200k samples)")
     cli.add_overwrite_flag(p)
@@ -1053,7 +1197,7 @@ def run(argv=None) -> dict:
     with outputs.StagedOutput(args.out, args.overwrite, "--out", [args.schema]) as staged:
         truth = generate(schema, args.samples, staged.tmp, args.seed, shards=args.shards,
                          samples_per_user=args.samples_per_user, ctr=args.ctr,
-                         progress=not args.no_progress and args.samples >= 200_000)
+                         sequential=args.sequential, progress=not args.no_progress and args.samples >= 200_000)
         staged.commit()
     seconds = time.perf_counter() - started
     print(f"{truth['samples']:,} samples of {truth['schema']} in {len(truth['files'])} files "

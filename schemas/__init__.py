@@ -16,6 +16,10 @@ A schema is a YAML file (see ``schemas/examples/taobao_like.yaml``)::
           - {name: price, kind: dense, dim: 1}
     labels: [click]
 
+An ``ids`` feature may be an ordered behaviour sequence, oldest first (``sequence: true``), keep
+only its most recent items (``sequence: {max_length: 50}``) or be ordered by a time column of
+the same layer (``sequence: {time: clicked_times}``); sequence models (DIEN) read its order.
+
 The leaf layer may also list ``carried: [{name: request_id, dtype: string}]``: columns that
 travel with every sample (row ids, timestamps) but are never trained.
 
@@ -32,6 +36,7 @@ from schemas.schema import (
     MAX_LAYERS,
     Schema,
     SchemaError,
+    Sequence,
     from_arrow_metadata,
     from_dict,
     load,
@@ -46,6 +51,7 @@ __all__ = [
     "MAX_LAYERS",
     "Schema",
     "SchemaError",
+    "Sequence",
     "from_arrow_metadata",
     "from_dict",
     "load",

@@ -35,6 +35,7 @@ class Feature:
     kind: str
     dim: int | None = None
     dtype: str = "int64"
+    sequence: "Sequence | None" = None   # ids only: the list is ordered (oldest first)
 
     def raw_arrow_type(self) -> pa.DataType:
         """The Arrow type of this column in raw (flat) data and in the tree table."""
@@ -49,7 +50,32 @@ class Feature:
             out["dim"] = self.dim
         elif self.dtype != "int64":
             out["dtype"] = self.dtype
+        if self.sequence is not None:
+            out["sequence"] = self.sequence.to_dict()
         return out
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """How an ``ids`` feature is an ordered behaviour sequence (``sequence:`` on the feature).
+
+    The list's order is the order of the behaviours, oldest first, so its last item is the most
+    recent one; with ``time`` (another ``ids`` feature of the same layer, int64, one value per
+    item) the items are ordered by those times instead (ties keep their list order), and the
+    time column is not embedded. ``max_length`` keeps the most recent ``max_length`` items of
+    every list, for every model that reads the feature (pooling, DIN and DIEN alike).
+    """
+
+    max_length: int | None = None
+    time: str | None = None
+
+    def to_dict(self) -> Any:
+        out = {}
+        if self.max_length is not None:
+            out["max_length"] = self.max_length
+        if self.time is not None:
+            out["time"] = self.time
+        return out or True
 
 
 @dataclass(frozen=True)
@@ -165,6 +191,23 @@ class Schema:
     def layer_index(self, feature_name: str) -> int:
         """Index of the layer a feature belongs to."""
         return self._by_name[feature_name][0]
+
+    @property
+    def sequences(self) -> tuple[Feature, ...]:
+        """The ``ids`` features declared ordered sequences, schema order."""
+        return tuple(f for f in self.features if f.sequence is not None)
+
+    @property
+    def time_columns(self) -> frozenset:
+        """Names of the features that are some sequence's time column: they order their
+        sequences and are not embedded."""
+        return frozenset(f.sequence.time for f in self.sequences if f.sequence.time)
+
+    @property
+    def embedded_features(self) -> tuple[Feature, ...]:
+        """The ``id`` and ``ids`` features that get embeddings (all but time columns)."""
+        times = self.time_columns
+        return tuple(f for f in self.features if f.kind != "dense" and f.name not in times)
 
     def raw_arrow_schema(self) -> pa.Schema:
         """Arrow schema of flat samples: one column per feature (root layer first), then the
@@ -306,6 +349,7 @@ def _layer(raw: Any, index: int, last: bool) -> Layer:
         raise SchemaError(f"{where}.features: missing or empty; a layer needs at least one feature")
     features = tuple(_feature(f, f"{where}.features[{i}]") for i, f in enumerate(raw_features))
     names = [f.name for f in features]
+    _check_times(features, where)
     carried = _carried_list(raw.get("carried"), where, last)
 
     key = raw.get("key", [] if last else None)
@@ -367,7 +411,7 @@ def _carried(raw: Any, where: str) -> Carried:
 def _feature(raw: Any, where: str) -> Feature:
     if not isinstance(raw, Mapping):
         raise SchemaError(f"{where}: a feature is a mapping like {{name: user_id, kind: id}}")
-    _no_unknown_keys(raw, ("name", "kind", "dim", "dtype"), where)
+    _no_unknown_keys(raw, ("name", "kind", "dim", "dtype", "sequence"), where)
     name = raw.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise SchemaError(f"{where}.name: {name!r} is not a valid column name")
@@ -398,7 +442,57 @@ def _feature(raw: Any, where: str) -> Feature:
         if dtype not in ID_DTYPES:
             raise SchemaError(f"{where}.dtype: {dtype!r} is not an id dtype; expected one of "
                               f"{', '.join(ID_DTYPES)}")
-    return Feature(name=name, kind=kind, dim=dim, dtype=dtype)
+    sequence = _sequence(raw.get("sequence"), kind, f"{where}.sequence")
+    return Feature(name=name, kind=kind, dim=dim, dtype=dtype, sequence=sequence)
+
+
+def _sequence(raw: Any, kind: str, where: str) -> Sequence | None:
+    if raw is None or raw is False:
+        return None
+    if kind != "ids":
+        raise SchemaError(f"{where}: only ids features can be sequences (a list of behaviours, "
+                          f"oldest first); this feature has kind {kind!r}")
+    if raw is True:
+        return Sequence()
+    if not isinstance(raw, Mapping):
+        raise SchemaError(f"{where}: expected true or a mapping like "
+                          "`sequence: {max_length: 50, time: clicked_times}`, got "
+                          f"{raw!r}")
+    _no_unknown_keys(raw, ("max_length", "time"), where)
+    max_length = raw.get("max_length")
+    if max_length is not None and (not isinstance(max_length, int)
+                                   or isinstance(max_length, bool) or max_length < 1):
+        raise SchemaError(f"{where}.max_length: {max_length!r} is not a positive integer "
+                          "(the number of most recent behaviours kept)")
+    time = raw.get("time")
+    if time is not None and (not isinstance(time, str) or not _NAME.match(time)):
+        raise SchemaError(f"{where}.time: {time!r} is not a column name")
+    return Sequence(max_length=max_length, time=time)
+
+
+def _check_times(features: tuple[Feature, ...], where: str) -> None:
+    """A sequence's time column is an int64 ``ids`` feature of the same layer, and not a
+    sequence itself."""
+    by_name = {f.name: f for f in features}
+    for i, f in enumerate(features):
+        time = f.sequence.time if f.sequence is not None else None
+        if time is None:
+            continue
+        at = f"{where}.features[{i}] ({f.name}).sequence.time"
+        other = by_name.get(time)
+        if other is None:
+            raise SchemaError(f"{at}: {time!r} is not a feature of this layer; the time column "
+                              f"is an ids feature beside {f.name!r} with one int64 time per "
+                              f"item, e.g. `{{name: {time}, kind: ids}}`")
+        if other is f:
+            raise SchemaError(f"{at}: a sequence cannot be its own time column")
+        if other.kind != "ids" or other.dtype != "int64":
+            raise SchemaError(f"{at}: the time column {time!r} has kind {other.kind!r}"
+                              f"{'' if other.kind == 'dense' else ', dtype ' + other.dtype}; "
+                              "it must be an ids feature of dtype int64 (one time per item)")
+        if other.sequence is not None:
+            raise SchemaError(f"{at}: the time column {time!r} is itself declared a sequence; "
+                              "a time column only orders other sequences")
 
 
 def _no_unknown_keys(raw: Mapping, allowed: tuple[str, ...], where: str):

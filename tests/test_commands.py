@@ -526,7 +526,7 @@ def test_train_progress_bar_ends_cleanly_when_training_stops_early(data, short_r
 def test_model_and_epochs_have_help_text():
     out = command("trainer.train", "--help")
     text = " ".join(out.stdout.split())
-    assert "--model {dcn,deepfm,din,esmm,mlp} the dense network (default mlp" in text
+    assert "--model {dcn,deepfm,dien,din,esmm,mlp} the dense network (default mlp" in text
     assert "--epochs EPOCHS passes over the training data at most; default 1" in text
 
 

@@ -442,11 +442,14 @@ class TrainConfig:
 
     def check(self, schema: Schema) -> dict[str, list[str]]:
         """Check the config against ``schema``; returns table -> its features (schema order)."""
-        sparse = [f.name for f in schema.features if f.kind != "dense"]
+        sparse = [f.name for f in schema.embedded_features]  # a time column is not embedded
         for name, _ in self.features:
             if name not in schema._by_name:
                 raise ConfigError(f"features.{name}: the schema {schema.name!r} has no feature "
                                   f"{name!r}; features are {', '.join(sparse)}")
+            if name in schema.time_columns:
+                raise ConfigError(f"features.{name}: {name!r} is a sequence's time column and "
+                                  "has no embedding table; remove it from `features`")
             if schema.feature(name).kind == "dense":
                 raise ConfigError(f"features.{name}: {name!r} is a dense feature and has no "
                                   "embedding table; remove it from `features`")

@@ -68,7 +68,7 @@ class Layout:
         for level, layer in enumerate(schema.layers):
             by_dim: dict[int, tuple[list, list]] = {}
             for f in layer.features:
-                if f.kind == "dense":
+                if f.kind == "dense" or f.name in schema.time_columns:
                     continue
                 ids, lists = by_dim.setdefault(dims[self.table_of[f.name]], ([], []))
                 (ids if f.kind == "id" else lists).append(f.name)
@@ -95,6 +95,8 @@ def _leaf_id_count(batch: TreeBatch, schema: Schema, ancestors: dict) -> int:
     last = len(batch.layers) - 1
     for level, layer in enumerate(batch.layers):
         for f in schema.layers[level].features:
+            if f.name in schema.time_columns:
+                continue
             array = layer.features[f.name]
             if f.kind == "id":
                 total += batch.num_leaves
@@ -116,6 +118,39 @@ def _dense_values(values: np.ndarray, config: DenseConfig, name: str) -> np.ndar
         values = (values - np.asarray(config.mean, np.float32)) / np.asarray(config.std,
                                                                              np.float32)
     return values.astype(np.float32, copy=False)
+
+
+def order_sequences(arrays: dict, schema: Schema) -> dict:
+    """``arrays`` (feature -> values, or ``(values, offsets)`` for a list) with every sequence
+    feature ordered by its time column (stable: equal times keep their list order) and cut to
+    its ``max_length`` most recent items. Per row, so the same per node or per leaf."""
+    out = None
+    for f in schema.sequences:
+        seq = f.sequence
+        if seq.time is None and seq.max_length is None:
+            continue
+        values, offsets = arrays[f.name]
+        lengths = np.diff(offsets)
+        if seq.time is not None:
+            times, time_offsets = arrays[seq.time]
+            if not np.array_equal(time_offsets, offsets):
+                bad = int(np.flatnonzero(np.diff(time_offsets) != lengths)[0])
+                raise ValueError(f"sequence {f.name!r}: row {bad} has {int(lengths[bad])} "
+                                 f"items but its time column {seq.time!r} has "
+                                 f"{int(time_offsets[bad + 1] - time_offsets[bad])} times; "
+                                 "give one time per item")
+            rows = np.repeat(np.arange(len(lengths)), lengths)
+            values = values[np.lexsort((times, rows))]
+        if seq.max_length is not None and len(lengths) and lengths.max() > seq.max_length:
+            ends = np.repeat(offsets[1:], lengths)
+            position_from_end = ends - np.arange(len(values)) - 1
+            values = values[position_from_end < seq.max_length]
+            kept = np.minimum(lengths, seq.max_length)
+            offsets = np.concatenate([[0], np.cumsum(kept)]).astype(offsets.dtype)
+        if out is None:
+            out = dict(arrays)
+        out[f.name] = (values, offsets)
+    return arrays if out is None else out
 
 
 @dataclass
@@ -163,6 +198,7 @@ class FeedBuilder:
         else:
             arrays = batch.leaf_features()
             sizes = [batch.num_leaves] * layout.levels
+        arrays = order_sequences(arrays, schema)
         feed: dict = {"sizes": np.asarray(sizes, np.int32), "splits": {}, "segments": {},
                       "scale": {}, "dense": {}}
         for block in layout.blocks:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from trainer.recurrent import GRU
+
 _EPS = 1e-7
 
 
@@ -461,7 +463,155 @@ class DeepFM(DenseNet):
                 "activation": self.activation_name, "label": self.label}
 
 
-MODELS = {"mlp": MLP, "din": DIN, "esmm": ESMM, "dcn": DCN, "deepfm": DeepFM}
+class _Outputs(dict):
+    """A forward pass's logits per head, with the auxiliary loss of the same pass (what the
+    model's ``loss`` adds; 0 when the pass computed none)."""
+
+    aux_loss = 0.0
+
+
+class DIEN(DenseNet):
+    """Deep Interest Evolution Network (Zhou et al., AAAI 2019), then the MLP.
+
+    The ``behaviour`` feature is an ordered sequence (the schema declares it ``sequence``;
+    oldest first, cut to its ``max_length`` most recent items by the feed) of an upper layer,
+    e.g. the user's ``clicked_cats``; ``query`` is an id of a lower layer, e.g. the ad's
+    ``cate_id``, best in the same table as the behaviours. Three stages, each computed on the
+    nodes of the layer it depends on:
+
+    * **interest extractor**, once per node of the behaviour's layer (per user, not per
+      sample): a GRU of ``gru_units`` over the behaviours' embeddings, and its **auxiliary
+      loss**: each state ``h_t`` must tell the next behaviour ``e_{t+1}`` from a negative, the
+      behaviour half a sequence away (``(t + 1 + len // 2) mod len``, so the same negatives
+      per user node and per leaf; a negative with the positive's embedding is skipped), by a
+      small MLP (``aux_hidden``) on ``[h_t, e]``. Its loss is the mean over a sequence's pairs,
+      averaged over the leaves (each user node weighs its samples), times ``aux_weight``;
+    * **interest evolution**, once per node of the query's layer (per ad): attention scores
+      ``softmax_t(h_t W q)`` over the sequence's items, and an AUGRU of ``gru_units`` over the
+      interest states whose update gate is scaled by the score; its last state is the evolved
+      interest;
+    * the **MLP** per leaf, the evolved interest joining the query layer's inputs of the first
+      dense layer (as DIN's interest vector).
+
+    Flat compute runs the same on every leaf (each leaf's copy of the user's sequence).
+    """
+
+    def __init__(self, behaviour: str = "clicked_cats", query: str = "cate_id",
+                 hidden=(200, 80), gru_units: int = 36, aux_hidden=(36,),
+                 aux_weight: float = 1.0, activation="relu", label: str | None = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(gru_units, bool) or not isinstance(gru_units, int) or gru_units < 1:
+            raise ValueError(f"DIEN gru_units: expected a positive integer, got {gru_units!r}")
+        if isinstance(aux_weight, bool) or not isinstance(aux_weight, (int, float)) or not (
+                aux_weight >= 0):
+            raise ValueError(f"DIEN aux_weight: expected a number >= 0, got {aux_weight!r}")
+        self.behaviour, self.query = behaviour, query
+        self.hidden, self.aux_hidden = tuple(hidden), tuple(aux_hidden)
+        self.gru_units, self.aux_weight = gru_units, float(aux_weight)
+        self.activation_name, self.label = activation, label
+        self.extractor = self.attention_kernel = None
+        self.tower = _Tower(self.hidden, activation)
+
+    def check(self, schema):
+        """Raise ValueError unless the schema has the behaviour sequence and the query."""
+        for role, name, kind in (("behaviour", self.behaviour, "ids"),
+                                 ("query", self.query, "id")):
+            if name not in schema._by_name or schema.feature(name).kind != kind:
+                raise ValueError(f"DIEN {role}={name!r}: the schema needs an {kind!r} feature of "
+                                 f"that name; pass DIEN({role}=<feature>)")
+        if schema.feature(self.behaviour).sequence is None:
+            raise ValueError(f"DIEN behaviour={self.behaviour!r}: the schema must declare it an "
+                             f"ordered sequence (`{{name: {self.behaviour}, kind: ids, sequence: "
+                             "true}`, optionally with max_length and time): DIEN reads the "
+                             "order of the behaviours")
+        if schema.layer_index(self.behaviour) > schema.layer_index(self.query):
+            raise ValueError(f"DIEN: behaviour {self.behaviour!r} must be on the query's layer "
+                             f"or above it, not below {self.query!r}")
+
+    def forward(self, inputs):
+        first = self.extractor is None
+        if first:  # made at the first call, after the trainer seeded Keras; one fixed order
+            self.extractor, self.evolver = GRU(self.gru_units), GRU(self.gru_units)
+            self.aux = [keras.layers.Dense(u, activation="sigmoid")
+                        for u in self.aux_hidden] + [keras.layers.Dense(1)]
+        schema = inputs.schema
+        b_level, q_level = schema.layer_index(self.behaviour), schema.layer_index(self.query)
+        sequence = inputs.sequence(self.behaviour)           # [nodes of b_level, None, dim]
+        lengths = tf.cast(sequence.row_lengths(), tf.int32)
+        x = sequence.to_tensor()
+        # at least one step, so that every sequence has a last state (zeros when empty)
+        x = tf.pad(x, [[0, 0], [0, tf.maximum(1 - tf.shape(x)[1], 0)], [0, 0]])
+        mask = tf.sequence_mask(lengths, tf.shape(x)[1])
+        states = self.extractor(x, mask)                     # once per b_level node
+        # (the first call builds the auxiliary network's variables, whatever the mode)
+        aux_loss = (self._auxiliary_loss(inputs, b_level, x, lengths, mask, states)
+                    if (inputs.training or first) and self.aux_weight else 0.0)
+        index = inputs.ancestor_index(b_level, q_level)
+        if index is not None:                                # to the query's nodes
+            states, mask = tf.gather(states, index), tf.gather(mask, index)
+        query = inputs.feature(self.query)                   # [nodes of q_level, dim]
+        if self.attention_kernel is None:
+            self.attention_kernel = self.add_weight(
+                shape=(self.gru_units, int(query.shape[-1])), name="attention",
+                initializer=keras.initializers.GlorotUniform())
+        scores = tf.einsum("ntk,kd,nd->nt", states, self.attention_kernel, query)
+        scores = tf.where(mask, scores, tf.fill(tf.shape(scores), -1e9))
+        weights = tf.nn.softmax(scores, axis=1) * tf.cast(mask, scores.dtype)
+        interest = self.evolver(states, mask, attention=weights)[:, -1, :]   # per q node
+        outputs = _Outputs({self.label or inputs.label_names[0]:
+                            self.tower(inputs, extra={q_level: [interest]})})
+        outputs.aux_loss = aux_loss
+        return outputs
+
+    def _auxiliary_loss(self, inputs, b_level, x, lengths, mask, states):
+        """The next-behaviour loss per node of the behaviour's layer, averaged over the leaves
+        (a node weighs as many times as it has leaves: flat compute's mean)."""
+        steps = tf.shape(x)[1]
+        h = states[:, :-1, :]                                 # h_t, t < steps - 1
+        positive = x[:, 1:, :]                                # e_{t+1}
+        valid = mask[:, 1:]
+        t = tf.range(1, steps)[None, :]
+        length = tf.maximum(lengths, 1)[:, None]
+        negative = tf.gather(x, (t + length // 2) % length, batch_dims=1)
+        distinct = tf.reduce_any(tf.not_equal(negative, positive), axis=2)
+        valid_f = tf.cast(valid, x.dtype)
+        negative_f = tf.cast(valid & distinct, x.dtype)
+
+        def logit(e):
+            out = tf.concat([h, e], axis=2)
+            for layer in self.aux:
+                out = layer(out)
+            return out[:, :, 0]
+
+        loss = (valid_f * tf.nn.sigmoid_cross_entropy_with_logits(
+                    labels=tf.ones_like(valid_f), logits=logit(positive))
+                + negative_f * tf.nn.sigmoid_cross_entropy_with_logits(
+                    labels=tf.zeros_like(valid_f), logits=logit(negative)))
+        pairs = tf.cast(tf.maximum(lengths - 1, 1), x.dtype)
+        per_node = tf.reduce_sum(loss, axis=1) / pairs
+        leaves = tf.cast(inputs.num_leaves, x.dtype)
+        index = inputs.ancestor_index(b_level, inputs.levels - 1)
+        if index is None:
+            return tf.reduce_sum(per_node) / leaves
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(index, x.dtype), index,
+                                              tf.shape(per_node)[0])
+        return tf.reduce_sum(per_node * counts) / leaves
+
+    def loss(self, outputs, labels):
+        """The click log loss plus ``aux_weight`` times the auxiliary loss of the forward
+        pass that gave ``outputs`` (none outside training)."""
+        return (super().loss(outputs, labels)
+                + self.aux_weight * getattr(outputs, "aux_loss", 0.0))
+
+    def spec(self):
+        return {"name": "dien", "behaviour": self.behaviour, "query": self.query,
+                "hidden": list(self.hidden), "gru_units": self.gru_units,
+                "aux_hidden": list(self.aux_hidden), "aux_weight": self.aux_weight,
+                "activation": self.activation_name, "label": self.label}
+
+
+MODELS = {"mlp": MLP, "din": DIN, "esmm": ESMM, "dcn": DCN, "deepfm": DeepFM, "dien": DIEN}
 
 
 def from_spec(spec: dict) -> DenseNet:

@@ -23,7 +23,7 @@ from compression import cli, fs
 
 # the built-in models (trainer.models.MODELS, checked by a test): listed here so that --help
 # and argument errors do not import TensorFlow
-MODEL_NAMES = ("dcn", "deepfm", "din", "esmm", "mlp")
+MODEL_NAMES = ("dcn", "deepfm", "dien", "din", "esmm", "mlp")
 
 
 def load_tensorflow(debug: bool = False):
