@@ -38,20 +38,23 @@ from schemas import Schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATED_SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+SEQUENCE_SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_sequence.yaml")
 MOVIELENS_SCHEMA = os.path.join(ROOT, "schemas", "examples", "movielens_ctr.yaml")
 RECBOLE_ML100K = os.path.join("dataset_example", "ml-100k")
 INSTALL_HINT = ("pip install --no-deps -r requirements-bench.txt (RecBole's wheel ships "
                 "MovieLens 100K; --no-deps keeps torch out)")
 
 
-def generated(schema: Schema, samples: int, seed: int, hidden: bool = False) -> pa.Table:
+def generated(schema: Schema, samples: int, seed: int, hidden: bool = False,
+              sequential: float = 0.0) -> pa.Table:
     """``samples`` rows of ``pipelines.generate`` (time order) with ``p_<label>`` columns (and
-    with ``hidden``, the generator's hidden interaction token ``h_taste_cross``)."""
+    with ``hidden``, the generator's hidden interaction token ``h_taste_cross``; with
+    ``sequential``, the sequential signal of that strength and ``p_<label>_order_blind``)."""
     from pipelines.generate import generate_tables
 
     return pa.concat_tables(list(generate_tables(schema, samples, seed=seed,
                                                  with_probabilities=True,
-                                                 with_hidden=hidden)))
+                                                 with_hidden=hidden, sequential=sequential)))
 
 
 def time_split(table: pa.Table, train_share: float = 0.8) -> tuple[pa.Table, pa.Table]:

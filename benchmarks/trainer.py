@@ -1,6 +1,7 @@
 """Benchmark of the trainer: structured vs flat compute vs a plain Keras model, same data.
 
     python -m benchmarks.trainer                          # 300k samples at 1, 10, 57 per user
+    python -m benchmarks.trainer --models dien --samples-per-user 57 --quality-samples 0
     python -m benchmarks.trainer --samples 12000 --samples-per-user 10 --batch-size 1000 \\
         --quality-samples 0                               # CI size
 
@@ -13,6 +14,14 @@ batch 5000, on generated data with about 1, 10 and 57 samples per user, all in o
   into it per feature), ``tf.nn.embedding_lookup``, Adam on the table and on the dense layers
   (the trainer's default optimizers) inside one ``tf.function`` step (Keras 3 updates the
   table densely).
+With ``--models`` (default ``mlp,din,dien``) the structured and flat passes run for each
+built-in model named: the MLP on taobao_like as above, DIN and DIEN on taobao_sequence (the
+user's clicked categories an ordered sequence, in one table with the ad's category; the models'
+defaults with ``--hidden``). Each row reports the step-level ratio (flat/structured ms of the
+TF step and the update, measured sequentially: what the multiply-adds count) next to the
+model's multiply-add bound (``matmul_bound``: DIEN's GRUs per user and ad node, DIN's
+attention per ad node, the first dense layer per node of each layer) and how much of the bound
+the step reaches.
 Batches are built in memory before timing (reading is benchmarked in benchmarks.compression);
 each model trains ``--warmup`` batches first (tracing) and is then timed over the rest.
 Reports samples/s, the speed-ups, and where a structured/flat step's time goes (prepare = numpy
@@ -42,6 +51,14 @@ from pipelines.generate import generate_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_like.yaml")
+# DIN and DIEN read the user's ordered behaviour sequence: taobao_like cut down to a sequence
+# model's features (the sequence and the ad's category in one table, as the models want).
+SEQUENCE_SCHEMA = os.path.join(ROOT, "schemas", "examples", "taobao_sequence.yaml")
+# model -> (schema, the behaviour sequence's feature, the query id); the MLP keeps the paper's
+# feature mix, so its rows stay comparable with earlier measurements
+MODEL_DATA = {"mlp": (SCHEMA, None, None),
+              "din": (SEQUENCE_SCHEMA, "clicked_cats", "cate_id"),
+              "dien": (SEQUENCE_SCHEMA, "clicked_cats", "cate_id")}
 EXAMPLE_CONFIG = os.path.join(ROOT, "trainer", "examples", "mlp.yaml")  # log1p on price
 
 
@@ -103,11 +120,19 @@ def keras_input_spec(schema) -> dict:
 class TrainerRun:
     """One Trainer (structured or flat) and its timed passes."""
 
-    def __init__(self, schema, batches, mode: str, warmup: int, hidden):
+    def __init__(self, schema, batches, mode: str, warmup: int, hidden, model: str = "mlp"):
         import trainer
 
         config = trainer.TrainConfig(compute=mode, batch_size=batches[0].num_leaves)
-        self.trainer = trainer.Trainer(schema, trainer.models.MLP(hidden=hidden), config)
+        _, behaviour, query = MODEL_DATA[model]
+        kwargs = {"hidden": hidden}
+        if behaviour is not None:
+            kwargs.update(behaviour=behaviour, query=query)
+            from trainer.config import FeatureConfig
+
+            shared = FeatureConfig(table="shared_" + query)
+            config = config.replace(features=((behaviour, shared), (query, shared)))
+        self.trainer = trainer.Trainer(schema, trainer.models.MODELS[model](**kwargs), config)
         self.trainer.fit(batches[:warmup])
         self.timed = batches[warmup:]
 
@@ -214,22 +239,139 @@ def quality(schema, samples: int, batch_size: int, hidden, seed: int) -> dict:
             "gap": bayes - result["auc"], "train_samples_per_sec": history["samples_per_sec"]}
 
 
-def matmul_bound(schema, nodes: list[float], hidden, dim: int = 18) -> dict:
+def matmul_bound(schema, nodes: list[float], hidden, dim: int = 18, model: str = "mlp",
+                 sequence: dict | None = None) -> dict:
     """What structured compute can save at most, counting the dense layers' multiply-adds:
     flat runs every layer on every leaf; structured runs the first layer's part of layer l on
     that layer's ``nodes[l]`` nodes and the rest on the leaves. ``at_these_nodes`` is the
     flat/structured ratio at the measured node counts, ``all_upper_shared`` the ratio if every
     upper layer cost nothing (the ceiling of any sharing). The backward pass scales both sides
-    alike."""
+    alike.
+
+    ``model`` ``din`` and ``dien`` (the behaviour sequence on the first layer, the query on the
+    second, the defaults of trainer.models) add their sequence work from ``sequence``
+    (:func:`sequence_shape`): DIN's attention MLP per (ad node, behaviour) pair and its interest
+    vector in the first layer; DIEN's extractor GRU and auxiliary network per user node over the
+    batch's padded steps, its attention and AUGRU per ad node, its evolved interest in the first
+    layer. Flat runs all of it per leaf."""
     widths = [sum(f.dim if f.kind == "dense" else dim for f in layer.features)
               for layer in schema.layers]
+    widths = [w - dim * sum(1 for f in layer.features if f.name in schema.time_columns)
+              for w, layer in zip(widths, schema.layers)]   # a time column is not embedded
+    per_node = [0.0] * len(widths)      # sequence work per node of each layer
+    if model == "din":
+        attention = 4 * dim * 36 + 36 + dim     # attention MLP 4d -> 36 -> 1, weighted sum
+        widths[1] += dim                        # the interest vector joins the ad's inputs
+        per_node[1] = attention * sequence["pairs_per_node"][1]
+        flat_sequence = attention * sequence["pairs_per_node"][-1]
+    elif model == "dien":
+        u, steps = 36, sequence["steps"]
+        gru_in = 3 * u * (dim + u)              # input and recurrent projections of a step
+        aux = 2 * ((u + dim) * 36 + 36)         # a positive and a negative per step
+        extractor = steps * gru_in + max(steps - 1, 0) * aux
+        evolution = u * dim + steps * u + steps * 3 * u * (u + u)   # W q, scores, AUGRU
+        widths[1] += u
+        per_node[0], per_node[1] = extractor, evolution
+        flat_sequence = extractor + evolution
+    elif model == "mlp":
+        flat_sequence = 0.0
+    else:
+        raise ValueError(f"matmul_bound: no count for model {model!r}")
     sizes = [*hidden, 1]
     rest = sum(a * b for a, b in zip(sizes, sizes[1:]))  # every layer after the first
     leaves = nodes[-1]
-    flat = leaves * (sum(widths) * sizes[0] + rest)
-    structured = sum(n * w * sizes[0] for n, w in zip(nodes, widths)) + leaves * rest
-    ceiling = leaves * (widths[-1] * sizes[0] + rest)
+    flat = leaves * (sum(widths) * sizes[0] + rest + flat_sequence)
+    structured = (sum(n * (w * sizes[0] + c) for n, w, c in zip(nodes, widths, per_node))
+                  + leaves * rest)
+    ceiling = leaves * (widths[-1] * sizes[0] + rest) + sum(per_node[:-1])
     return {"at_these_nodes": flat / structured, "all_upper_shared": flat / ceiling}
+
+
+def sequence_shape(batches, schema, behaviour: str) -> dict:
+    """The shape of a behaviour sequence (on the first layer) in ``batches``, averaged over the
+    batches: ``steps``, the padded length a batch runs (its longest sequence after the schema's
+    ``max_length``), and ``pairs_per_node[l]``, the (node, behaviour) pairs per node of layer
+    l (every node sees its user's sequence)."""
+    limit = schema.feature(behaviour).sequence.max_length
+    steps, pairs = [], []
+    for batch in batches:
+        _, offsets = batch.layers[0].features[behaviour]
+        lengths = np.diff(offsets)
+        if limit is not None:
+            lengths = np.minimum(lengths, limit)
+        steps.append(max(int(lengths.max(initial=0)), 1))
+        per_level, current = [], lengths
+        for level, layer in enumerate(batch.layers):
+            if level:
+                current = current[layer.parent]
+            per_level.append(float(current.mean()) if len(current) else 0.0)
+        pairs.append(per_level)
+    return {"steps": float(np.mean(steps)),
+            "pairs_per_node": [float(x) for x in np.mean(pairs, 0)]}
+
+
+def time_model(args, model: str, schema, batches, nodes, spu: float, hidden,
+               behaviour: str | None) -> dict:
+    """One model's structured and flat (and with the MLP, Keras) passes over ``batches``."""
+    warmup = min(args.warmup, max(len(batches) - 1, 1))
+    timed_samples = sum(b.num_leaves for b in batches[warmup:])
+    run_ = {"model": model, "samples_per_user": spu, "nodes_per_batch": nodes,
+            "batches": len(batches), "timed_samples": timed_samples}
+    runs = {mode: TrainerRun(schema, batches, mode, warmup, hidden, model)
+            for mode in ("structured", "flat")}
+    if args.ceiling:
+        runs["ceiling"] = TrainerRun(schema, [all_upper_shared(b) for b in batches],
+                                     "structured", warmup, hidden, model)
+    keras_model = None
+    if not args.skip_keras and model == "mlp":
+        keras_model = KerasBaseline(schema, args.keras_rows, 18, hidden, seed=0)
+        keras_model.fit(batches[:warmup])
+    # Modes take turns, best of --rounds: other jobs on the machine hit all of them alike.
+    best = {}
+    for _ in range(args.rounds):
+        for mode, r in runs.items():
+            best[mode] = min(best.get(mode, float("inf")), r.pipelined())
+        if keras_model is not None:
+            best["keras"] = min(best.get("keras", float("inf")),
+                                keras_model.fit(batches[warmup:]))
+    for mode, seconds in best.items():
+        run_[mode] = {"samples_per_sec": timed_samples / seconds, "seconds": seconds}
+    for mode, r in runs.items():
+        run_[mode]["ms_per_step_sequential"] = r.sequential()
+        run_[mode]["store_rows"] = r.trainer.store_rows()
+    s, f = run_["structured"]["samples_per_sec"], run_["flat"]["samples_per_sec"]
+    if "ceiling" in run_:
+        run_["ceiling_over_flat"] = run_["ceiling"]["samples_per_sec"] / f
+    k = run_.get("keras", {}).get("samples_per_sec", float("nan"))
+    run_["structured_over_flat"] = s / f
+    # the step level: the TF step and the update, what the multiply-adds count
+    step = {mode: sum(run_[mode]["ms_per_step_sequential"].get(key, 0.0)
+                      for key in ("step", "update")) for mode in ("structured", "flat")}
+    run_["step_structured_over_flat"] = step["flat"] / step["structured"]
+    if behaviour is not None:
+        run_["sequence"] = sequence_shape(batches[:-1] or batches, schema, behaviour)
+    run_["matmul_bound"] = matmul_bound(schema, nodes, hidden, model=model,
+                                        sequence=run_.get("sequence"))
+    run_["step_over_bound"] = (run_["step_structured_over_flat"]
+                               / run_["matmul_bound"]["at_these_nodes"])
+    run_["flat_over_keras"] = f / k
+
+    def parts(mode):
+        p = run_[mode]["ms_per_step_sequential"]
+        return " ".join(f"{p.get(key, 0):5.1f}" for key in ("prepare", "lookup", "step",
+                                                             "update"))
+    bound = run_["matmul_bound"]
+    print(f"{model:>5} {spu:8.0f} {'/'.join(f'{n:.0f}' for n in nodes):>27} {s:11,.0f} "
+          f"{f:9,.0f} {k:9,.0f} {s / f:7.2f}x {f / k:9.2f}x   {parts('structured')} | "
+          f"{parts('flat')}   step (TF step + update) {run_['step_structured_over_flat']:.2f}x, "
+          f"matmul bound {bound['at_these_nodes']:.2f}x "
+          f"(ceiling {bound['all_upper_shared']:.2f}x): {run_['step_over_bound']:.2f} of it",
+          flush=True)
+    if "ceiling" in run_:
+        print(f"{'':14} every upper layer shared (one user, one ad per batch): structured "
+              f"{run_['ceiling']['samples_per_sec']:,.0f}/s = "
+              f"{run_['ceiling_over_flat']:.2f}x flat; {parts('ceiling')}", flush=True)
+    return run_
 
 
 def run(argv=None) -> dict:
@@ -247,11 +389,18 @@ def run(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="timed passes per model (best)")
     parser.add_argument("--skip-keras", action="store_true")
+    parser.add_argument("--models", default="mlp,din,dien",
+                        help="built-in models to time, comma-separated (default mlp,din,dien; "
+                             "the Keras baseline runs with the MLP)")
     parser.add_argument("--ceiling", action="store_true",
                         help="also time structured compute on the same batches with every upper "
                              "layer cut to one node (the most any sharing can save)")
     args = parser.parse_args(argv)
     hidden = tuple(int(x) for x in args.hidden.split(","))
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in MODEL_DATA:
+            parser.error(f"--models: {m!r} is not timed here; use {', '.join(MODEL_DATA)}")
     schema = schemas.load(SCHEMA)
     if args.threads:
         import tensorflow as tf
@@ -259,60 +408,21 @@ def run(argv=None) -> dict:
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     results = {"machine": machine(), "samples": args.samples, "batch_size": args.batch_size,
-               "hidden": list(hidden), "runs": []}
-    print(f"{'per user':>8} {'nodes/batch (user/ad/leaf)':>27} {'structured':>11} {'flat':>9} "
-          f"{'keras':>9} {'str/flat':>8} {'flat/keras':>10}   structured ms/step "
+               "hidden": list(hidden), "models": models, "runs": []}
+    print(f"{'model':>5} {'per user':>8} {'nodes/batch (user/ad/leaf)':>27} {'structured':>11} "
+          f"{'flat':>9} {'keras':>9} {'str/flat':>8} {'flat/keras':>10}   structured ms/step "
           "(prepare lookup step update) | flat ms/step", flush=True)
     for spu in [float(x) for x in args.samples_per_user.split(",")]:
-        batches, nodes = make_batches(schema, args.samples, spu, args.batch_size, args.seed)
-        warmup = min(args.warmup, max(len(batches) - 1, 1))
-        timed_samples = sum(b.num_leaves for b in batches[warmup:])
-        run_ = {"samples_per_user": spu, "nodes_per_batch": nodes, "batches": len(batches),
-                "timed_samples": timed_samples}
-        runs = {mode: TrainerRun(schema, batches, mode, warmup, hidden)
-                for mode in ("structured", "flat")}
-        if args.ceiling:
-            runs["ceiling"] = TrainerRun(schema, [all_upper_shared(b) for b in batches],
-                                         "structured", warmup, hidden)
-        keras_model = None
-        if not args.skip_keras:
-            keras_model = KerasBaseline(schema, args.keras_rows, 18, hidden, seed=0)
-            keras_model.fit(batches[:warmup])
-        # Modes take turns, best of --rounds: other jobs on the machine hit all of them alike.
-        best = {}
-        for _ in range(args.rounds):
-            for mode, r in runs.items():
-                best[mode] = min(best.get(mode, float("inf")), r.pipelined())
-            if keras_model is not None:
-                best["keras"] = min(best.get("keras", float("inf")),
-                                    keras_model.fit(batches[warmup:]))
-        for mode, seconds in best.items():
-            run_[mode] = {"samples_per_sec": timed_samples / seconds, "seconds": seconds}
-        for mode, r in runs.items():
-            run_[mode]["ms_per_step_sequential"] = r.sequential()
-            run_[mode]["store_rows"] = r.trainer.store_rows()
-        s, f = run_["structured"]["samples_per_sec"], run_["flat"]["samples_per_sec"]
-        if "ceiling" in run_:
-            run_["ceiling_over_flat"] = run_["ceiling"]["samples_per_sec"] / f
-        k = run_.get("keras", {}).get("samples_per_sec", float("nan"))
-        run_["structured_over_flat"] = s / f
-        run_["matmul_bound"] = matmul_bound(schema, nodes, hidden)
-        run_["flat_over_keras"] = f / k
-        results["runs"].append(run_)
-
-        def parts(mode):
-            p = run_[mode]["ms_per_step_sequential"]
-            return " ".join(f"{p.get(key, 0):5.1f}" for key in ("prepare", "lookup", "step",
-                                                                 "update"))
-        bound = run_["matmul_bound"]
-        print(f"{spu:8.0f} {'/'.join(f'{n:.0f}' for n in nodes):>27} {s:11,.0f} {f:9,.0f} "
-              f"{k:9,.0f} {s / f:7.2f}x {f / k:9.2f}x   {parts('structured')} | {parts('flat')}"
-              f"   matmul bound {bound['at_these_nodes']:.2f}x "
-              f"(ceiling {bound['all_upper_shared']:.2f}x)", flush=True)
-        if "ceiling" in run_:
-            print(f"{'':8} every upper layer shared (one user, one ad per batch): structured "
-                  f"{run_['ceiling']['samples_per_sec']:,.0f}/s = "
-                  f"{run_['ceiling_over_flat']:.2f}x flat; {parts('ceiling')}", flush=True)
+        data = {}   # schema path -> (batches, nodes): the models of one schema share them
+        for model in models:
+            path, behaviour, _ = MODEL_DATA[model]
+            model_schema = schemas.load(path)
+            if path not in data:
+                data[path] = make_batches(model_schema, args.samples, spu, args.batch_size,
+                                          args.seed)
+            batches, nodes = data[path]
+            results["runs"].append(time_model(args, model, model_schema, batches, nodes, spu,
+                                              hidden, behaviour))
     if args.quality_samples:
         results["quality"] = quality(schema, args.quality_samples, args.batch_size, hidden,
                                      args.seed + 1)

@@ -121,7 +121,7 @@ def test_quality_benchmark_tiny(capsys, tmp_path):
     result = json.loads(path.read_text())
     names = ["default"] + [f"config/{m}" for m in models.MODELS] + ["lr", "keras", "lr+hidden"]
     assert result["models"] == names
-    assert set(result["datasets"]) == {"generated-3k", "movielens-100k"}
+    assert set(result["datasets"]) == {"generated-3k", "sequential-3k", "movielens-100k"}
     for dataset, entry in result["datasets"].items():
         assert f"### {dataset}:" in out
         info = entry["info"]
@@ -130,6 +130,14 @@ def test_quality_benchmark_tiny(capsys, tmp_path):
         # the models whose code does not differ on MovieLens on generated data only
         expected = names if dataset.startswith("generated") else [
             n for n in names[:-1] if n not in benchmarks.quality.TINY_GENERATED_ONLY]
+        # DIEN reads an ordered behaviour sequence: taobao_like has none, the table says so
+        if dataset.startswith("sequential"):   # --tiny: the rows of its comparison only
+            expected = list(benchmarks.quality.TINY_SEQUENTIAL)
+        skipped = ["config/dien"] if dataset.startswith("generated") else []
+        expected = [n for n in expected if n not in skipped]
+        assert list(entry.get("skipped", {})) == skipped
+        if skipped:
+            assert "config/dien: not run on this schema" in out.split(f"### {dataset}:")[1]
         assert list(entry["models"]) == expected
         for name in expected:
             stats = entry["models"][name]
@@ -147,6 +155,14 @@ def test_quality_benchmark_tiny(capsys, tmp_path):
     assert f"**{bayes['auc']:.4f}**" in out.split("### generated-3k:")[1]
     assert "gap_to_bayes_auc" in result["datasets"]["generated-3k"]["models"]["default"]
     assert result["datasets"]["movielens-100k"]["bayes"] is None
+    # the sequential data: the order-blind Bayes AUC (on 600 eval rows it may even pass the
+    # Bayes AUC), DIEN against DIN
+    sequential = result["datasets"]["sequential-3k"]
+    assert 0.5 < sequential["order_blind"]["auc"] <= 1
+    assert sequential["order_blind"]["auc"] != sequential["bayes"]["auc"]
+    assert f"*{sequential['order_blind']['auc']:.4f}*" in out.split("### sequential-3k:")[1]
+    assert any(text.startswith("DIEN - DIN: ") and "target: DIEN above DIN" in text
+               for text in sequential["comparisons"])
 
 
 def test_baseline_next_to_a_run(tmp_path):

@@ -231,3 +231,41 @@ def test_train_evaluate_and_export_with_the_command(seq_schema, raw, tmp_path):
     assert isinstance(kept.model, models.DIEN) and kept.model.spec()["gru_units"] == 36
     assert set(kept.stores) == {"cate", "user_id", "age_level", "gender", "ad_id", "brand_id",
                                 "creative_id", "pid", "hour"}   # no table of clicked_times
+
+
+def test_a_served_ranking_request_answers_as_the_predictor(seq_schema, raw, trees, tmp_path):
+    """The served path (trainer.live, what trainer.serve answers with) for a ranking request:
+    the user's features and sequence once (one user node, so the interest extractor runs once
+    for every candidate), the candidates' ads below; its answers equal the Predictor's on the
+    flat rows, where every row carries the user's sequence."""
+    import json
+
+    from trainer.live import LiveModel
+    from trainer.serving import Predictor, export_increment
+
+    trainer = Trainer(seq_schema, dien(), TrainConfig.from_dict(CONFIG))
+    for batch in compression.iter_batches(trees, seq_schema, 256):
+        trainer.train_batch(batch)
+    export = tmp_path / "export"
+    export_increment(trainer, export)
+
+    user_features = [f.name for f in seq_schema.layers[0].features]
+    below = [f.name for layer in seq_schema.layers[1:] for f in layer.features]
+    rows = raw.to_pylist()
+    lengths = [len(r["clicked_cats"]) for r in rows]
+    user = rows[int(np.argmax(lengths))]            # a user with a long sequence
+    root = {name: user[name] for name in user_features}
+    candidates = [{name: r[name] for name in below} for r in rows[:12]]
+    assert len(root["clicked_cats"]) > 1 and len({c["cate_id"] for c in candidates}) > 1
+
+    live = LiveModel(export)
+    try:
+        kind, got, _ = live.predict_request(
+            json.dumps({"root": root, "candidates": candidates}).encode())
+    finally:
+        live.close()
+    assert kind == "tree" and got.shape == (12, 1)
+    flat = pa.Table.from_pylist([{**root, **c, "click": 0} for c in candidates])
+    want = Predictor(export).predict(flat)
+    np.testing.assert_allclose(got[:, 0], np.asarray(want).reshape(-1), rtol=1e-5, atol=1e-7)
+    assert np.ptp(got) > 0          # the candidates are told apart
