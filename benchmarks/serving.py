@@ -34,8 +34,9 @@ baseline measured in the same run:
    in-process ``LiveModel.predict_tree`` on the same requests one after another (target >= 0.8x
    at 32 clients), p50/p99 (target p99 <= 4x the 1-client p50), non-200 answers. With
    ``--face tfserving-rest`` or ``--face oip`` the same samples go to that face instead
-   (TF Serving REST ``instances``, Open Inference Protocol JSON tensors): flat samples, the
-   user's features in each, against the in-process ``LiveModel.predict`` of the same rows.
+   (TF Serving REST ``instances``, Open Inference Protocol JSON tensors; ``--face samples``:
+   the service's own ``{"samples": [...]}``, their native like): flat samples, the user's
+   features in each, against the in-process ``LiveModel.predict`` of the same rows.
    With ``--versions-every 1``: the service with batching only, each concurrency in
    alternating phases (``--rounds`` of each) without new versions and with one (of
    ``--version-samples`` samples) published every second: p99 of both, target with <= 1.5x
@@ -279,7 +280,8 @@ def locust_load(service: Service, bodies: str, users: int, seconds: float, work:
 
 
 # what each face's request of the concurrency part is: its path and its body
-FACE_PATHS = {"own": "/v1/predict", "tfserving-rest": "/v1/models/prefixrec:predict",
+FACE_PATHS = {"own": "/v1/predict", "samples": "/v1/predict",
+              "tfserving-rest": "/v1/models/prefixrec:predict",
               "oip": "/v2/models/prefixrec/infer"}
 
 
@@ -289,6 +291,8 @@ def _face_body(face: str, schema, root: dict, candidates: list[dict]) -> dict:
     if face == "own":
         return {"root": root, "candidates": candidates}
     rows = [{**root, **c} for c in candidates]
+    if face == "samples":  # the service's own JSON, flat: the faces' like
+        return {"samples": rows}
     if face == "tfserving-rest":
         return {"instances": rows}
     tensors = []
@@ -776,8 +780,8 @@ def run(argv=None) -> dict:
                         help="--concurrency: candidates per ranking request (default 100)")
     parser.add_argument("--face", choices=sorted(FACE_PATHS), default="own",
                         help="--concurrency: the protocol the clients speak (default own: "
-                             "/v1/predict ranking requests; tfserving-rest, oip: flat samples "
-                             "to that face)")
+                             "/v1/predict ranking requests; samples: /v1/predict flat samples; "
+                             "tfserving-rest, oip: flat samples to that face)")
     parser.add_argument("--versions-every", type=float,
                         help="--concurrency: the service with batching only, each concurrency "
                              "in phases without and with a new version published every this "

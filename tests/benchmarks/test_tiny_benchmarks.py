@@ -99,6 +99,20 @@ def test_serving_concurrency_benchmark_tiny():
     assert result["modes"]["batching"]["model_calls"] > 0
 
 
+@pytest.mark.parametrize("face", ["samples", "tfserving-rest", "oip"])
+def test_serving_concurrency_benchmark_faces_tiny(face):
+    """benchmarks.serving --concurrency --face: flat samples through each face, no non-200."""
+    import benchmarks.serving
+
+    result = benchmarks.serving.run(["--tiny", "--concurrency", "2", "--face", face])[
+        "concurrency"]
+    assert result["face"] == face and result["in_process_candidates_per_sec"] > 0
+    for mode in ("batching", "no_batching"):
+        r = result["modes"][mode]["runs"]["2"]
+        assert r["candidates_per_sec"] > 0 and r["p50_ms"] <= r["p99_ms"]
+        assert r["non_200"] == 0
+
+
 def test_serving_ranking_vs_flat_benchmark_tiny():
     """benchmarks.serving --ranking-vs-flat: both forms over HTTP, alternating, answers equal."""
     import benchmarks.serving
