@@ -2,7 +2,9 @@
 baseline measured in the same run:
 
     python -m benchmarks.serving [--tiny]
-    python -m benchmarks.serving --concurrency 1,8,32 --seconds 20
+    python -m benchmarks.serving --concurrency 1,8,32 --seconds 20 [--face oip]
+    python -m benchmarks.serving --concurrency 32 --versions-every 1 --seconds 20
+    python -m benchmarks.serving --ranking-vs-flat --candidates 500 --seconds 20
 
 1. freshness: a producer sends ``--rate`` taobao_like samples/s to a local Tansu broker,
    ``trainer.online`` trains them with ``--export-every`` and the service follows its export;
@@ -16,8 +18,10 @@ baseline measured in the same run:
 3. throughput: samples/s of the service at 100 samples a request against the in-process
    ``Predictor`` on the same samples (the bound).
 4. structured serving: one user x 500 candidates per request as a ranking request (the user's
-   part once) against the same 500 samples flat, alternating requests: p50/p99 of both;
-   target >= 1.5x faster.
+   part once) against the same 500 samples flat, alternating requests from one client:
+   candidates/s and p50/p99 of both, and a 1-candidate ranking request's p50 (what any
+   request costs); target >= 2x. ``--ranking-vs-flat`` runs this part alone (``--candidates``,
+   ``--seconds``) on a model trained on 30k samples.
 5. reload memory: the served model's largest table grown to ``--reload-rows`` rows, then a
    new full export of the same model (a new lineage) with 1% and with every row changed, and
    one of another model: the service process's peak RSS while it takes the new export in
@@ -30,8 +34,13 @@ baseline measured in the same run:
    in-process ``LiveModel.predict_tree`` on the same requests one after another (target >= 0.8x
    at 32 clients), p50/p99 (target p99 <= 4x the 1-client p50), non-200 answers. With
    ``--face tfserving-rest`` or ``--face oip`` the same samples go to that face instead
-   (TF Serving REST ``instances``, Open Inference Protocol JSON tensors): flat samples, the
-   user's features in each, against the in-process ``LiveModel.predict`` of the same rows.
+   (TF Serving REST ``instances``, Open Inference Protocol JSON tensors; ``--face samples``:
+   the service's own ``{"samples": [...]}``, their native like): flat samples, the user's
+   features in each, against the in-process ``LiveModel.predict`` of the same rows.
+   With ``--versions-every 1``: the service with batching only, each concurrency in
+   alternating phases (``--rounds`` of each) without new versions and with one (of
+   ``--version-samples`` samples) published every second: p99 of both, target with <= 1.5x
+   without.
 Prints a table and a final JSON line.
 """
 
@@ -149,6 +158,94 @@ def load(service: Service, body: bytes, seconds: float, processes: int, threads:
             "p99_ms": float(np.percentile(latencies, 99) * 1e3)}
 
 
+def post_raw(conn: http.client.HTTPConnection, body: bytes) -> bytes:
+    """``body`` posted to /v1/predict; the answer's bytes, read whole but not parsed (as a
+    load generator reads them: the client's JSON parser is not the service's cost)."""
+    conn.request("POST", "/v1/predict", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {data[:300]!r}")
+    return data
+
+
+def ranking_vs_flat(service: Service, schema, candidates: int, seconds: float,
+                    users: int = 8, seed: int = 6) -> dict:
+    """1 user x ``candidates`` candidates as one ranking request (the user's features once)
+    against the same samples flat (the user's features in each), ``users`` users' requests
+    in turn, from one keep-alive client, alternating a ranking and a flat request for
+    ``seconds``: candidates/s of each (candidates over the seconds spent in its requests),
+    p50/p99, and the ratios; and a ranking request of one candidate among them (what any
+    request costs: HTTP, JSON, one model call). Both answers of every user are checked equal
+    first."""
+    user_names = [f.name for f in schema.layers[0].features]
+    pool = _samples(schema, users * (1 + candidates), seed=seed)
+    pairs = []
+    for k in range(users):
+        chunk = pool[k * (1 + candidates):(k + 1) * (1 + candidates)]
+        root = {n: chunk[0][n] for n in user_names}
+        rest = [{n: v for n, v in c.items() if n not in user_names} for c in chunk[1:]]
+        pairs.append((json.dumps({"root": root, "candidates": rest}).encode(),
+                      json.dumps({"samples": [{**root, **c} for c in rest]}).encode(),
+                      json.dumps({"root": root, "candidates": rest[:1]}).encode()))
+    conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
+    try:
+        for tree, flat, _ in pairs:
+            a = np.array([p["click"] for p in post(conn, tree)["predictions"]])
+            b = np.array([p["click"] for p in post(conn, flat)["predictions"]])
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        times = {"tree": [], "flat": [], "one": []}
+        deadline = time.monotonic() + seconds
+        k = 0
+        while time.monotonic() < deadline or not times["flat"]:
+            tree, flat, one = pairs[k % users]
+            # which goes first alternates too
+            for name, body in ((("tree", tree), ("flat", flat)) if k % 2 == 0 else
+                               (("flat", flat), ("tree", tree))) + (("one", one),):
+                started = time.perf_counter()
+                post_raw(conn, body)
+                times[name].append(time.perf_counter() - started)
+            k += 1
+    finally:
+        conn.close()
+    one = np.array(times.pop("one"))
+    out = {"candidates": candidates, "users": users, "seconds": seconds,
+           "one_candidate_p50_ms": float(np.percentile(one, 50) * 1e3)}
+    for name, t in times.items():
+        t = np.array(t)
+        out[name] = {"requests": len(t), "candidates_per_sec": candidates * len(t) / t.sum(),
+                     "p50_ms": float(np.percentile(t, 50) * 1e3),
+                     "p99_ms": float(np.percentile(t, 99) * 1e3)}
+    out["speedup"] = out["tree"]["candidates_per_sec"] / out["flat"]["candidates_per_sec"]
+    out["speedup_p50"] = out["flat"]["p50_ms"] / out["tree"]["p50_ms"]
+    return out
+
+
+def _print_ranking_vs_flat(s: dict) -> None:
+    print(f"  1 user x {s['candidates']} candidates over HTTP, one client, ranking and flat "
+          f"requests alternating ({s['users']} users, {s['seconds']} s): ranking "
+          f"{s['tree']['candidates_per_sec']:,.0f} candidates/s (p50 {s['tree']['p50_ms']:.1f} "
+          f"ms, p99 {s['tree']['p99_ms']:.1f}), flat {s['flat']['candidates_per_sec']:,.0f} "
+          f"(p50 {s['flat']['p50_ms']:.1f} ms, p99 {s['flat']['p99_ms']:.1f}): "
+          f"{s['speedup']:.2f}x candidates/s, {s['speedup_p50']:.2f}x at p50 (target >= 2x); "
+          f"a ranking request of 1 candidate p50 {s['one_candidate_p50_ms']:.1f} ms")
+
+
+def ranking_mode(args, schema, work: str) -> dict:
+    """``--ranking-vs-flat``: the service (its defaults) over a model trained on 30k samples,
+    :func:`ranking_vs_flat` for ``--seconds`` at ``--candidates`` candidates."""
+    from trainer.serving import export_increment
+
+    export = os.path.join(work, "export")
+    export_increment(_trained(schema, 5_000 if args.tiny else 30_000, seed=1), export)
+    service = Service(export)
+    try:
+        ranking_vs_flat(service, schema, args.candidates, min(1.0, args.seconds))  # warm
+        return ranking_vs_flat(service, schema, args.candidates, args.seconds)
+    finally:
+        service.stop()
+
+
 # -- concurrency: locust against the service, the in-process LiveModel as the bound ----------
 
 LOCUSTFILE = os.path.join(ROOT, "benchmarks", "serving_locustfile.py")
@@ -183,7 +280,8 @@ def locust_load(service: Service, bodies: str, users: int, seconds: float, work:
 
 
 # what each face's request of the concurrency part is: its path and its body
-FACE_PATHS = {"own": "/v1/predict", "tfserving-rest": "/v1/models/prefixrec:predict",
+FACE_PATHS = {"own": "/v1/predict", "samples": "/v1/predict",
+              "tfserving-rest": "/v1/models/prefixrec:predict",
               "oip": "/v2/models/prefixrec/infer"}
 
 
@@ -193,6 +291,8 @@ def _face_body(face: str, schema, root: dict, candidates: list[dict]) -> dict:
     if face == "own":
         return {"root": root, "candidates": candidates}
     rows = [{**root, **c} for c in candidates]
+    if face == "samples":  # the service's own JSON, flat: the faces' like
+        return {"samples": rows}
     if face == "tfserving-rest":
         return {"instances": rows}
     tensors = []
@@ -224,7 +324,8 @@ def concurrency(args, schema, work: str) -> dict:
 
     levels = [int(c) for c in args.concurrency.split(",")]
     export = os.path.join(work, "export")
-    export_increment(_trained(schema, 5_000 if args.tiny else 30_000, seed=1), export)
+    trainer = _trained(schema, 5_000 if args.tiny else 30_000, seed=1)
+    export_increment(trainer, export)
     users = [f.name for f in schema.layers[0].features]
     pool = _samples(schema, 32 * (1 + args.load_candidates), seed=7)
     requests = []
@@ -258,6 +359,10 @@ def concurrency(args, schema, work: str) -> dict:
 
     result = {"candidates": args.load_candidates, "seconds": args.seconds, "face": args.face,
               "in_process_candidates_per_sec": in_process, "modes": {}}
+    if args.versions_every:
+        result["versions"] = _under_versions(args, schema, trainer, export, bodies, levels,
+                                             work)
+        return result
     modes = {"batching": [], "no_batching": ["--max-batch-samples", "0"]}
     for mode, flags in modes.items():
         service = Service(export, *flags)
@@ -281,6 +386,95 @@ def concurrency(args, schema, work: str) -> dict:
     return result
 
 
+def _under_versions(args, schema, trainer, export: str, bodies: str, levels: list[int],
+                    work: str) -> dict:
+    """The service with batching (its defaults) at each concurrency, in phases without new
+    versions and with one published every ``--versions-every`` s (``--rounds`` of each,
+    alternating): p50/p99 of both and their ratio. The versions (``--version-samples``
+    samples trained into each, published by ``export_increment`` as the online trainer
+    publishes them) are made before the clock starts, then copied into the served export
+    directory one a period, each version's files before its manifest."""
+    served = os.path.join(work, "served")
+    shutil.copytree(export, served)
+    every = args.versions_every
+    count = len(levels) * args.rounds * int(np.ceil(args.seconds / every) + 1)
+    _publish_versions(trainer, schema, export, count, args.version_samples, seed=100)
+    service = Service(served, "--poll-interval", "0.1")
+    published = 0
+    out = {"every_s": every, "version_samples": args.version_samples, "runs": {}}
+    try:
+        locust_load(service, bodies, 1, 1, work, FACE_PATHS[args.face])  # warm
+        for users in levels:
+            phases = {"none": [], "updates": []}
+            for _ in range(args.rounds):
+                phases["none"].append(locust_load(service, bodies, users, args.seconds, work,
+                                                  FACE_PATHS[args.face]))
+                stop = threading.Event()
+
+                def publish():
+                    nonlocal published
+                    while not stop.is_set() and published < count:
+                        published += 1
+                        _copy_version(export, served, published)
+                        stop.wait(every)
+
+                publisher = threading.Thread(target=publish)
+                publisher.start()
+                try:
+                    phases["updates"].append(locust_load(service, bodies, users, args.seconds,
+                                                         work, FACE_PATHS[args.face]))
+                finally:
+                    stop.set()
+                    publisher.join()
+            run = {}
+            for name, got in phases.items():
+                run[name] = {"requests": sum(r["requests"] for r in got),
+                             "non_200": sum(r["non_200"] for r in got),
+                             "candidates_per_sec": float(np.mean(
+                                 [r["requests_per_sec"] for r in got])) * args.load_candidates,
+                             "p50_ms": float(np.median([r["p50_ms"] for r in got])),
+                             "p99_ms": float(np.max([r["p99_ms"] for r in got])),
+                             "p99_ms_rounds": [r["p99_ms"] for r in got]}
+            run["p99_ratio"] = run["updates"]["p99_ms"] / run["none"]["p99_ms"]
+            out["runs"][str(users)] = run
+        info = service.wait_for(lambda i: i["model"]["version"] == published)
+        out["published"] = published
+        out["versions_applied"] = info["versions_applied"]
+        out["failed_applies"] = info["failed_applies"]
+        out["apply_seconds"] = _scrape_applies(service)
+    finally:
+        service.stop()
+    return out
+
+
+def _scrape_applies(service: Service) -> dict:
+    """The mean and the largest bucket bound of the service's version applies (/metrics)."""
+    conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    found = dict(re.findall(r"^(prefixrec_serve_delta_apply_seconds_(?:sum|count)) (\S+)$",
+                            text, re.M))
+    count = float(found.get("prefixrec_serve_delta_apply_seconds_count", 0))
+    return {"count": count, "mean": float(found.get(
+        "prefixrec_serve_delta_apply_seconds_sum", 0)) / count if count else None}
+
+
+def _print_versions(v: dict, candidates: int) -> None:
+    print(f"    with batching, phases without and with a version ({v['version_samples']:,} "
+          f"samples) published every {v['every_s']} s: {v['versions_applied']} applied, "
+          f"{v['failed_applies']} refused, apply mean "
+          + (f"{v['apply_seconds']['mean'] * 1e3:.0f} ms" if v["apply_seconds"]["mean"]
+             else "-"))
+    for users, r in v["runs"].items():
+        none, upd = r["none"], r["updates"]
+        print(f"      {users:>3} clients: without {none['candidates_per_sec']:,.0f} candidates/s "
+              f"p50 {none['p50_ms']:.1f} p99 {none['p99_ms']:.1f} ms; with "
+              f"{upd['candidates_per_sec']:,.0f} p50 {upd['p50_ms']:.1f} p99 "
+              f"{upd['p99_ms']:.1f} ms: p99 ratio {r['p99_ratio']:.2f} (target <= 1.5); "
+              f"non-200 {none['non_200'] + upd['non_200']}")
+
+
 def _scrape_batches(service: Service) -> dict:
     """Requests per model call over the whole service run, from its /metrics."""
     conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
@@ -301,6 +495,8 @@ def _print_concurrency(c: dict) -> None:
           + ("LiveModel.predict_tree" if face == "own" else "LiveModel.predict")
           + " one after another: "
           f"{c['in_process_candidates_per_sec']:,.0f} candidates/s")
+    if "versions" in c:
+        _print_versions(c["versions"], c["candidates"])
     for mode, m in c["modes"].items():
         per_call = m["requests_per_call"]
         print(f"    {mode} ({' '.join(m['flags']) or 'defaults'}; "
@@ -584,8 +780,18 @@ def run(argv=None) -> dict:
                         help="--concurrency: candidates per ranking request (default 100)")
     parser.add_argument("--face", choices=sorted(FACE_PATHS), default="own",
                         help="--concurrency: the protocol the clients speak (default own: "
-                             "/v1/predict ranking requests; tfserving-rest, oip: flat samples "
-                             "to that face)")
+                             "/v1/predict ranking requests; samples: /v1/predict flat samples; "
+                             "tfserving-rest, oip: flat samples to that face)")
+    parser.add_argument("--versions-every", type=float,
+                        help="--concurrency: the service with batching only, each concurrency "
+                             "in phases without and with a new version published every this "
+                             "many seconds (alternating, --rounds of each): p99 of both")
+    parser.add_argument("--version-samples", type=int, default=20_000,
+                        help="--versions-every: samples trained into each version")
+    parser.add_argument("--ranking-vs-flat", action="store_true",
+                        help="run only the ranking-vs-flat part: 1 user x --candidates "
+                             "candidates as one ranking request against the same samples flat, "
+                             "over HTTP for --seconds")
     parser.add_argument("--reload-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reload_child:
@@ -593,7 +799,7 @@ def run(argv=None) -> dict:
         return {}
     if args.tiny:
         args.rate, args.fresh_seconds, args.seconds, args.rounds = 2000, 2, 0.5, 1
-        args.candidates, args.reload_rows = 50, 20_000
+        args.candidates, args.reload_rows, args.version_samples = 50, 20_000, 1_000
 
     import schemas
     from benchmarks.compression import machine
@@ -609,6 +815,11 @@ def run(argv=None) -> dict:
         if args.concurrency:
             result["concurrency"] = concurrency(args, schema, work)
             _print_concurrency(result["concurrency"])
+            print(json.dumps(result))
+            return result
+        if args.ranking_vs_flat:
+            result["ranking_vs_flat"] = ranking_mode(args, schema, work)
+            _print_ranking_vs_flat(result["ranking_vs_flat"])
             print(json.dumps(result))
             return result
         if args.only == "reload":
@@ -688,29 +899,8 @@ def run(argv=None) -> dict:
                                     "ratio": served_rate / in_process}
 
             # 4. one user x N candidates: a ranking request against the same samples flat
-            user_names = [f.name for f in schema.layers[0].features]
-            root = {k: pool[0][k] for k in user_names}
-            candidates = [{k: v for k, v in s.items() if k not in user_names}
-                          for s in _samples(schema, args.candidates, seed=6)]
-            tree = json.dumps({"root": root, "candidates": candidates}).encode()
-            flat = json.dumps({"samples": [{**root, **c} for c in candidates]}).encode()
-            conn = http.client.HTTPConnection(service.host, service.port, timeout=60)
-            a = np.array([p["click"] for p in post(conn, tree)["predictions"]])
-            b = np.array([p["click"] for p in post(conn, flat)["predictions"]])
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-            times = {"tree": [], "flat": []}
-            repeats = 10 if args.tiny else 100
-            for _ in range(repeats):
-                for name, body in (("tree", tree), ("flat", flat)):
-                    started = time.perf_counter()
-                    post(conn, body)
-                    times[name].append(time.perf_counter() - started)
-            structured = {k: {"p50_ms": float(np.percentile(v, 50) * 1e3),
-                              "p99_ms": float(np.percentile(v, 99) * 1e3)}
-                          for k, v in times.items()}
-            structured["speedup_p50"] = structured["flat"]["p50_ms"] / structured["tree"][
-                "p50_ms"]
-            structured["candidates"] = args.candidates
+            structured = ranking_vs_flat(service, schema, args.candidates,
+                                         1.0 if args.tiny else args.seconds * 2)
             result["structured"] = structured
         finally:
             service.stop()
@@ -733,11 +923,7 @@ def run(argv=None) -> dict:
     t = result["throughput"]
     print(f"  throughput at 100 samples/request {t['service_samples_per_sec']:,.0f} samples/s "
           f"vs in-process Predictor {t['predictor_samples_per_sec']:,.0f}: {t['ratio']:.2f}")
-    s = result["structured"]
-    print(f"  1 user x {s['candidates']} candidates: ranking request p50 "
-          f"{s['tree']['p50_ms']:.1f} ms p99 {s['tree']['p99_ms']:.1f} ms, flat p50 "
-          f"{s['flat']['p50_ms']:.1f} ms p99 {s['flat']['p99_ms']:.1f} ms: "
-          f"{s['speedup_p50']:.2f}x (target >= 1.5x)")
+    _print_ranking_vs_flat(result["structured"])
     _print_reload(result["reload"])
     print(json.dumps(result))
     return result

@@ -146,10 +146,11 @@ class Base:
         saved = os.path.join(directory, "saved_model")
         self.slots = [tf.saved_model.load(saved), tf.saved_model.load(saved)]
         # the one concrete function of each copy, called directly: skips the dispatch that
-        # matches a call to a trace (~1 ms of Python per request)
-        self.predict_fns = [slot.predict.concrete_functions[0] for slot in self.slots]
+        # matches a call to a trace (~1 ms of Python per request), and through its flat inputs
+        self.predict_fns = [FlatPredict(slot.predict.concrete_functions[0])
+                            for slot in self.slots]
         self.heads = list(meta["heads"])
-        warm = tf.nest.map_structure(tf.convert_to_tensor, dummy_feed(self.layout, True))
+        warm = dummy_feed(self.layout, True)
         for predict in self.predict_fns:  # run once before the first request
             predict(warm)
 
@@ -169,6 +170,30 @@ class Base:
         the same schema, config, dense statistics, tables, heads, network and sharding)."""
         keys = ("version", "schema", "config", "model", "tables", "heads", "shards")
         return all(meta.get(k) == self.meta.get(k) for k in keys)
+
+
+class FlatPredict:
+    """A SavedModel's ``predict`` concrete function called on a feed of numpy arrays through
+    its flat-input entry point (as :class:`trainer.network.FlatCall` calls the trainer's): a
+    structured call binds, checks and casts each of the feed's 18 tensors against the
+    signature in Python first (~0.5 ms of a 500-candidate request's ~3 ms here). The feed
+    builder makes every feed of the signature's structure and dtypes; the structure is still
+    checked per call, and a TensorFlow without the flat entry point takes the structured
+    call."""
+
+    def __init__(self, function):
+        self.function = function
+        self.signature = function.structured_input_signature[0][0]
+        self.specs = tf.nest.flatten(self.signature)
+        self.flat = hasattr(function, "_call_flat") and not function.structured_input_signature[1]
+
+    def __call__(self, feed):
+        if not self.flat:
+            return self.function(tf.nest.map_structure(tf.convert_to_tensor, feed))
+        tf.nest.assert_same_structure(feed, self.signature)
+        flat = [tf.convert_to_tensor(x, spec.dtype)
+                for x, spec in zip(tf.nest.flatten(feed), self.specs)]
+        return self.function._call_flat(flat, self.function.captured_inputs)
 
 
 @dataclass
@@ -414,7 +439,7 @@ class LiveModel:
         outputs = []
         for batch in batches:
             feed = base.builder.lookup(base.builder.prepare(batch), tables, train=False)
-            probabilities = predict(tf.nest.map_structure(tf.convert_to_tensor, feed.feed))
+            probabilities = predict(feed.feed)
             outputs.append(np.stack([probabilities[h].numpy() for h in base.heads], axis=1))
         if not outputs:
             return np.zeros((0, len(base.heads)), np.float32)

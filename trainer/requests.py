@@ -255,6 +255,8 @@ def _label_refusals(table: pa.Table, part: _Part) -> list[tuple[int, str]]:
     found = []
     for label in part.labels:
         column = table.column(label)
+        if column.null_count == len(column):  # no label given (what a request sends)
+            continue
         values = column.to_numpy(zero_copy_only=False)  # nulls read as NaN
         given = ~column.is_null().to_numpy(zero_copy_only=False)
         with np.errstate(invalid="ignore"):

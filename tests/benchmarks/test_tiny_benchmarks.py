@@ -99,6 +99,53 @@ def test_serving_concurrency_benchmark_tiny():
     assert result["modes"]["batching"]["model_calls"] > 0
 
 
+@pytest.mark.parametrize("face", ["samples", "tfserving-rest", "oip"])
+def test_serving_concurrency_benchmark_faces_tiny(face):
+    """benchmarks.serving --concurrency --face: flat samples through each face, no non-200."""
+    import benchmarks.serving
+
+    result = benchmarks.serving.run(["--tiny", "--concurrency", "2", "--face", face])[
+        "concurrency"]
+    assert result["face"] == face and result["in_process_candidates_per_sec"] > 0
+    for mode in ("batching", "no_batching"):
+        r = result["modes"][mode]["runs"]["2"]
+        assert r["candidates_per_sec"] > 0 and r["p50_ms"] <= r["p99_ms"]
+        assert r["non_200"] == 0
+
+
+def test_serving_ranking_vs_flat_benchmark_tiny():
+    """benchmarks.serving --ranking-vs-flat: both forms over HTTP, alternating, answers equal."""
+    import benchmarks.serving
+
+    result = benchmarks.serving.run(["--tiny", "--ranking-vs-flat"])["ranking_vs_flat"]
+    assert result["candidates"] == 50
+    for name in ("tree", "flat"):
+        r = result[name]
+        assert r["requests"] > 0 and r["candidates_per_sec"] > 0 and r["p50_ms"] <= r["p99_ms"]
+    assert result["tree"]["requests"] == result["flat"]["requests"]
+    assert result["speedup"] > 0 and result["speedup_p50"] > 0
+    assert result["one_candidate_p50_ms"] > 0
+
+
+def test_serving_versions_under_load_benchmark_tiny():
+    """benchmarks.serving --concurrency --versions-every: phases without and with versions
+    published, every published version applied, no non-200 answer."""
+    import benchmarks.serving
+
+    result = benchmarks.serving.run(["--tiny", "--concurrency", "2", "--versions-every",
+                                     "0.25"])["concurrency"]
+    versions = result["versions"]
+    assert set(versions["runs"]) == {"2"}
+    run = versions["runs"]["2"]
+    for phase in ("none", "updates"):
+        assert run[phase]["requests"] > 0 and run[phase]["non_200"] == 0
+        assert run[phase]["p50_ms"] <= run[phase]["p99_ms"]
+    assert run["p99_ratio"] > 0
+    assert versions["published"] >= 1
+    assert versions["versions_applied"] == versions["published"]
+    assert versions["failed_applies"] == 0 and versions["apply_seconds"]["count"] >= 1
+
+
 def test_json_decode_benchmark_tiny():
     import benchmarks.json_decode
 

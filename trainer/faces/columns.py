@@ -8,7 +8,11 @@ the ``{"samples": [...]}`` body that :mod:`trainer.requests` scans and decodes.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import math
+from json.encoder import encode_basestring
 
 import numpy as np
 
@@ -23,12 +27,41 @@ def samples_request(columns: dict[str, list], n: int, max_samples: int):
     if n > max_samples:
         raise BadRequest(f"{n} samples in one request; the limit is {max_samples} "
                          "(--max-samples): split the request", status=413)
-    names = list(columns)
-    rows = [dict(zip(names, values)) for values in zip(*columns.values())] if names else \
-        [{}] * n
-    body = json.dumps({"samples": rows}, ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode()
-    return scan_request(body, max_samples)
+    if not columns:
+        return scan_request(('{"samples":[' + ",".join(["{}"] * n) + "]}").encode(),
+                            max_samples)
+    formats, texts = [], []
+    for name, values in columns.items():
+        form, value_texts = _json_texts(values)
+        formats.append(_DUMP(str(name)).replace("%", "%%") + ":" + form)
+        texts.append(value_texts)
+    template = "{" + ",".join(formats) + "}"  # a sample's object: one format, no dict
+    rows = ",".join(map(template.__mod__, zip(*texts)))
+    return scan_request(('{"samples":[' + rows + "]}").encode(), max_samples)
+
+
+# the JSON text json.dumps writes for a value the fast forms below do not cover
+_DUMP = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":"))
+
+
+def _json_texts(values: list) -> tuple[str, list]:
+    """A column's values as a ``%`` format and its arguments, whose text is JSON of the same
+    values: at C speed (no Python call per value) for integers, finite floats and lists of
+    them (``repr`` writes them as JSON does, lists with a space after each comma) and for
+    strings (``json``'s own string encoder); anything else value by value, as
+    ``json.dumps`` writes it."""
+    kinds = set(map(type, values))
+    if kinds <= {int, float} and (float not in kinds or all(map(math.isfinite, values))):
+        return "%r", values
+    if kinds == {str}:
+        return "%s", list(map(encode_basestring, values))
+    if kinds == {list}:
+        inner = set(map(type, itertools.chain.from_iterable(values)))
+        if inner <= {int, float} and (float not in inner or all(map(
+                math.isfinite, itertools.chain.from_iterable(values)))):
+            return "%r", values
+    return "%s", list(map(_DUMP, values))
 
 
 def tensor_columns(arrays: dict[str, np.ndarray], schema) -> tuple[dict[str, list], int]:
