@@ -78,7 +78,7 @@ BENCH_DISK_TIER_ARGS ?=
 bench-disk-tier: | doctest
 	mkdir -p build/bench && $(CXX) -std=c++17 -O2 -Wall -Wextra -pthread -Inative/include -Inative/src \
 	    -DPREFIXREC_DISK_TIER_LMDB benchmarks/disk_tier_bench.cc native/src/disk_tier.cc \
-	    native/src/disk_tier_lmdb.cc $(CPP_TEST_LIBS) -o build/bench/disk-tier
+	    native/src/crash_point.cc native/src/disk_tier_lmdb.cc $(CPP_TEST_LIBS) -o build/bench/disk-tier
 	build/bench/disk-tier --dir build/bench-disk-tier $(BENCH_DISK_TIER_ARGS)
 
 demo: $(STAMP)
