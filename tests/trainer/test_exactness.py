@@ -38,8 +38,8 @@ def first_batch(schema, trees, size=256):
     return next(compression.iter_batches(trees, schema, size))
 
 
-def assert_same_gradients(a, b):
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=2e-6)
+def assert_same_gradients(a, b, loss_rtol=2e-6):
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=loss_rtol)
     assert len(a["dense"]) == len(b["dense"])
     for ga, gb in zip(a["dense"], b["dense"]):
         np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-7)

@@ -36,6 +36,7 @@ the columns in the order of the model's heads (``GET /v1/model``), with the serv
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +65,17 @@ class Core:
     score_blocking: Callable
     read_body: Callable
     refuse: Callable
+
+    def unknown_model(self, message: str, endpoint: str | None = None):
+        """The 404 of a request naming another model: counted as a refusal of ``endpoint``
+        (a predict path), else a bare JSON error (a metadata or health path)."""
+        from starlette.responses import Response
+
+        message = f"{message}: this service serves {self.model_name!r} (--model-name)"
+        if endpoint is not None:
+            return self.refuse(404, message, endpoint)
+        return Response(json.dumps({"error": message}), status_code=404,
+                        media_type="application/json")
 
 
 def predict_endpoint(path: str) -> str | None:

@@ -125,12 +125,7 @@ def routes(core: Core) -> list:
     from starlette.routing import Route
 
     def unknown(name, endpoint=None):
-        message = f"Request for unknown model: {name!r} is not found; this service serves " \
-                  f"{core.model_name!r} (--model-name)"
-        if endpoint is not None:
-            return core.refuse(404, message, endpoint)
-        return Response(json.dumps({"error": message}), status_code=404,
-                        media_type="application/json")
+        return core.unknown_model(f"Request for unknown model: {name!r} is not found", endpoint)
 
     async def infer(request):
         started = time.perf_counter()

@@ -102,12 +102,7 @@ def rest_routes(core: Core) -> list:
     from starlette.routing import Route
 
     def unknown(name, endpoint=None):
-        message = f"Servable not found for request: Latest({name}): this service serves " \
-                  f"{core.model_name!r} (--model-name)"
-        if endpoint is not None:
-            return core.refuse(404, message, endpoint)
-        return Response(json.dumps({"error": message}), status_code=404,
-                        media_type="application/json")
+        return core.unknown_model(f"Servable not found for request: Latest({name})", endpoint)
 
     def no_model():
         return Response(json.dumps({"error": f"no model loaded yet: {core.live.problem}"}),
