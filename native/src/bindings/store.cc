@@ -31,6 +31,12 @@ py::array_t<T> ToNumpy(std::vector<T>&& values, std::vector<py::ssize_t> shape) 
 }
 
 // The ids buffer: 1-D, C-contiguous int64, fewer than 2**32 entries.
+// The store's counters, read without the GIL (Stats locks every shard in turn).
+prefixrec::StoreStats StatsWithoutGil(const EmbeddingStore& s) {
+  py::gil_scoped_release release;
+  return s.Stats();
+}
+
 std::pair<const int64_t*, size_t> IdsOf(const py::array& ids) {
   if (!py::isinstance<py::array_t<int64_t>>(ids) || ids.dtype().kind() != 'i' || ids.itemsize() != 8) {
     Invalid("ids must be an int64 numpy array, got dtype " + std::string(py::str(ids.dtype())));
@@ -323,11 +329,7 @@ void BindStore(py::module_& m) {
            py::arg("ids"))
       .def("stats",
            [](const EmbeddingStore& s) {
-             prefixrec::StoreStats st;
-             {
-               py::gil_scoped_release release;
-               st = s.Stats();
-             }
+             const prefixrec::StoreStats st = StatsWithoutGil(s);
              py::dict d;
              d["rows"] = st.rows;
              d["bytes"] = st.bytes;
@@ -342,13 +344,9 @@ void BindStore(py::module_& m) {
              d["delta_sequence"] = st.delta_sequence;
              return d;
            })
-      .def("tier_stats",  // two tiers (docs/tiered-store.md); not yet in StoreStats
+      .def("tier_stats",  // the two tiers' part of StoreStats (docs/tiered-store.md)
            [](const EmbeddingStore& s) {
-             prefixrec::StoreStats st;
-             {
-               py::gil_scoped_release release;
-               st = s.Stats();
-             }
+             const prefixrec::StoreStats st = StatsWithoutGil(s);
              py::dict d;
              d["memory_rows"] = st.memory_rows;
              d["disk_rows"] = st.disk_rows;
