@@ -9,10 +9,11 @@ from native.errors import (CorruptFileError, DeltaOrderError, IncompatibleStoreE
                            InvalidDtypeError, InvalidInputError, StoreError, StoreIOError)
 from native.json_envelope import Envelope, MalformedJsonError, MemberSpans, scan_envelope
 from native.json_samples import DecodedChunk, DecodedSamples, JsonColumn, JsonSampleDecoder
+from native.quantized import QuantizedStore
 from native.store import EmbeddingStore, StoreStats, scatter_add_rows
 
 __all__ = [
-    "EmbeddingStore", "StoreConfig", "StoreStats", "scatter_add_rows",
+    "EmbeddingStore", "StoreConfig", "StoreStats", "scatter_add_rows", "QuantizedStore",
     "SGD", "Adagrad", "Adam", "FTRL", "Optimizer",
     "Zeros", "Uniform", "Normal", "Initializer",
     "ProbabilityFilter", "CountingBloomFilter", "CounterFilter", "EntryFilter",

@@ -18,6 +18,10 @@ Native store delta (``EmbeddingStore.export_delta``, same file):
     ``store.delta.written``      as above, for ``delta-NNNNNN.bin``
     ``store.delta.synced``
     ``store.delta.renamed``      in place; the store's delta sequence not yet advanced
+Quantized export files (a table exported as float16, int8 or int4: its snapshot and deltas
+written from the store's, C++ ``native/src/quantized.cc``):
+    ``quantized.snapshot.written``, ``.synced``, ``.renamed``   as above, for ``store.quantized``
+    ``quantized.delta.written``, ``.synced``, ``.renamed``      as above, for ``delta-NNNNNN.bin``
 Native store disk tier (a store with a memory budget, C++ ``native/src/disk_tier.cc``): the tier
 extends memory and is not kept across a crash; a restarted store loads its last snapshot and
 opens its tier directories empty, so nothing a killed writer left there is ever read:
@@ -59,6 +63,8 @@ EXIT_CODE = 86
 POINTS = (
     "store.snapshot.written", "store.snapshot.synced", "store.snapshot.renamed",
     "store.delta.written", "store.delta.synced", "store.delta.renamed",
+    "quantized.snapshot.written", "quantized.snapshot.synced", "quantized.snapshot.renamed",
+    "quantized.delta.written", "quantized.delta.synced", "quantized.delta.renamed",
     "tier.put.written", "tier.reclaim.moved",
     "checkpoint.written", "checkpoint.renamed", "checkpoint.latest", "checkpoint.removing",
     "checkpoint.written.same-step", "checkpoint.renamed.same-step",

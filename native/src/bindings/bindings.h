@@ -32,6 +32,9 @@ void BindErrors();
 void BindStore(py::module_& m);
 // native._store.scatter_add_rows (facade: native.scatter_add_rows, native/store.py) (store.cc).
 void BindScatterAddRows(py::module_& m);
+// native._store.QuantizedTable and the quantized export functions (facade: native/quantized.py)
+// (quantized.cc).
+void BindQuantized(py::module_& m);
 // native._store.JsonSampleDecoder (facade: native/json_samples.py) (json_samples.cc).
 void BindJsonSamples(py::module_& m);
 // native._store.scan_json_envelope (facade: native/json_envelope.py) (json_envelope.cc).

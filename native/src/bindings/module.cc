@@ -49,6 +49,7 @@ PYBIND11_MODULE(_store, m) {
   b::BindErrors();
   b::BindStore(m);
   b::BindScatterAddRows(m);
+  b::BindQuantized(m);
   b::BindJsonSamples(m);
   b::BindJsonEnvelope(m);
 }
