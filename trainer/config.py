@@ -18,6 +18,8 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
       l2: 7.0                      # rows' L2 weight per pass, applied lazily; 0: none
       # memory_budget: 512MiB      # rows kept in memory per table, the rest on local disk
       # eviction: lru              # or lfu: which rows go to disk first (see tiered-store.md)
+      # export_format: int8        # how serving exports write the table: float32 (default),
+                                   # float16, int8 or int4 (README, "Smaller exports")
     features:                      # per feature: its table (default: its own) and pooling
       clicked_cats: {table: cate, pooling: sum}    # ids lists pool by mean unless told
       cate_id: {table: cate}
@@ -60,6 +62,7 @@ ROW_GRADIENTS = ("sum", "mean")
 POOLINGS = ("sum", "mean")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 EVICTIONS = ("lru", "lfu")
+EXPORT_FORMATS = native.quantized.FORMATS  # float32 (the store's files), float16, int8, int4
 STORE_OPTIMIZERS = {"sgd": native.SGD, "adagrad": native.Adagrad, "adam": native.Adam,
                     "ftrl": native.FTRL}
 INITIALIZERS = {"zeros": native.Zeros, "uniform": native.Uniform, "normal": native.Normal}
@@ -122,6 +125,11 @@ class TableConfig:
     # updates). Run-time settings: a snapshot does not keep them.
     memory_budget_bytes: int | None = None
     eviction: str = "lru"
+    # How a serving export writes the table's rows (native/quantized.py): float32 (the store's
+    # own snapshot and deltas, unchanged), float16, int8 or int4 (a scale and a bias a row).
+    # Training keeps float32 rows whatever it is. None: float32. The --export-format of
+    # trainer.train and trainer.online sets every table's (TrainConfig.with_export_format).
+    export_format: str | None = None
 
     @property
     def memory_row_bytes(self) -> int:
@@ -440,6 +448,24 @@ class TrainConfig:
                               "or function: module:function) to the config")
         return changed
 
+    def with_export_format(self, export_format: str | None) -> "TrainConfig":
+        """This config with ``export_format`` for every table, over what the config names (the
+        ``--export-format`` of trainer.train and trainer.online, which overrides the config
+        as ``--batch-size`` does); as it is for None."""
+        if export_format is None:
+            return self
+        _check_export_format(export_format, "--export-format")
+
+        def fill(t: TableConfig) -> TableConfig:
+            return dataclasses.replace(t, export_format=export_format)
+
+        return dataclasses.replace(self, embedding=fill(self.embedding),
+                                   tables=tuple((n, fill(t)) for n, t in self.tables))
+
+    def export_format(self, table: str) -> str:
+        """How serving exports write ``table``: its config's ``export_format``, else float32."""
+        return self.table(table).export_format or "float32"
+
     def check(self, schema: Schema) -> dict[str, list[str]]:
         """Check the config against ``schema``; returns table -> its features (schema order)."""
         sparse = [f.name for f in schema.embedded_features]  # a time column is not embedded
@@ -658,8 +684,12 @@ def _table(raw, where: str, base: TableConfig) -> TableConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping like `{{dim: 18}}`")
     _no_unknown(raw, ("dim", "optimizer", "initializer", "filter", "max_rows", "expire", "l2",
-                      "memory_budget", "eviction"), where)
+                      "memory_budget", "eviction", "export_format"), where)
     changes: dict[str, Any] = {}
+    if "export_format" in raw:
+        if raw["export_format"] is not None:
+            _check_export_format(raw["export_format"], f"{where}.export_format")
+        changes["export_format"] = raw["export_format"]
     if "memory_budget" in raw:
         changes["memory_budget_bytes"] = (None if raw["memory_budget"] is None else
                                           _size(raw["memory_budget"], f"{where}.memory_budget"))
@@ -716,6 +746,12 @@ def _table(raw, where: str, base: TableConfig) -> TableConfig:
     return table
 
 
+def _check_export_format(value, key: str) -> None:
+    if value not in EXPORT_FORMATS:
+        raise ConfigError(f"{key}: {value!r} is not an export format; use one of "
+                          f"{', '.join(EXPORT_FORMATS)}")
+
+
 def _size(value, key: str) -> int:
     try:
         return tiers.parse_size(value, key)
@@ -757,7 +793,8 @@ def _table_dict(t: TableConfig) -> dict:
             # only when set: a table without a budget writes what it always wrote
             **({} if t.memory_budget_bytes is None else {
                 "memory_budget": t.memory_budget_bytes}),
-            **({} if t.eviction == "lru" else {"eviction": t.eviction})}
+            **({} if t.eviction == "lru" else {"eviction": t.eviction}),
+            **({} if t.export_format is None else {"export_format": t.export_format})}
 
 
 def resolve_tier_dir(config: TrainConfig, tier_dir: str | None) -> str | None:

@@ -63,8 +63,8 @@ from trainer.config import TrainConfig
 from trainer.feed import FeedBuilder, Layout
 from trainer.network import dummy_feed
 from trainer.requests import BadRequest, RequestBody, decode_request, scan_request
-from trainer.serving import (EXPORT_VERSION, ShardedStore, load_export_stores, mirror_export,
-                             one_node_per_sample, published_versions, read_lineage,
+from trainer.serving import (EXPORT_VERSION, ShardedStore, export_formats, load_export_stores,
+                             mirror_export, one_node_per_sample, published_versions, read_lineage,
                              read_version_manifest, request_table, request_tree, version_path)
 
 
@@ -141,8 +141,9 @@ class Base:
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")
         self.tables = tables
+        self.export_formats = export_formats(meta, tables)
         self.stores = load_export_stores(directory, self.config, tables, self.shards,
-                                         memory_budget, tier_dir)
+                                         memory_budget, tier_dir, self.export_formats)
         saved = os.path.join(directory, "saved_model")
         self.slots = [tf.saved_model.load(saved), tf.saved_model.load(saved)]
         # the one concrete function of each copy, called directly: skips the dispatch that
@@ -168,7 +169,8 @@ class Base:
     def same_model(self, meta: dict) -> bool:
         """Whether the export described by ``meta`` is of this model (what a rebase needs:
         the same schema, config, dense statistics, tables, heads, network and sharding)."""
-        keys = ("version", "schema", "config", "model", "tables", "heads", "shards")
+        keys = ("version", "schema", "config", "model", "tables", "heads", "shards",
+                "export_formats")
         return all(meta.get(k) == self.meta.get(k) for k in keys)
 
 

@@ -71,7 +71,7 @@ import schemas
 from compression import cli, fs, kafka
 from compression.messages import DEFAULT_MAX_MESSAGE_BYTES
 from compression.signal_points import signal_point
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import EXPORT_FORMATS, ConfigError, TrainConfig
 from trainer.kafka_source import DEFAULT_UNIT_BATCHES
 from trainer.metrics import DelayHistogram  # noqa: F401 - importable from here as before
 from trainer.online_loop import (DEFAULT_READER_NICE, PROBE_EVERY, PROBE_TIMEOUT,  # noqa: F401
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "once --run-dir holds a checkpoint of its own")
     parser.add_argument("--export-dir", help="write store deltas and dense weights here "
                                              "(a local directory or s3://..., gs://...)")
+    parser.add_argument("--export-format", choices=EXPORT_FORMATS, default=None,
+                        help="how --export-dir writes every embedding table (overrides the "
+                             "config's and the checkpoint's per-table export_format): float32 "
+                             "(default), float16, int8 or int4; training stays float32")
     parser.add_argument("--export-every", type=float, default=10.0,
                         help="seconds between exports (default 10)")
     parser.add_argument("--checkpoint-every", type=float, default=30.0,

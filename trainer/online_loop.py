@@ -88,6 +88,7 @@ class OnlineOptions:
     init_from: str | None = None
     export_dir: str | None = None
     export_every: float = 10.0
+    export_format: str | None = None
     checkpoint_every: float = 30.0
     expire_every: int | None = None
     report_every: float = 10.0

@@ -377,6 +377,7 @@ def restore_process_trainer(options, schema, latest, models):
         offsets = {}
     if options.expire_every is not None:
         trainer.config = trainer.config.with_expire_every(options.expire_every)
+    trainer.config = trainer.config.with_export_format(options.export_format)
     return trainer, offsets
 
 

@@ -10,7 +10,7 @@ Layout of an export directory::
 
     export.json                 schema, config, model spec and heads, format version
     saved_model/                tf.saved_model with a ``predict`` function over the feed
-    stores/<table>/store.snapshot
+    stores/<table>/store.snapshot   (store.quantized: a table exported as float16/int8/int4)
     versions/vNNNNNNNN/<table>/delta-SSSSSS.bin   (export_increment, later: version N's
     versions/vNNNNNNNN/dense.npz                   store deltas and dense weights)
     versions/vNNNNNNNN.json                       its manifest, written last
@@ -34,6 +34,16 @@ The SavedModel takes the feed of :mod:`trainer.feed` (ids already turned into em
 the Predictor does that part with the native stores, so a serving process follows the trainer
 through ``apply_delta`` without reloading TensorFlow. Samples are scored one leaf per sample
 (every layer's node is the sample itself), which keeps their order.
+
+**Export formats.** Each table is written in its config's ``export_format``
+(:meth:`trainer.config.TrainConfig.export_format`; ``--export-format`` of trainer.train and
+trainer.online): float32 writes the store's own snapshot and deltas, float16, int8 and int4 a
+quantized snapshot ``store.quantized`` and quantized deltas under the same names, made from the
+store's files (:mod:`native.quantized`); ``export.json["export_formats"]`` names each table's.
+Training state stays float32. The Predictor and :class:`trainer.live.LiveModel` load a
+quantized table into a :class:`native.QuantizedStore`, rows kept as stored and dequantized on
+lookup, and follow its deltas and rebases as a float32 table's. Memory budgets
+(``--memory-budget``) apply to exports of float32 tables only.
 
 **Object stores.** A full export may go to ``s3://...`` (``gs://``..., through
 :mod:`compression.fs`): it is written to a local temporary directory, then published all or
@@ -125,12 +135,60 @@ def export(core, directory: str | os.PathLike, *, step: int, stores: dict | None
         for table, store in stores.items():
             os.makedirs(os.path.join(tmp, "stores", table))
             store.save(os.path.join(tmp, "stores", table))
+    formats = {t: core.config.export_format(t) for t in core.tables}
+    for table, export_format in formats.items():
+        if export_format != "float32":
+            quantize_table_snapshots(os.path.join(tmp, "stores", table), table, export_format)
     meta = {"version": EXPORT_VERSION, "lineage": uuid.uuid4().hex, "schema": core.schema.to_dict(),
             "config": core.config.to_dict(), "model": core.spec(), "step": step,
-            "tables": list(core.tables), "heads": heads, **extra}
+            "tables": list(core.tables), "heads": heads, "export_formats": formats, **extra}
     with open(os.path.join(tmp, "export.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return replace_directory(tmp, directory)
+
+
+def _snapshot_dirs(table_dir: str) -> list[str]:
+    """A table's snapshot directories in an export: itself, or its ``shard-NNNN`` ones."""
+    shards = sorted(glob.glob(os.path.join(table_dir, "shard-[0-9][0-9][0-9][0-9]")))
+    return shards or [table_dir]
+
+
+def quantize_table_snapshots(table_dir: str, table: str, export_format: str) -> None:
+    """Replace the store snapshot(s) of ``table`` under ``table_dir`` (an export being
+    written) with quantized ones in ``export_format``; a row that cannot be quantized (NaN,
+    infinite, beyond float16) raises :class:`native.InvalidInputError` naming the table."""
+    for directory in _snapshot_dirs(table_dir):
+        snapshot = os.path.join(directory, "store.snapshot")
+        try:
+            native.quantized.quantize_snapshot(directory, os.path.join(
+                directory, native.quantized.SNAPSHOT_FILE), export_format)
+        except native.InvalidInputError as e:
+            raise native.InvalidInputError(f"table {table} (export_format {export_format}): "
+                                           f"{e}") from None
+        os.remove(snapshot)
+
+
+def quantize_deltas(deltas: dict, formats: dict) -> None:
+    """Rewrite in place, as quantized deltas, the store deltas (``{table: path or [path per
+    shard]}``, as ``export_delta`` returns them) of the tables ``formats`` does not keep as
+    float32."""
+    for table, paths in deltas.items():
+        export_format = formats.get(table, "float32")
+        if export_format == "float32":
+            continue
+        for path in paths if isinstance(paths, list) else [paths]:
+            try:
+                native.quantized.quantize_delta(path, path, export_format)
+            except native.InvalidInputError as e:
+                raise native.InvalidInputError(f"table {table} (export_format "
+                                               f"{export_format}): {e}") from None
+
+
+def export_formats(meta: dict, tables) -> dict[str, str]:
+    """Each table's format in the export described by ``meta`` (export.json): as recorded,
+    else (an export written before formats were recorded) float32."""
+    recorded = meta.get("export_formats") or {}
+    return {t: recorded.get(t, "float32") for t in tables}
 
 
 # trainer -> {export directory: [lineage, last version]}: what this process published there.
@@ -214,6 +272,7 @@ def export_increment(trainer, directory: str | os.PathLike,
     shutil.rmtree(files, ignore_errors=True)  # a failed attempt's leftovers, never published
     try:
         deltas = trainer.export_delta(files)
+        quantize_deltas(deltas, {t: trainer.config.export_format(t) for t in deltas})
         dense = os.path.join(files, "dense.npz")
         np.savez(dense, step=np.int64(trainer.step), **trainer.dense_arrays(optimizer=False))
         relative = {table: [os.path.relpath(p, root)
@@ -345,14 +404,37 @@ def serving_budgets(directory: str, config: TrainConfig, tables, shards: int | N
 
 
 def load_export_stores(directory: str, config: TrainConfig, tables, shards: int | None,
-                       memory_budget: int | None = None, tier_dir: str | None = None) -> dict:
+                       memory_budget: int | None = None, tier_dir: str | None = None,
+                       formats: dict | None = None) -> dict:
     """Every table's store of the export in ``directory`` (a :class:`ShardedStore` for a
     sharded export). With ``memory_budget`` (bytes, for the whole model) the stores load
     into budgets: split over the tables in proportion to their snapshots' bytes
     (:func:`serving_budgets`; the training config's own budgets do not apply to serving) and
     over each table's shards, the rows
     beyond them on local disk under ``tier_dir/<table>`` (default: a temporary directory
-    removed at exit). A budget too small names ``--memory-budget`` and the size it needs."""
+    removed at exit). A budget too small names ``--memory-budget`` and the size it needs.
+
+    ``formats``: each table's export format (:func:`export_formats`; default float32): a
+    quantized table loads into a :class:`native.QuantizedStore` (memory budgets apply to
+    float32 tables only: with ``memory_budget`` a quantized table is a ConfigError)."""
+    formats = formats or {}
+    quantized = {t: formats[t] for t in tables if formats.get(t, "float32") != "float32"}
+    if quantized and memory_budget is not None:
+        table, export_format = next(iter(quantized.items()))
+        raise ConfigError(f"--memory-budget applies to exports of float32 tables only; table "
+                          f"{table} of {directory} is exported as {export_format} (its rows "
+                          "stay quantized in memory, a fraction of float32's): serve it "
+                          "without --memory-budget")
+
+    def load(table: str, path: str, config):
+        if table in quantized:
+            store = native.QuantizedStore.load(path)
+            if store.format != quantized[table]:
+                raise ValueError(f"{path}: holds {store.format} rows, export.json names "
+                                 f"{quantized[table]}")
+            return store
+        return tiers.load_store(path, config)
+
     configs = {t: None for t in tables}
     if memory_budget is not None:
         serving = config.with_table_budgets(
@@ -369,11 +451,10 @@ def load_export_stores(directory: str, config: TrainConfig, tables, shards: int 
                               f"{e}") from None
     if shards:
         return {t: ShardedStore([
-            tiers.load_store(os.path.join(directory, "stores", t, f"shard-{i:04d}"),
-                             configs[t][i] if configs[t] else None)
+            load(t, os.path.join(directory, "stores", t, f"shard-{i:04d}"),
+                 configs[t][i] if configs[t] else None)
             for i in range(shards)]) for t in tables}
-    return {t: tiers.load_store(os.path.join(directory, "stores", t), configs[t])
-            for t in tables}
+    return {t: load(t, os.path.join(directory, "stores", t), configs[t]) for t in tables}
 
 
 class Predictor:
@@ -405,8 +486,9 @@ class Predictor:
         self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")  # a sharded (distributed) run's export
+        self.export_formats = export_formats(meta, tables)
         self.stores = load_export_stores(self.directory, self.config, tables, self.shards,
-                                         memory_budget, tier_dir)
+                                         memory_budget, tier_dir, self.export_formats)
         self.model = tf.saved_model.load(os.path.join(self.directory, "saved_model"))
         self.batch_size = batch_size
         self.heads = meta["heads"]   # probability columns, in the model's order

@@ -43,7 +43,7 @@ import schemas
 from compression import cli, fs
 from compression.signal_points import signal_point
 from trainer import tiers
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import EXPORT_FORMATS, ConfigError, TrainConfig
 from trainer.runs import (DEFAULT_EPOCHS_WITH_EVAL, DEFAULT_PATIENCE, MODEL_NAMES, Interrupted,
                           StopOnSignal, check_export_dir, fit_result, interrupted_run, link_tree,
                           load_tensorflow, result_line, run_settings, write_interrupted)
@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write a serving export of the kept model here at the end "
                         "(SavedModel + embedding snapshots: trainer.serving.Predictor reads "
                         "it); a directory holding an export is replaced atomically")
+    p.add_argument("--export-format", choices=EXPORT_FORMATS, default=None,
+                   help="how --export-dir writes every embedding table (overrides the "
+                        "config's per-table export_format): float32 (default: the stores' "
+                        "own files), float16, int8 or int4 (a scale and a bias a row); "
+                        "training stays float32, the served rows stay quantized (README, "
+                        "\"Smaller exports\")")
     cli.add_overwrite_flag(p, "the run directory")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out (same arguments otherwise): "
@@ -143,7 +149,7 @@ def run(argv=None) -> dict:
         overrides = {k: v for k, v in (("compute", options.compute),
                                        ("batch_size", options.batch_size),
                                        ("seed", options.seed)) if v is not None}
-        config = config.replace(**overrides)
+        config = config.replace(**overrides).with_export_format(options.export_format)
         tables = config.check(schema)  # against the schema, before TensorFlow is imported
         if options.distributed:  # each store shard its share of a table's budget
             config.table_budgets(tables, options.shards)

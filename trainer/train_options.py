@@ -29,6 +29,7 @@ class TrainOptions:
     eval_every: int | None = None
     seed: int | None = None
     export_dir: str | None = None
+    export_format: str | None = None
     overwrite: bool = False
     resume: bool = False
     debug: bool = False

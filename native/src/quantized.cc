@@ -174,7 +174,11 @@ std::vector<uint8_t> EncodeIds(const std::vector<int64_t>& ids, const char* what
 std::vector<int64_t> ReadIds(FileReader& r, uint64_t count, const char* what) {
   const uint64_t id_bytes = r.Get<uint64_t>();
   const uint64_t start = r.offset();
-  r.CheckCount(id_bytes, 1, what);
+  if (id_bytes > r.remaining()) {
+    Corrupt(r.path(), std::string(what) + " ids of " + std::to_string(id_bytes) + " bytes at offset " +
+                          std::to_string(start - 8) + " do not fit in the " + std::to_string(r.remaining()) +
+                          " bytes left");
+  }
   if (count > id_bytes) {
     Corrupt(r.path(), std::to_string(count) + " " + what + " ids cannot fit in " +
                           std::to_string(id_bytes) + " bytes at offset " + std::to_string(start));
@@ -272,7 +276,11 @@ Head ReadHead(FileReader& r, const char (&magic)[8], const char* kind) {
 
 void ReadRows(FileReader& r, const Head& head, QuantizedContents& c) {
   const uint64_t start = r.offset();
-  r.CheckCount(c.ids.size(), head.row_bytes, "row");
+  if (c.ids.size() > r.remaining() / head.row_bytes) {
+    Corrupt(r.path(), std::to_string(c.ids.size()) + " rows of " + std::to_string(head.row_bytes) +
+                          " bytes at offset " + std::to_string(start) + " do not fit in the " +
+                          std::to_string(r.remaining()) + " bytes left (truncated?)");
+  }
   c.rows.resize(c.ids.size() * head.row_bytes);
   r.Read(c.rows.data(), c.rows.size());
   for (size_t i = 0; i < c.ids.size(); ++i) {

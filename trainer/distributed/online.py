@@ -117,13 +117,14 @@ class OnlineDistributedTrainer(DistributedTrainer):
 
     def __init__(self, schema, model=None, config: TrainConfig | None = None, *,
                  expire_every: int | None = None, memory_budget: int | None = None,
-                 **kwargs):
+                 export_format: str | None = None, **kwargs):
         """``expire_every``: run every table's configured expiry every that many steps
         instead of its ``every_steps`` (``--expire-every``; a ConfigError when no table has
         one), in this run and in the config its checkpoints keep, as a single process does.
         ``memory_budget``: the whole model's (``--memory-budget``), instead of the config's
         or the checkpoint's budgets. The other arguments are :class:`DistributedTrainer`'s."""
         self.expire_every = expire_every
+        self.export_format = export_format  # --export-format: every table's, over the config's
         self.memory_budget = memory_budget
         # a new run shifts the output biases on its first step (run_on_ray sets it as
         # trainer.online does for a run without a checkpoint or --init-from)
@@ -131,7 +132,8 @@ class OnlineDistributedTrainer(DistributedTrainer):
         super().__init__(schema, model, self.run_config(config or TrainConfig()), **kwargs)
 
     def run_config(self, saved: TrainConfig) -> TrainConfig:
-        saved = saved.with_memory_budget(self.memory_budget)
+        saved = saved.with_memory_budget(self.memory_budget).with_export_format(
+            self.export_format)
         if self.expire_every is None:
             return saved
         return saved.with_expire_every(self.expire_every)
@@ -503,7 +505,7 @@ def run_on_ray(options: OnlineOptions, schema: schemas.Schema, config: TrainConf
     latest = checkpoints.latest()
     step_log = os.path.join(run_dir, STEP_LOG) if options.step_log else None
     actors = {"workers": workers, "shards": shards, "ray_address": options.ray_address,
-              "expire_every": options.expire_every,
+              "expire_every": options.expire_every, "export_format": options.export_format,
               "memory_budget": options.memory_budget_bytes, "tier_dir": options.tier_dir}
     offsets = {}
     try:
