@@ -33,13 +33,28 @@ import os
 import numpy as np
 
 from native import _store
-from native.errors import InvalidInputError
-from native.store import StoreStats, _as_ids
+from native.errors import InvalidDtypeError, InvalidInputError
+from native.store import StoreStats
 
 FORMATS = ("float32", "float16", "int8", "int4")
 """Every export format; float32 is the store's own files."""
 _CODES = {"float16": 1, "int8": 2, "int4": 3}
 SNAPSHOT_FILE = "store.quantized"
+
+
+def _as_ids(ids) -> np.ndarray:
+    """``ids`` as a 1-D C-contiguous int64 array (integers of another width converted)."""
+    array = np.asarray(ids)
+    if array.size == 0:
+        return np.zeros(0, np.int64)
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise InvalidDtypeError(f"ids must be integers (e.g. an int64 numpy array), got dtype "
+                                f"{array.dtype}")
+    if array.ndim != 1:
+        raise InvalidInputError(f"ids must be 1-D, got shape {array.shape}")
+    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
+        raise InvalidInputError(f"ids must fit in int64, got {int(array.max())}")
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 def _code(format: str) -> int:

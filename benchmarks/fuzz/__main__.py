@@ -26,9 +26,10 @@ PROG = "python -m benchmarks.fuzz"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET_NAMES = ("json_decoder", "request_envelope", "csv_file", "parquet_file", "jsonl_file",
                 "tree_parquet", "tree_ipc", "store_snapshot", "store_delta", "store_rebase",
-                "checkpoint", "schema_yaml", "config_yaml", "serve_request")
+                "quantized_snapshot", "quantized_delta", "checkpoint", "schema_yaml",
+                "config_yaml", "serve_request")
 NATIVE_TARGETS = ("json_decoder", "request_envelope", "store_snapshot", "store_delta",
-                  "store_rebase")
+                  "store_rebase", "quantized_snapshot", "quantized_delta")
 ASAN_DIR = os.path.join("build", "fuzz-asan")
 ASAN_SHARE = 0.3  # of a native target's time, run under ASan + UBSan
 ARTIFACT_KINDS = ("crash", "timeout", "oom", "leak", "slow-unit")

@@ -199,6 +199,16 @@ def seeds() -> dict[str, dict[str, bytes]]:
             "truncated-sealed": b"\x01" + body[: len(body) // 2],
             "header-only-sealed": b"\x01" + body[:12],
         })
+    qdir, qsnapshot, qdelta = T.quantized_base()
+    for name, blob in (("quantized_snapshot", qsnapshot), ("quantized_delta", qdelta)):
+        body = blob[:-T.TRAILER_BYTES]
+        out[name].update({
+            "valid-as-is": b"\x00" + blob,
+            "valid-sealed": b"\x01" + body,
+            "truncated-sealed": b"\x01" + body[: len(body) // 2],
+            "header-only-sealed": b"\x01" + body[:20],
+        })
+    out["quantized_snapshot"].update(_quantized_snapshots())
     out["store_snapshot"]["bloom-filter-sealed"] = b"\x01" + _bloom_snapshot()[:-T.TRAILER_BYTES]
     out["store_rebase"]["bloom-filter-sealed"] = out["store_snapshot"]["bloom-filter-sealed"]
 
@@ -343,6 +353,20 @@ def _retyped_trees(trees):
     new_ads = pa.ListArray.from_arrays(ads.offsets, pa.StructArray.from_arrays(
         ad_arrays, fields=ad_fields))
     return trees.set_column(trees.column_names.index("ad"), "ad", new_ads)
+
+
+def _quantized_snapshots() -> dict[str, bytes]:
+    """The base snapshot as float16 and int4 too, sealed bodies."""
+    from native import quantized
+
+    base, _, _ = T.store_base()
+    out = {}
+    for export_format in ("float16", "int4"):
+        path = os.path.join(T.workdir(), f"seed-{export_format}", quantized.SNAPSHOT_FILE)
+        quantized.quantize_snapshot(base, path, export_format)
+        with open(path, "rb") as f:
+            out[f"valid-{export_format}-sealed"] = b"\x01" + f.read()[:-T.TRAILER_BYTES]
+    return out
 
 
 def _bloom_snapshot() -> bytes:

@@ -557,6 +557,101 @@ def store_rebase(data: bytes) -> None:
     check_store(store)
 
 
+# -- quantized exports ---------------------------------------------------------------------
+
+@functools.cache
+def quantized_base() -> tuple[str, bytes, bytes]:
+    """(directory of the int8 quantized snapshot of :func:`store_base`'s snapshot, its bytes,
+    the bytes of the quantized delta that follows it)."""
+    from native import quantized
+
+    base, _, delta = store_base()
+    directory = os.path.join(workdir(), "quantized-base")
+    quantized.quantize_snapshot(base, os.path.join(directory, quantized.SNAPSHOT_FILE), "int8")
+    float_delta = write(os.path.join(workdir(), "quantized-float-delta.bin"), delta)
+    out = os.path.join(workdir(), "quantized-delta-000001.bin")
+    quantized.quantize_delta(float_delta, out, "int8")
+    with open(os.path.join(directory, quantized.SNAPSHOT_FILE), "rb") as f, \
+            open(out, "rb") as g:
+        return directory, f.read(), g.read()
+
+
+def check_quantized(table, contents: dict) -> None:
+    """A loaded quantized table must serve what its file holds: ascending unique ids, and
+    lookups of them equal to the file's dequantized rows, finite."""
+    import numpy as np
+
+    ids, rows = contents["ids"], contents["rows"]
+    if len(ids) != len(table) or (len(ids) > 1 and not (np.diff(ids) > 0).all()):
+        raise Inconsistent(f"{len(table)} rows but ids {ids}")
+    if rows.shape != (len(ids), table.dim):
+        raise Inconsistent(f"rows of shape {rows.shape} for {len(ids)} ids")
+    got = table.lookup(ids)
+    if got.tobytes() != rows.tobytes() or not np.isfinite(got).all():
+        raise Inconsistent("lookups do not read the file's rows (or read non-finite values)")
+    table.stats()
+
+
+def quantized_snapshot(data: bytes) -> None:
+    """A quantized snapshot (``store.quantized``, see :func:`store_file`) loaded with
+    ``native.QuantizedStore.load``; ``read_quantized_snapshot`` must agree with it."""
+    import native
+    from native import quantized
+
+    directory = input_path("-quantized")
+    os.makedirs(directory, exist_ok=True)
+    path = write(os.path.join(directory, quantized.SNAPSHOT_FILE), store_file(data))
+    try:
+        contents = quantized.read_quantized_snapshot(path)
+    except ValueError:
+        contents = None
+    try:
+        table = native.QuantizedStore.load(directory)
+    except ValueError:
+        if contents is not None:
+            raise Inconsistent("read_quantized_snapshot accepted a file load refused") from None
+        raise
+    if contents is None:
+        raise Inconsistent("load accepted a file read_quantized_snapshot refused")
+    check_quantized(table, contents)
+
+
+def quantized_delta(data: bytes) -> None:
+    """A quantized delta (see :func:`store_file`) read with ``read_delta`` and applied with
+    ``apply_delta`` to the quantized snapshot it follows: both refuse the same files (a refused
+    one changes nothing), and what read_delta reads is what apply_delta applied."""
+    import numpy as np
+
+    import native
+
+    base, _, _ = quantized_base()
+    table = native.QuantizedStore.load(base)
+    path = write(input_path("-qdelta-000001.bin"), store_file(data))
+    probe = np.arange(-10, 120, dtype=np.int64)
+    before = table.lookup(probe).tobytes(), len(table)
+    try:
+        contents = table.read_delta(path)
+    except ValueError:
+        contents = None
+    try:
+        table.apply_delta(path)
+    except ValueError:
+        if (table.lookup(probe).tobytes(), len(table)) != before:
+            raise Inconsistent("a refused delta changed the table") from None
+        if contents is not None:
+            raise Inconsistent("read_delta accepted a delta apply_delta refused") from None
+        raise
+    if contents is None:
+        raise Inconsistent("read_delta refused a delta apply_delta applied")
+    if table.lookup(contents["ids"]).tobytes() != contents["rows"].tobytes():
+        raise Inconsistent("the rows read_delta read are not the rows apply_delta applied")
+    if len(contents["tombstones"]) and table.lookup(contents["tombstones"]).any():
+        raise Inconsistent("an id read_delta reads as removed still has a row")
+    if table.stats().delta_sequence != (contents["rebase"] if contents["rebase"] is not None
+                                        else contents["sequence"]):
+        raise Inconsistent("the table's sequence is not the delta's")
+
+
 # -- trainer checkpoints ---------------------------------------------------------------------
 
 CHECKPOINT_SCHEMA = {"name": "fuzz_ckpt", "labels": ["click"], "layers": [
@@ -1216,6 +1311,10 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            doc=store_snapshot.__doc__),
     Target("store_delta", store_delta, native=True, max_len=8192, doc=store_delta.__doc__),
     Target("store_rebase", store_rebase, native=True, max_len=8192, doc=store_rebase.__doc__),
+    Target("quantized_snapshot", quantized_snapshot, native=True, max_len=8192,
+           doc=quantized_snapshot.__doc__),
+    Target("quantized_delta", quantized_delta, native=True, max_len=8192,
+           doc=quantized_delta.__doc__),
     Target("checkpoint", checkpoint, max_len=8192, doc=checkpoint.__doc__),
     Target("schema_yaml", schema_yaml, max_len=8192, doc=schema_yaml.__doc__),
     Target("config_yaml", config_yaml, max_len=8192, doc=config_yaml.__doc__),
