@@ -1,0 +1,22 @@
+"""python -m benchmarks.compress_embeddings at its CI size: every variant exported in every
+format, the ratios against both float32 baselines, and the service latencies measured."""
+import benchmarks.compress_embeddings as bench
+
+
+def test_compress_embeddings_benchmark_tiny(capsys):
+    result = bench.run(["--tiny", "--datasets", "generated"])
+    entry = result["datasets"]["generated-3k"]
+    assert entry["train_samples"] == 2400 and entry["eval_samples"] == 600
+    assert list(entry["variants"]) == [name for name, _ in bench.TRAINING_VARIANTS]
+    variant = entry["variants"]["default"]
+    rows = variant["formats"]
+    assert list(rows) == list(bench.EXPORT_FORMATS)
+    sizes = [rows[f]["export_bytes"] for f in ("float32", "float16", "int8", "int4")]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
+    assert rows["float32"]["auc_delta"] == 0 and rows["float32"]["smaller_than_float32_export"] == 1
+    # the float32 export holds optimizer state and headers: bigger than the values alone
+    assert rows["float32"]["smaller_than_values_only"] < 1 < rows["int4"]["smaller_than_values_only"]
+    for r in rows.values():
+        assert 0.3 < r["auc"] < 1 and r["requests"] == 10 and r["p99_ms"] >= r["p50_ms"] > 0
+    assert variant["training"]["samples_per_sec"] > 0
+    assert "| default | int8 |" in bench.markdown(result)
