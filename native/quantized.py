@@ -172,11 +172,12 @@ class QuantizedStore:
         return self._native.lookup(_as_ids(ids))
 
     def lookup_unique(self, ids, train: bool = False, *, now: float | None = None):
-        """``(unique_ids, inverse, rows)`` as :meth:`EmbeddingStore.lookup_unique` (unique ids
-        ascending here)."""
-        ids = _as_ids(ids)
-        unique, inverse = np.unique(ids, return_inverse=True)
-        return unique, inverse.reshape(-1), self.lookup(unique, train)
+        """``(unique_ids, inverse, rows)`` as :meth:`EmbeddingStore.lookup_unique`: distinct
+        ids in order of first appearance, ``ids == unique_ids[inverse]``, their rows."""
+        if train:
+            raise InvalidInputError("a quantized table is read-only: it serves an export and "
+                                    "never trains (train=False)")
+        return tuple(self._native.lookup_unique(_as_ids(ids)))
 
     def stats(self) -> StoreStats:
         """:class:`StoreStats` of a table that never trains: rows, bytes (rows, ids, hash

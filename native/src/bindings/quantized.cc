@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -110,6 +111,34 @@ void BindQuantized(py::module_& m) {
                t.Lookup(data, n, dst);
              }
              return out;
+           },
+           py::arg("ids"))
+      .def("lookup_unique",
+           [](const QuantizedTable& t, const py::array& ids) {
+             auto [data, n] = Ids(ids);
+             const auto dim = static_cast<py::ssize_t>(t.dim());
+             std::vector<int64_t> unique;
+             std::vector<int64_t> inverse(n);
+             {
+               py::gil_scoped_release release;
+               std::unordered_map<int64_t, int64_t> seen;
+               seen.reserve(n);
+               unique.reserve(n);
+               for (size_t i = 0; i < n; ++i) {
+                 auto [it, added] = seen.emplace(data[i], static_cast<int64_t>(unique.size()));
+                 if (added) unique.push_back(data[i]);
+                 inverse[i] = it->second;
+               }
+             }
+             const auto m = static_cast<py::ssize_t>(unique.size());
+             py::array_t<float> rows({m, dim});
+             float* dst = rows.mutable_data();
+             {
+               py::gil_scoped_release release;
+               t.Lookup(unique.data(), unique.size(), dst);
+             }
+             return py::make_tuple(Owned(std::move(unique), {m}),
+                                   Owned(std::move(inverse), {static_cast<py::ssize_t>(n)}), rows);
            },
            py::arg("ids"))
       .def("stats",
