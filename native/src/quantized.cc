@@ -61,15 +61,16 @@ uint16_t FloatToHalf(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+// A finite half as float, without branches (so a row's loop vectorizes): the half's exponent
+// and mantissa bits placed as a float's are the value times 2^-112, subnormals included.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;
   float out;
-  if (exponent == 0) {
-    out = static_cast<float>(mantissa) * 0x1.0p-24f;
-    return sign ? -out : out;
-  }
-  const uint32_t bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  std::memcpy(&out, &magnitude, 4);
+  out *= 0x1.0p112f;
+  uint32_t bits;
+  std::memcpy(&bits, &out, 4);
+  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
   std::memcpy(&out, &bits, 4);
   return out;
 }
@@ -365,14 +366,32 @@ void DequantizeRow(QuantFormat format, const uint8_t* row, size_t dim, float* ou
   float scale_f, bias_f;
   std::memcpy(&scale_f, row, 4);
   std::memcpy(&bias_f, row + 4, 4);
-  const double scale = scale_f, bias = bias_f;
   const uint8_t* q = row + 8;
+  // float arithmetic (vectorizes) where bias + scale * q cannot come near float's range, so
+  // its rounding stays within the bound; double otherwise (rounded once, no overflow)
+  const bool small = std::fabs(bias_f) + scale_f * 255.0f < 1e37f;
+  const double scale = scale_f, bias = bias_f;
   if (format == QuantFormat::kInt8) {
-    for (size_t j = 0; j < dim; ++j) out[j] = static_cast<float>(bias + scale * q[j]);
-  } else {
-    for (size_t j = 0; j < dim; ++j) {
-      const uint8_t v = (j & 1) ? (q[j / 2] >> 4) : (q[j / 2] & 0x0f);
-      out[j] = static_cast<float>(bias + scale * v);
+    if (small) {
+      for (size_t j = 0; j < dim; ++j) out[j] = bias_f + scale_f * static_cast<float>(q[j]);
+    } else {
+      for (size_t j = 0; j < dim; ++j) out[j] = static_cast<float>(bias + scale * q[j]);
+    }
+    return;
+  }
+  uint8_t levels[256];
+  for (size_t done = 0; done < dim; done += 256) {  // nibbles unpacked, then one plain loop
+    const size_t n = std::min<size_t>(256, dim - done);
+    const uint8_t* bytes = q + done / 2;  // done is even: a byte boundary
+    for (size_t k = 0; k < n / 2; ++k) {
+      levels[2 * k] = bytes[k] & 0x0f;
+      levels[2 * k + 1] = static_cast<uint8_t>(bytes[k] >> 4);
+    }
+    if (n & 1) levels[n - 1] = bytes[n / 2] & 0x0f;
+    if (small) {
+      for (size_t j = 0; j < n; ++j) out[done + j] = bias_f + scale_f * static_cast<float>(levels[j]);
+    } else {
+      for (size_t j = 0; j < n; ++j) out[done + j] = static_cast<float>(bias + scale * levels[j]);
     }
   }
 }
@@ -522,18 +541,24 @@ uint64_t QuantizeDeltaFile(const std::string& delta_path, const std::string& pat
 std::unique_ptr<QuantizedTable> QuantizedTable::Load(const std::string& path) {
   QuantizedContents c = ReadQuantizedSnapshot(path);
   std::unique_ptr<QuantizedTable> table(new QuantizedTable(c.format, c.dim));
-  table->row_bytes_ = QuantRowBytes(c.format, c.dim);
+  const size_t row_bytes = QuantRowBytes(c.format, c.dim);
+  table->row_bytes_ = row_bytes;
+  table->record_bytes_ = 8 + row_bytes;
   table->sequence_ = c.sequence;
   table->global_step_ = c.global_step;
-  table->ids_ = std::move(c.ids);
-  table->rows_ = std::move(c.rows);
-  table->Rehash(table->ids_.size());
+  table->records_.resize(c.ids.size() * table->record_bytes_);
+  for (size_t r = 0; r < c.ids.size(); ++r) {
+    uint8_t* record = table->records_.data() + r * table->record_bytes_;
+    std::memcpy(record, &c.ids[r], 8);
+    std::memcpy(record + 8, c.rows.data() + r * row_bytes, row_bytes);
+  }
+  table->Rehash(c.ids.size());
   return table;
 }
 
 size_t QuantizedTable::size() const {
   std::shared_lock<std::shared_mutex> lock(mu_);
-  return ids_.size();
+  return Count();
 }
 
 uint64_t QuantizedTable::delta_sequence() const {
@@ -548,7 +573,13 @@ int64_t QuantizedTable::global_step() const {
 
 uint64_t QuantizedTable::bytes() const {
   std::shared_lock<std::shared_mutex> lock(mu_);
-  return ids_.capacity() * sizeof(int64_t) + rows_.capacity() + slots_.capacity() * sizeof(uint32_t);
+  return records_.capacity() + slots_.capacity() * sizeof(uint32_t);
+}
+
+int64_t QuantizedTable::IdAt(uint32_t r) const {
+  int64_t id;
+  std::memcpy(&id, records_.data() + static_cast<size_t>(r) * record_bytes_, 8);
+  return id;
 }
 
 // Slots for `rows` rows at a load of at most 3/4 (at least 16), every row placed anew.
@@ -557,8 +588,9 @@ void QuantizedTable::Rehash(size_t rows) {
   while (capacity * 3 < rows * 4 + 4) capacity *= 2;
   slots_.assign(capacity, kNone);
   const size_t mask = capacity - 1;
-  for (size_t r = 0; r < ids_.size(); ++r) {
-    size_t pos = HashId(ids_[r]) & mask;
+  const size_t count = Count();
+  for (size_t r = 0; r < count; ++r) {
+    size_t pos = HashId(IdAt(static_cast<uint32_t>(r))) & mask;
     while (slots_[pos] != kNone) pos = (pos + 1) & mask;
     slots_[pos] = static_cast<uint32_t>(r);
   }
@@ -569,40 +601,38 @@ uint32_t QuantizedTable::FindLocked(int64_t id) const {
   for (size_t pos = HashId(id) & mask;; pos = (pos + 1) & mask) {
     const uint32_t r = slots_[pos];
     if (r == kNone) return kNone;
-    if (ids_[r] == id) return r;
+    if (IdAt(r) == id) return r;
   }
 }
 
 void QuantizedTable::UpsertLocked(int64_t id, const uint8_t* row) {
   uint32_t r = FindLocked(id);
   if (r == kNone) {
-    if ((ids_.size() + 1) * 4 > slots_.size() * 3) {
-      ids_.push_back(id);
-      rows_.insert(rows_.end(), row, row + row_bytes_);
-      Rehash(ids_.size());
-      return;
+    r = static_cast<uint32_t>(Count());
+    records_.resize(records_.size() + record_bytes_);
+    std::memcpy(records_.data() + static_cast<size_t>(r) * record_bytes_, &id, 8);
+    if ((static_cast<size_t>(r) + 1) * 4 > slots_.size() * 3) {
+      Rehash(static_cast<size_t>(r) + 1);
+    } else {
+      const size_t mask = slots_.size() - 1;
+      size_t pos = HashId(id) & mask;
+      while (slots_[pos] != kNone) pos = (pos + 1) & mask;
+      slots_[pos] = r;
     }
-    r = static_cast<uint32_t>(ids_.size());
-    ids_.push_back(id);
-    rows_.resize(rows_.size() + row_bytes_);
-    const size_t mask = slots_.size() - 1;
-    size_t pos = HashId(id) & mask;
-    while (slots_[pos] != kNone) pos = (pos + 1) & mask;
-    slots_[pos] = r;
   }
-  std::memcpy(rows_.data() + static_cast<size_t>(r) * row_bytes_, row, row_bytes_);
+  std::memcpy(records_.data() + static_cast<size_t>(r) * record_bytes_ + 8, row, row_bytes_);
 }
 
 void QuantizedTable::RemoveLocked(int64_t id) {
   const size_t mask = slots_.size() - 1;
   size_t pos = HashId(id) & mask;
-  while (slots_[pos] != kNone && ids_[slots_[pos]] != id) pos = (pos + 1) & mask;
+  while (slots_[pos] != kNone && IdAt(slots_[pos]) != id) pos = (pos + 1) & mask;
   if (slots_[pos] == kNone) return;  // no row: a removal of an id the table lacks
   const uint32_t removed = slots_[pos];
   // backward-shift deletion: later entries of the probe run move up to the hole
   size_t hole = pos;
   for (size_t j = (pos + 1) & mask; slots_[j] != kNone; j = (j + 1) & mask) {
-    const size_t home = HashId(ids_[slots_[j]]) & mask;
+    const size_t home = HashId(IdAt(slots_[j])) & mask;
     const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
     if (!stays) {
       slots_[hole] = slots_[j];
@@ -611,29 +641,44 @@ void QuantizedTable::RemoveLocked(int64_t id) {
   }
   slots_[hole] = kNone;
   // the last row moves into the removed one's place
-  const uint32_t last = static_cast<uint32_t>(ids_.size() - 1);
+  const uint32_t last = static_cast<uint32_t>(Count() - 1);
   if (removed != last) {
-    const int64_t moved = ids_[last];
-    size_t at = HashId(moved) & mask;
+    size_t at = HashId(IdAt(last)) & mask;
     while (slots_[at] != last) at = (at + 1) & mask;
     slots_[at] = removed;
-    ids_[removed] = moved;
-    std::memcpy(rows_.data() + static_cast<size_t>(removed) * row_bytes_,
-                rows_.data() + static_cast<size_t>(last) * row_bytes_, row_bytes_);
+    std::memcpy(records_.data() + static_cast<size_t>(removed) * record_bytes_,
+                records_.data() + static_cast<size_t>(last) * record_bytes_, record_bytes_);
   }
-  ids_.pop_back();
-  rows_.resize(rows_.size() - row_bytes_);
+  records_.resize(records_.size() - record_bytes_);
 }
 
 void QuantizedTable::Lookup(const int64_t* ids, size_t n, float* out) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t r = FindLocked(ids[i]);
-    float* dst = out + i * dim_;
-    if (r == kNone) {
-      std::fill(dst, dst + dim_, 0.0f);
-    } else {
-      DequantizeRow(format_, rows_.data() + static_cast<size_t>(r) * row_bytes_, dim_, dst);
+  // In groups: every id's slot is fetched before the first is read, then every candidate
+  // record (its id, then its row) before the first is checked, so a group's cache misses
+  // overlap instead of queueing.
+  constexpr size_t kGroup = 16;
+  const size_t mask = slots_.size() - 1;
+  size_t pos[kGroup];
+  uint32_t found[kGroup];
+  for (size_t base = 0; base < n; base += kGroup) {
+    const size_t m = std::min(kGroup, n - base);
+    for (size_t k = 0; k < m; ++k) {
+      pos[k] = HashId(ids[base + k]) & mask;
+      __builtin_prefetch(&slots_[pos[k]]);
+    }
+    for (size_t k = 0; k < m; ++k) {
+      found[k] = slots_[pos[k]];
+      if (found[k] != kNone) __builtin_prefetch(records_.data() + static_cast<size_t>(found[k]) * record_bytes_);
+    }
+    for (size_t k = 0; k < m; ++k) {
+      if (found[k] != kNone && IdAt(found[k]) != ids[base + k]) found[k] = FindLocked(ids[base + k]);
+      float* dst = out + (base + k) * dim_;
+      if (found[k] == kNone) {
+        std::fill(dst, dst + dim_, 0.0f);
+      } else {
+        DequantizeRow(format_, records_.data() + static_cast<size_t>(found[k]) * record_bytes_ + 8, dim_, dst);
+      }
     }
   }
   lookups_.fetch_add(n);
@@ -699,14 +744,15 @@ QuantizedTable::RebaseStats QuantizedTable::WriteRebaseDelta(const std::string& 
     for (size_t i = 0; i < snap.ids.size(); ++i) {
       const uint8_t* row = snap.rows.data() + i * row_bytes_;
       const uint32_t r = FindLocked(snap.ids[i]);
-      if (r != kNone && std::memcmp(rows_.data() + static_cast<size_t>(r) * row_bytes_, row, row_bytes_) == 0) {
+      if (r != kNone && std::memcmp(records_.data() + static_cast<size_t>(r) * record_bytes_ + 8, row, row_bytes_) == 0) {
         ++stats.unchanged;
         continue;
       }
       out.ids.push_back(snap.ids[i]);
       out.rows.insert(out.rows.end(), row, row + row_bytes_);
     }
-    for (int64_t id : ids_) {
+    for (uint32_t r = 0; r < Count(); ++r) {
+      const int64_t id = IdAt(r);
       if (!std::binary_search(snap.ids.begin(), snap.ids.end(), id)) out.tombstones.push_back(id);
     }
   }

@@ -96,7 +96,7 @@ class QuantizedTable {
   uint64_t delta_sequence() const;
   int64_t global_step() const;
   uint64_t lookups() const { return lookups_.load(); }
-  // Heap bytes held: rows, ids and the hash slots.
+  // Heap bytes held: rows with their ids, and the hash slots.
   uint64_t bytes() const;
 
   // Rows of `ids` (n x dim floats) into `out`.
@@ -119,6 +119,8 @@ class QuantizedTable {
 
  private:
   QuantizedTable(QuantFormat format, uint32_t dim) : format_(format), dim_(dim) {}
+  size_t Count() const { return record_bytes_ ? records_.size() / record_bytes_ : 0; }
+  int64_t IdAt(uint32_t r) const;
   void Rehash(size_t capacity);
   uint32_t FindLocked(int64_t id) const;  // row index, or kNone
   void UpsertLocked(int64_t id, const uint8_t* row);
@@ -130,9 +132,11 @@ class QuantizedTable {
   const QuantFormat format_;
   const uint32_t dim_;
   size_t row_bytes_ = 0;
+  size_t record_bytes_ = 0;      // 8 + row_bytes_
   mutable std::shared_mutex mu_;
-  std::vector<int64_t> ids_;     // row index -> id
-  std::vector<uint8_t> rows_;    // row index -> quantized row
+  // row index -> record: the id (8 bytes) then the quantized row, so that a lookup's probe
+  // and its row share a cache line or two
+  std::vector<uint8_t> records_;
   std::vector<uint32_t> slots_;  // open addressing (linear probing): row index or kNone
   uint64_t sequence_ = 0;
   int64_t global_step_ = 0;

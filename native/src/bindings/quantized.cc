@@ -6,7 +6,6 @@
 
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -30,6 +29,27 @@ py::array_t<T> Owned(std::vector<T>&& values, std::vector<py::ssize_t> shape) {
   auto* owned = new std::vector<T>(std::move(values));
   py::capsule owner(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
   return py::array_t<T>(shape, owned->data(), owner);
+}
+
+// The distinct ids of ids[0..n) in order of first appearance into `unique`, and each id's
+// position there into `inverse`: a flat open-addressing table of twice n slots (a request's
+// ids, a few thousand: it stays in cache).
+void Dedupe(const int64_t* ids, size_t n, std::vector<int64_t>* unique, int64_t* inverse) {
+  size_t capacity = 16;
+  while (capacity < 2 * n) capacity *= 2;
+  const size_t mask = capacity - 1;
+  std::vector<int32_t> slots(capacity, -1);
+  unique->reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    size_t pos = static_cast<size_t>((static_cast<uint64_t>(id) * 0x9e3779b97f4a7c15ULL) >> 32) & mask;
+    while (slots[pos] >= 0 && (*unique)[static_cast<size_t>(slots[pos])] != id) pos = (pos + 1) & mask;
+    if (slots[pos] < 0) {
+      slots[pos] = static_cast<int32_t>(unique->size());
+      unique->push_back(id);
+    }
+    inverse[i] = slots[pos];
+  }
 }
 
 // Float rows of a file's contents, dequantized without the GIL.
@@ -121,14 +141,7 @@ void BindQuantized(py::module_& m) {
              std::vector<int64_t> inverse(n);
              {
                py::gil_scoped_release release;
-               std::unordered_map<int64_t, int64_t> seen;
-               seen.reserve(n);
-               unique.reserve(n);
-               for (size_t i = 0; i < n; ++i) {
-                 auto [it, added] = seen.emplace(data[i], static_cast<int64_t>(unique.size()));
-                 if (added) unique.push_back(data[i]);
-                 inverse[i] = it->second;
-               }
+               Dedupe(data, n, &unique, inverse.data());
              }
              const auto m = static_cast<py::ssize_t>(unique.size());
              py::array_t<float> rows({m, dim});
