@@ -226,3 +226,34 @@ def test_quantized_versions_apply_in_order_and_rebase_like_float32_ones(tmp_path
         assert_within_bound(base.stores, trainer)
     finally:
         live.close()
+
+
+# -- trainer.online's flag ------------------------------------------------------------------
+
+def test_online_export_format_sets_every_table_of_a_new_or_restored_run(tmp_path):
+    import types
+
+    from trainer.distributed.online import OnlineDistributedTrainer
+    from trainer.models import MODELS
+    from trainer.online import parse_options
+    from trainer.online_process import restore_process_trainer
+
+    config = tmp_path / "config.yaml"
+    config.write_text("embedding: {dim: 4}\ntables: {cate_id: {export_format: float16}}\n")
+    argv = ["--schema", SCHEMA_PATH, "--bootstrap-servers", "127.0.0.1:1", "--topic", "t",
+            "--group", "g", "--run-dir", str(tmp_path / "run"), "--config", str(config)]
+    schema = schemas.load(SCHEMA_PATH)
+    _, options = parse_options(argv + ["--export-format", "int4"])
+    trainer, _ = restore_process_trainer(options, schema, None, MODELS)
+    assert {trainer.config.export_format(t) for t in trainer.tables} == {"int4"}
+    _, options = parse_options(argv)  # without the flag: the config's
+    trainer, _ = restore_process_trainer(options, schema, None, MODELS)
+    assert trainer.config.export_format("cate_id") == "float16"
+    assert trainer.config.export_format("user_id") == "float32"
+    # on Ray: the config a new run or a checkpoint goes on with
+    ray_run = types.SimpleNamespace(memory_budget=None, expire_every=None,
+                                    export_format="int8")
+    saved = TrainConfig.load(config)
+    assert OnlineDistributedTrainer.run_config(ray_run, saved).export_format("cate_id") == "int8"
+    with pytest.raises(SystemExit):
+        parse_options(argv + ["--export-format", "int3"])
