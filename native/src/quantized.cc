@@ -504,9 +504,9 @@ uint64_t QuantizeSnapshotFile(const std::string& snapshot_dir, const std::string
         QuantizeRows(format, values, n, c.dim, block_ids, rows.data() + rows.size() - n * row_bytes);
       });
   // the store keeps rows in hash order: the file has them in id order
-  std::vector<uint32_t> order(ids.size());
-  std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return ids[a] < ids[b]; });
+  std::vector<size_t> order(ids.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ids[a] < ids[b]; });
   c.ids.resize(ids.size());
   c.rows.resize(rows.size());
   for (size_t i = 0; i < order.size(); ++i) {
@@ -514,7 +514,7 @@ uint64_t QuantizeSnapshotFile(const std::string& snapshot_dir, const std::string
     if (i > 0 && c.ids[i] == c.ids[i - 1]) {
       Corrupt(snapshot_dir + "/store.snapshot", "id " + std::to_string(c.ids[i]) + " stored twice");
     }
-    std::memcpy(c.rows.data() + i * row_bytes, rows.data() + static_cast<size_t>(order[i]) * row_bytes, row_bytes);
+    std::memcpy(c.rows.data() + i * row_bytes, rows.data() + order[i] * row_bytes, row_bytes);
   }
   return WriteQuantizedSnapshot(path, c);
 }

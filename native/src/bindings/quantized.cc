@@ -21,6 +21,7 @@ std::pair<const int64_t*, size_t> Ids(const py::array& ids) {
   }
   if (ids.ndim() != 1) Invalid("ids must be 1-D, got " + std::to_string(ids.ndim()) + " dimensions");
   if (!(ids.flags() & py::array::c_style)) Invalid("ids must be C-contiguous");
+  if (static_cast<uint64_t>(ids.shape(0)) >= 0x7fffffffULL) Invalid("at most 2**31 - 2 ids per call");
   return {static_cast<const int64_t*>(ids.data()), static_cast<size_t>(ids.shape(0))};
 }
 
