@@ -95,7 +95,10 @@ class Inputs:
         if block.combine is None:
             return emb
         first, second = emb[..., 0, :], emb[..., 1, :]
-        return first * second if block.combine == "product" else first + second
+        # product: the remainder row is a multiplicative correction around 1, q * (1 + r), so
+        # a fresh table (rows near 0) starts as its Q hashed rows and learns at an ordinary
+        # row's speed; q * r of two rows near 0 starts at ~1e-4 with gradients as small
+        return first * (1.0 + second) if block.combine == "product" else first + second
 
     def _block_ids(self, block):
         """[size, n_ids, dim]: one gather for all id features of the block."""
