@@ -78,6 +78,17 @@ VARIANTS = [
 ]
 
 
+# Online learning on a stream of mostly new users (``--online``): the big tables with a counter
+# filter as a production table has one (an id gets its row at its third sighting), without
+# and with a cold table; and the defaults (no filter: every id its own row at once).
+ONLINE_MIN_COUNT = 3
+ONLINE_VARIANTS = [
+    ("filter min_count 3 (zeros until admitted)", _cold(ONLINE_MIN_COUNT, None)),
+    ("filter min_count 3 + cold 2000", _cold(ONLINE_MIN_COUNT, 2000)),
+    ("default (no filter)", {}),
+]
+
+
 def merged_config(overrides: dict, base: dict | None = None) -> dict:
     """``base`` (a config dict) with ``overrides`` merged in: ``tables`` and ``features``
     per entry, ``embedding`` per key, the rest replaced."""
@@ -174,6 +185,69 @@ def run(argv=None) -> dict:
         platform.machine(), "results": results}
 
 
+def online_compare(samples: int, samples_per_user: float, seed: int, batch_size: int,
+                   variants=None) -> dict:
+    """Each online variant's ``trainer.online`` engine (the single-process OnlineTrainer, a
+    new run: output calibrated on its first batch) over the same topic of ``samples`` JSON
+    samples on a local Tansu broker: its progressive-validation AUC and logloss (every sample
+    scored before it trains) and the rows its tables hold at the end."""
+    import schemas
+    from benchmarks.online import _messages, _produce, create_topic
+    from pipelines import local_broker
+    from pipelines.generate import generate_tables
+    from pipelines.replay import json_lines, message_keys
+    from trainer import Trainer, TrainConfig, models
+    from trainer.checkpoints import CheckpointManager
+    from trainer.kafka_source import KafkaSampleSource, group_id
+    from trainer.online_process import OnlineTrainer
+
+    del _messages  # this stream has its own users (samples_per_user)
+    schema = schemas.load(SCHEMA)
+    table = pa.concat_tables(generate_tables(schema, samples, seed=seed,
+                                             samples_per_user=samples_per_user))
+    users = len(np.unique(table["user_id"].to_numpy()))
+    messages = list(zip(message_keys(table, schema).to_pylist(),
+                        json_lines(table, schema).to_pylist()))
+    out = {"samples": samples, "samples_per_user": samples_per_user, "users": users,
+           "seed": seed, "batch_size": batch_size, "results": {}}
+    with local_broker.tansu() as (bootstrap, _, _), \
+            tempfile.TemporaryDirectory(prefix="compact-online-") as work:
+        topic = create_topic(bootstrap, 1)
+        _produce(bootstrap, topic, messages)
+        for name, overrides in variants or ONLINE_VARIANTS:
+            log(f"online: {name}...")
+            config = TrainConfig.from_dict(merged_config(overrides, {"seed": seed,
+                                                                     "batch_size": batch_size}))
+            trainer = Trainer(schema, models.MLP(), config)
+            source = KafkaSampleSource(schema, bootstrap, topic, group_id(),
+                                       config=dict(local_broker.CLIENT_OPTIONS))
+            run_dir = os.path.join(work, f"run-{len(out['results'])}")
+            online = OnlineTrainer(schema, trainer, source, CheckpointManager(run_dir),
+                                   checkpoint_every=1e9, max_samples=samples, idle_exit=10,
+                                   calibrate=True)
+            started = time.perf_counter()
+            try:
+                summary = online.run()
+            finally:
+                source.close()
+            pv = summary["pv"]
+            out["results"][name] = {"pv_logloss": pv["logloss"], "pv_auc": pv["auc"],
+                                    "samples": pv["samples"],
+                                    "rows": sum(len(s) for s in trainer.stores.values()),
+                                    "seconds": time.perf_counter() - started}
+    return out
+
+
+def online_table(result: dict) -> str:
+    lines = [f"{result['samples']:,} samples, {result['users']:,} users "
+             f"({result['samples_per_user']} samples a user on average), seed {result['seed']}",
+             "", "| online variant | PV logloss | PV AUC | rows at the end |",
+             "| --- | --- | --- | --- |"]
+    for name, r in result["results"].items():
+        lines.append(f"| {name} | {r['pv_logloss']:.5f} | {r['pv_auc']:.4f} | {r['rows']:,} |")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     lines = ["| variant | rows | model MB | x smaller | snapshot MB | x smaller | AUC | "
              "AUC loss | logloss | samples/s |",
@@ -201,15 +275,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=None,
                         help="comma-separated names of VARIANTS to train (default: all; "
                              "default is always trained)")
+    parser.add_argument("--online", action="store_true",
+                        help="instead: online learning (trainer.online's engine, a local "
+                             "Tansu broker) on a stream of mostly new users, with and without "
+                             "the cold table (ONLINE_VARIANTS); progressive-validation logloss")
+    parser.add_argument("--samples-per-user", type=float, default=3.0,
+                        help="--online: the stream's samples per user on average (default 3)")
     parser.add_argument("--tiny", action="store_true", help="CI size: 4000 samples")
     parser.add_argument("--json", default=None, help="also write the result as JSON here")
     return parser
 
 
 def main(argv=None) -> int:
-    result = run(argv)
-    print(table(result))
     args = _parser().parse_args(argv)
+    if args.online:
+        samples = 4000 if args.tiny else (args.samples if "--samples" in (argv or sys.argv)
+                                          else 100_000)
+        result = online_compare(samples, args.samples_per_user, args.data_seed,
+                                args.batch_size or 1000)
+        print(online_table(result))
+    else:
+        result = run(argv)
+        print(table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
