@@ -27,6 +27,7 @@ handful of rows and stay as they are.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -186,13 +187,13 @@ def run(argv=None) -> dict:
 
 
 def online_compare(samples: int, samples_per_user: float, seed: int, batch_size: int,
-                   variants=None) -> dict:
+                   variants=None, bootstrap: str | None = None) -> dict:
     """Each online variant's ``trainer.online`` engine (the single-process OnlineTrainer, a
     new run: output calibrated on its first batch) over the same topic of ``samples`` JSON
-    samples on a local Tansu broker: its progressive-validation AUC and logloss (every sample
+    samples on a local Tansu broker (or the one at ``bootstrap``): its progressive-validation AUC and logloss (every sample
     scored before it trains) and the rows its tables hold at the end."""
     import schemas
-    from benchmarks.online import _messages, _produce, create_topic
+    from benchmarks.online import _produce, create_topic
     from pipelines import local_broker
     from pipelines.generate import generate_tables
     from pipelines.replay import json_lines, message_keys
@@ -201,7 +202,6 @@ def online_compare(samples: int, samples_per_user: float, seed: int, batch_size:
     from trainer.kafka_source import KafkaSampleSource, group_id
     from trainer.online_process import OnlineTrainer
 
-    del _messages  # this stream has its own users (samples_per_user)
     schema = schemas.load(SCHEMA)
     table = pa.concat_tables(generate_tables(schema, samples, seed=seed,
                                              samples_per_user=samples_per_user))
@@ -210,7 +210,9 @@ def online_compare(samples: int, samples_per_user: float, seed: int, batch_size:
                         json_lines(table, schema).to_pylist()))
     out = {"samples": samples, "samples_per_user": samples_per_user, "users": users,
            "seed": seed, "batch_size": batch_size, "results": {}}
-    with local_broker.tansu() as (bootstrap, _, _), \
+    broker = (contextlib.nullcontext((bootstrap, None, None)) if bootstrap
+              else local_broker.tansu())
+    with broker as (bootstrap, _, _), \
             tempfile.TemporaryDirectory(prefix="compact-online-") as work:
         topic = create_topic(bootstrap, 1)
         _produce(bootstrap, topic, messages)
@@ -279,6 +281,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="instead: online learning (trainer.online's engine, a local "
                              "Tansu broker) on a stream of mostly new users, with and without "
                              "the cold table (ONLINE_VARIANTS); progressive-validation logloss")
+    parser.add_argument("--bootstrap-servers", default=None,
+                        help="--online: use this broker instead of starting Tansu")
     parser.add_argument("--samples-per-user", type=float, default=3.0,
                         help="--online: the stream's samples per user on average (default 3)")
     parser.add_argument("--tiny", action="store_true", help="CI size: 4000 samples")
@@ -292,7 +296,7 @@ def main(argv=None) -> int:
         samples = 4000 if args.tiny else (args.samples if "--samples" in (argv or sys.argv)
                                           else 100_000)
         result = online_compare(samples, args.samples_per_user, args.data_seed,
-                                args.batch_size or 1000)
+                                args.batch_size or 1000, bootstrap=args.bootstrap_servers)
         print(online_table(result))
     else:
         result = run(argv)
