@@ -1,0 +1,106 @@
+"""trainer.online with compact tables: a cold table (users the filter has not admitted read a
+shared bucket row) and a multi-hash table train exactly what a single process trains on the
+same steps, restart from their checkpoint, and their export serves new users the bucket rows."""
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import yaml
+from commands import in_process
+
+import compression
+import schemas
+from online_samples import CONFIG, SCHEMA, sample_message
+from trainer.checkpoints import CheckpointManager
+from trainer.compact import cold_buckets
+
+
+
+def replay(run_dir, by_offset, config):
+    """A single-process Trainer that trained the batches of the run's step log (one unit's
+    samples compressed at once, cut into batches), step by step, as trainer.online did."""
+    from compression.messages import decode_json_samples
+    from trainer import Trainer, models
+    from trainer.config import TrainConfig
+
+    schema = schemas.from_dict(SCHEMA)
+    single = Trainer(schema, models.MLP(), TrainConfig.from_dict(config))
+    with open(os.path.join(run_dir, "steps.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    batches = []
+    for step in steps:
+        (worker,) = step["workers"]
+        if worker["ranges"]:
+            (first, end), = worker["ranges"].values()
+            table, _ = decode_json_samples([by_offset[o] for o in range(first, end)], schema)
+            batches += compression.iter_batches(compression.build_trees(table, schema), schema,
+                                                config["batch_size"])
+    for number, batch in enumerate(batches):
+        if number == 0:
+            single.calibrate_output(batch)
+        single.train_batch(batch)
+    return single
+
+COMPACT = {**CONFIG, "tables": {
+    "uid": {"filter": {"name": "counter", "min_count": 3}, "cold_buckets": 4},
+    "sid": {"multi_hash": {"buckets": [3, 5], "combine": "sum"}}}}
+
+
+def test_online_with_a_cold_table_and_a_multi_hash_table(kafka_broker, tmp_path):
+    from trainer import Trainer
+    from trainer.serving import Predictor
+
+    topic = kafka_broker.create_topic()
+    messages = [sample_message(sid) for sid in range(600)]
+    by_offset = dict(zip(kafka_broker.produce(topic, messages), (v for _, v in messages)))
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(SCHEMA))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(COMPACT))
+    run_dir = tmp_path / "run"
+    command = ["trainer.online", "--schema", tmp_path / "schema.yaml", "--config",
+               tmp_path / "config.yaml", "--bootstrap-servers", kafka_broker.bootstrap,
+               "--topic", topic, "--group", "g-compact", "--run-dir", run_dir,
+               "--unit-samples", "200", "--report-every", "100", "--checkpoint-every", "600",
+               "--step-log", "--export-dir", tmp_path / "export", "--export-every", "600",
+               "-X", "max.poll.interval.ms=8000"]
+    first = in_process(*command, "--max-samples", "600")
+    assert first.returncode == 0, first.stderr[-3000:]
+    model = Trainer.restore(os.path.join(CheckpointManager(str(run_dir)).latest().path,
+                                         "model"))
+    assert list(model.stores) == ["uid", "uid__cold", "sid"]
+    assert len(model.stores["sid"]) <= 8 and 0 < len(model.stores["uid__cold"]) <= 4
+    assert len(model.stores["uid"]) == 37  # every user seen 3 times by now
+    # the model is the one a single process trains on the run's steps, to the bit
+    single = replay(run_dir, by_offset, COMPACT)
+    assert list(single.stores) == list(model.stores)
+    for table, store in single.stores.items():
+        want, got = store.to_numpy(), model.stores[table].to_numpy()
+        wo, go = np.argsort(want["ids"]), np.argsort(got["ids"])
+        for key in ("ids", "values", "state", "update_counts", "last_steps"):
+            np.testing.assert_array_equal(got[key][go], want[key][wo], err_msg=f"{table} {key}")
+
+    # its export answers users never seen with their bucket rows, as the trainer does
+    new = pa.table({"uid": np.arange(1000, 1040), "sid": np.arange(40) * 7,
+                    "click": np.zeros(40, np.float32)})
+    assert not model.stores["uid"].contains(new["uid"].to_numpy()).any()
+    served = Predictor(tmp_path / "export").predict(new.drop_columns(["click"]))
+    np.testing.assert_allclose(np.sort(served), np.sort(model.predict(new)), rtol=1e-5)
+    buckets = cold_buckets(new["uid"].to_numpy(), "uid", 4)
+    assert len(set(buckets.tolist())) > 1 and np.abs(
+        model.stores["uid__cold"].lookup(buckets, train=False)).sum() > 0
+
+    # restarted from its checkpoint: 30 new users, each read its bucket until admitted
+    kafka_broker.produce(topic, [(str(u).encode(), json.dumps(
+        {"uid": u, "sid": 600 + k, "click": float(k % 2)}).encode())
+        for k, u in enumerate(np.repeat(np.arange(100, 130), 2).tolist())])
+    second = in_process(*command, "--max-samples", "60")
+    assert second.returncode == 0, second.stderr[-3000:]
+    after = Trainer.restore(os.path.join(CheckpointManager(str(run_dir)).latest().path,
+                                         "model"))
+    assert len(after.stores["uid"]) == 37  # seen twice: none admitted
+    cold = after.stores["uid__cold"].to_numpy()
+    before = model.stores["uid__cold"].to_numpy()
+    trained = cold_buckets(np.arange(100, 130), "uid", 4)
+    for bucket in set(trained.tolist()):
+        assert cold["update_counts"][cold["ids"] == bucket] > \
+            before["update_counts"][before["ids"] == bucket].sum(), bucket
