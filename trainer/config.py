@@ -18,6 +18,10 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
       l2: 7.0                      # rows' L2 weight per pass, applied lazily; 0: none
       # memory_budget: 512MiB      # rows kept in memory per table, the rest on local disk
       # eviction: lru              # or lfu: which rows go to disk first (see tiered-store.md)
+      # cold_buckets: 1000         # ids the filter has not admitted read and train one of
+                                   # 1000 shared rows (table <name>__cold), not zeros
+      # multi_hash: {buckets: [12, 4500], combine: sum}   # or product: every id reads two
+                                   # rows of Q + R, memory fixed (trainer/compact.py)
     features:                      # per feature: its table (default: its own) and pooling
       clicked_cats: {table: cate, pooling: sum}    # ids lists pool by mean unless told
       cate_id: {table: cate}
