@@ -1,6 +1,6 @@
 """Compact tables on Ray: a cold table and multi-hash tables over 2 workers and 2 store shards
-equal one process on the union of the batches, and the sharded export serves new ids their
-bucket rows as the single process does."""
+equal one process on the union of the batches, their checkpoint reshards into 1 and 3 shards,
+and the sharded export serves new ids their bucket rows as the single process does."""
 import numpy as np
 import pytest
 
@@ -9,6 +9,8 @@ ray = pytest.importorskip("ray")
 import compression  # noqa: E402
 from trainer import TrainConfig, models  # noqa: E402
 from trainer.distributed import DistributedTrainer  # noqa: E402
+from trainer.distributed.manifest import read_manifest, shard_snapshot_spec  # noqa: E402
+from trainer.distributed.shard import Shard, table_specs  # noqa: E402
 from trainer.serving import Predictor  # noqa: E402
 from ray_reference import assert_rows_equal, single_process_run, union_batches  # noqa: E402
 from trainer_data import generated  # noqa: E402
@@ -43,8 +45,20 @@ def test_compact_tables_on_shards_equal_one_process(cluster, schema, tmp_path):
         assert len(rows["creative_id"]["ids"]) <= 20
         np.testing.assert_allclose(result["loss"], losses[-1], rtol=1e-4)
         dt.export(tmp_path / "export")
+        dt.save(tmp_path / "ckpt")
     finally:
         dt.close()
+    # the checkpoint of 2 shards reshards into 1 and 3 with every row of every table, the
+    # bucket rows and the multi-hash rows as any table's
+    manifest = read_manifest(str(tmp_path / "ckpt"))
+    for shards in (1, 3):
+        parts = [Shard(i, shards, table_specs(config(), list(single.stores), shards),
+                       restore=shard_snapshot_spec(str(tmp_path / "ckpt"), manifest, i, shards))
+                 for i in range(shards)]
+        joined = {t: {k: np.concatenate([p.stores[t].to_numpy()[k] for p in parts])
+                      for k in ("ids", "values", "state", "update_counts", "last_steps")}
+                  for t in single.stores}
+        assert_rows_equal(joined, single.stores, f"{shards} shards: ")
     # new ads, never seen: the sharded export reads their bucket rows on the shards
     samples = raw.slice(0, 200)
     samples = samples.set_column(samples.schema.get_field_index("ad_id"), "ad_id",
