@@ -104,3 +104,48 @@ def test_online_with_a_cold_table_and_a_multi_hash_table(kafka_broker, tmp_path)
     for bucket in set(trained.tolist()):
         assert cold["update_counts"][cold["ids"] == bucket] > \
             before["update_counts"][before["ids"] == bucket].sum(), bucket
+
+
+def test_killed_while_saving_the_cold_table_the_restarted_run_trains_exactly_once(
+        kafka_broker, tmp_path):
+    import subprocess
+    import sys
+
+    from native import crash_points
+    from trainer import Trainer
+
+    topic = kafka_broker.create_topic()
+    messages = [sample_message(sid) for sid in range(600)]
+    by_offset = dict(zip(kafka_broker.produce(topic, messages), (v for _, v in messages)))
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(SCHEMA))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(COMPACT))
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "trainer.online", "--schema", str(tmp_path / "schema.yaml"),
+               "--config", str(tmp_path / "config.yaml"), "--bootstrap-servers",
+               kafka_broker.bootstrap, "--topic", topic, "--group", "g-compact-crash",
+               "--run-dir", str(run_dir), "--unit-samples", "100", "--report-every", "100",
+               "--checkpoint-every", "600", "--step-log", "-X", "max.poll.interval.ms=8000"]
+    env = {k: v for k, v in os.environ.items() if k != crash_points.ENV}
+    first = subprocess.run(command + ["--max-samples", "200"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    offset = CheckpointManager(str(run_dir)).latest().state["offsets"]["0"]
+    # killed in its final checkpoint once uid__cold's snapshot (the second) is in place and
+    # before sid's: the checkpoint is not named, the one before it stays the latest
+    killed = subprocess.run(command + ["--max-samples", "200"],
+                            env={**env, crash_points.ENV: "store.snapshot.renamed:2"},
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == crash_points.EXIT_CODE, killed.stderr[-3000:]
+    assert CheckpointManager(str(run_dir)).latest().state["offsets"]["0"] == offset
+    rest = subprocess.run(command + ["--max-samples", str(600 - offset)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    latest = CheckpointManager(str(run_dir)).latest()
+    assert latest.state["offsets"]["0"] == 600 and latest.state["samples"] == 600
+    model = Trainer.restore(os.path.join(latest.path, "model"))
+    single = replay(run_dir, by_offset, COMPACT)  # the step log keeps the steps it restored
+    for table, store in single.stores.items():
+        want, got = store.to_numpy(), model.stores[table].to_numpy()
+        wo, go = np.argsort(want["ids"]), np.argsort(got["ids"])
+        for key in ("ids", "values", "state", "update_counts", "last_steps"):
+            np.testing.assert_array_equal(got[key][go], want[key][wo], err_msg=f"{table} {key}")
