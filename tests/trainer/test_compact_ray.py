@@ -2,6 +2,7 @@
 equal one process on the union of the batches, their checkpoint reshards into 1 and 3 shards,
 and the sharded export serves new ids their bucket rows as the single process does."""
 import numpy as np
+import pyarrow as pa
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -62,7 +63,7 @@ def test_compact_tables_on_shards_equal_one_process(cluster, schema, tmp_path):
     # new ads, never seen: the sharded export reads their bucket rows on the shards
     samples = raw.slice(0, 200)
     samples = samples.set_column(samples.schema.get_field_index("ad_id"), "ad_id",
-                                 __import__("pyarrow").array(
+                                 pa.array(
                                      np.arange(10**9, 10**9 + 200, dtype=np.int64)))
     served = Predictor(tmp_path / "export").predict(samples.drop_columns(list(schema.labels)))
     np.testing.assert_allclose(np.sort(served), np.sort(single.predict(samples)), rtol=1e-5)
