@@ -1,11 +1,13 @@
 """trainer.online with compact tables: a cold table (users the filter has not admitted read a
 shared bucket row) and a multi-hash table train exactly what a single process trains on the
-same steps, restart from their checkpoint, and their export serves new users the bucket rows."""
+same steps (both engines), restart from their checkpoint (also after a kill in the middle of
+saving the cold table), and their export serves new users the bucket rows."""
 import json
 import os
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import yaml
 from commands import in_process
 
@@ -149,3 +151,51 @@ def test_killed_while_saving_the_cold_table_the_restarted_run_trains_exactly_onc
         wo, go = np.argsort(want["ids"]), np.argsort(got["ids"])
         for key in ("ids", "values", "state", "update_counts", "last_steps"):
             np.testing.assert_array_equal(got[key][go], want[key][wo], err_msg=f"{table} {key}")
+
+
+def test_online_on_ray_with_a_cold_table_and_a_multi_hash_table(kafka_broker, tmp_path):
+    """The Ray engine (1 worker x 2 shards): the shards send which users have a row with
+    their rows, the worker routes the others to their buckets; the model is its step log's
+    replay in one process."""
+    ray = pytest.importorskip("ray")
+    from trainer import Trainer
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 1 worker + 2 shards
+    try:
+        topic = kafka_broker.create_topic()
+        messages = [sample_message(sid) for sid in range(400)]
+        by_offset = dict(zip(kafka_broker.produce(topic, messages), (v for _, v in messages)))
+        (tmp_path / "schema.yaml").write_text(yaml.safe_dump(SCHEMA))
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(COMPACT))
+        run_dir = tmp_path / "run"
+        done = in_process(
+            "trainer.online", "--schema", tmp_path / "schema.yaml", "--config",
+            tmp_path / "config.yaml", "--bootstrap-servers", kafka_broker.bootstrap,
+            "--topic", topic, "--group", "g-compact-ray", "--run-dir", run_dir,
+            "--unit-samples", "200", "--report-every", "100", "--checkpoint-every", "600",
+            "--step-log", "--workers", "1", "--shards", "2", "--ray-address",
+            ray.get_runtime_context().gcs_address, "-X", "max.poll.interval.ms=8000",
+            "--max-samples", "400")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1])["engine"] == "ray"
+        latest = CheckpointManager(str(run_dir)).latest()
+        as_run = tmp_path / "as-run"
+        as_run.mkdir()
+        (as_run / "checkpoint").symlink_to(os.path.join(latest.path, "model"))
+        model = Trainer.restore_run(as_run)
+        single = replay(run_dir, by_offset, COMPACT)
+        assert 0 < len(model.stores["uid__cold"]) <= 4 and len(model.stores["sid"]) <= 8
+        for table, store in single.stores.items():
+            want, got = store.to_numpy(), model.stores[table].to_numpy()
+            wo, go = np.argsort(want["ids"]), np.argsort(got["ids"])
+            for key in ("ids", "update_counts", "last_steps"):
+                np.testing.assert_array_equal(got[key][go], want[key][wo],
+                                              err_msg=f"{table} {key}")
+            for key in ("values", "state"):  # gradients summed on the shards: to rounding
+                np.testing.assert_allclose(got[key][go], want[key][wo], rtol=1e-5, atol=1e-7,
+                                           err_msg=f"{table} {key}")
+    finally:
+        if started:
+            ray.shutdown()
