@@ -169,6 +169,11 @@ class EmbeddingStore:
         current batch trains."""
         return self._native.prefetch(_as_ids(ids))
 
+    def contains(self, ids) -> np.ndarray:
+        """bool[n]: whether each id has a row (in memory or on the disk tier). Reads only: no
+        entry-filter sighting, no counter changes, no row moves. Runs without the GIL."""
+        return self._native.contains(_as_ids(ids))
+
     def lookup_unique(self, ids, train: bool = True, *, now: float | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(unique_ids, inverse, rows)``: distinct ids in order of first appearance,

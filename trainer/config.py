@@ -20,6 +20,10 @@ A YAML file (every key optional; see ``trainer/examples/mlp.yaml``)::
       # eviction: lru              # or lfu: which rows go to disk first (see tiered-store.md)
       # export_format: int8        # how serving exports write the table: float32 (default),
                                    # float16, int8 or int4 (README, "Smaller exports")
+      # cold_buckets: 1000         # ids the filter has not admitted read and train one of
+                                   # 1000 shared rows (table <name>__cold), not zeros
+      # multi_hash: {buckets: [12, 4500], combine: sum}   # or product: every id reads two
+                                   # rows of Q + R, memory fixed (trainer/compact.py)
     features:                      # per feature: its table (default: its own) and pooling
       clicked_cats: {table: cate, pooling: sum}    # ids lists pool by mean unless told
       cate_id: {table: cate}
@@ -54,7 +58,7 @@ import yaml
 
 import native
 from schemas import Schema, stable_hash
-from trainer import tiers
+from trainer import compact, tiers
 
 COMPUTE_MODES = ("structured", "flat")
 DENSE_TRANSFORMS = ("auto", "none", "log1p")
@@ -88,6 +92,16 @@ class ExpiryConfig:
     max_idle_steps: int | None = None
     max_idle_seconds: float | None = None
     function: str | None = None
+
+
+@dataclass(frozen=True)
+class MultiHashConfig:
+    """A table of quotient-remainder (multi-hash) embeddings (``trainer/compact.py``): each id
+    reads two rows, one of ``buckets[0]`` quotient rows and one of ``buckets[1]`` remainder
+    rows of the same store, combined element-wise by ``combine`` (``product`` or ``sum``)."""
+
+    buckets: tuple[int, int]
+    combine: str = "product"
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,12 @@ class TableConfig:
     # Training keeps float32 rows whatever it is. None: float32. The --export-format of
     # trainer.train and trainer.online sets every table's (TrainConfig.with_export_format).
     export_format: str | None = None
+    # Compact tables (trainer/compact.py). ``cold_buckets``: ids the entry filter has not
+    # admitted read and train a shared row of ``<table>__cold`` (one of this many, by a hash
+    # of the id) instead of zeros. ``multi_hash``: every id reads two rows of small tables
+    # combined (at most Q + R rows whatever the ids).
+    cold_buckets: int | None = None
+    multi_hash: MultiHashConfig | None = None
 
     @property
     def memory_row_bytes(self) -> int:
@@ -312,6 +332,7 @@ class TrainConfig:
         for where, table in (("embedding", self.embedding),
                              *((f"tables.{n}", t) for n, t in self.tables)):
             _check_tiers(table, where)
+            _check_compact(table, where)
 
     # -- reading and writing --------------------------------------------------------------
 
@@ -420,7 +441,12 @@ class TrainConfig:
         return self.feature(name).table or name
 
     def table(self, table: str) -> TableConfig:
-        return dict(self.tables).get(table, self.embedding)
+        entries = dict(self.tables)
+        if table not in entries and table.endswith(compact.COLD_SUFFIX):
+            base = self.table(table[:-len(compact.COLD_SUFFIX)])
+            if base.cold_buckets is not None:
+                return cold_table_config(base)
+        return entries.get(table, self.embedding)
 
     def dense_config(self, name: str) -> DenseConfig:
         return dict(self.dense).get(name, DenseConfig())
@@ -491,8 +517,32 @@ class TrainConfig:
             if name not in tables:
                 raise ConfigError(f"tables.{name}: no feature uses table {name!r}; set "
                                   f"`features: {{<feature>: {{table: {name}}}}}` or remove it")
+        tables = self._with_cold_tables(tables)
         self.table_budgets(tables)
         return tables
+
+    def _with_cold_tables(self, tables: dict[str, list[str]]) -> dict[str, list[str]]:
+        """``tables`` with each table's cold table (no features of its own) right after it."""
+        if all(self.table(t).cold_buckets is None for t in tables):
+            return tables
+        out: dict[str, list[str]] = {}
+        for table, names in tables.items():
+            out[table] = names
+            if self.table(table).cold_buckets is None:
+                continue
+            cold = compact.cold_table_name(table)
+            if cold in tables:
+                raise ConfigError(f"tables.{table}.cold_buckets: its cold table is named "
+                                  f"{cold!r}, which is already a table of features "
+                                  f"({', '.join(tables[cold])}); rename that table")
+            out[cold] = []
+        return out
+
+    def compact_tables(self, tables) -> dict[str, TableConfig]:
+        """The tables of ``tables`` (``check``'s) that have a compact option, with their
+        config."""
+        return {t: self.table(t) for t in tables
+                if self.table(t).cold_buckets is not None or self.table(t).multi_hash is not None}
 
     # -- memory budgets (two tiers: docs/tiered-store.md) ------------------------------------
 
@@ -684,12 +734,19 @@ def _table(raw, where: str, base: TableConfig) -> TableConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping like `{{dim: 18}}`")
     _no_unknown(raw, ("dim", "optimizer", "initializer", "filter", "max_rows", "expire", "l2",
-                      "memory_budget", "eviction", "export_format"), where)
+                      "memory_budget", "eviction", "export_format", "cold_buckets",
+                      "multi_hash"), where)
     changes: dict[str, Any] = {}
     if "export_format" in raw:
         if raw["export_format"] is not None:
             _check_export_format(raw["export_format"], f"{where}.export_format")
         changes["export_format"] = raw["export_format"]
+    if "cold_buckets" in raw:
+        if raw["cold_buckets"] is not None:
+            _check_int(f"{where}.cold_buckets", raw["cold_buckets"], 1)
+        changes["cold_buckets"] = raw["cold_buckets"]
+    if "multi_hash" in raw:
+        changes["multi_hash"] = _multi_hash(raw["multi_hash"], f"{where}.multi_hash")
     if "memory_budget" in raw:
         changes["memory_budget_bytes"] = (None if raw["memory_budget"] is None else
                                           _size(raw["memory_budget"], f"{where}.memory_budget"))
@@ -779,6 +836,63 @@ def _check_tiers(table: TableConfig, where: str) -> None:
                           f"{tiers.format_size(least)}, or no memory_budget")
 
 
+def _multi_hash(raw, where: str) -> MultiHashConfig | None:
+    if raw is None:
+        return None
+    example = "`{buckets: [1000, 1000], combine: product}`"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping like {example}")
+    _no_unknown(raw, ("buckets", "combine"), where)
+    buckets = raw.get("buckets")
+    if not isinstance(buckets, (list, tuple)) or len(buckets) != 2:
+        raise ConfigError(f"{where}.buckets: expected two bucket counts [Q, R] (quotient and "
+                          f"remainder rows), got {buckets!r}; e.g. {example}")
+    for i, b in enumerate(buckets):
+        _check_int(f"{where}.buckets[{i}]", b, 1)
+    if buckets[0] * buckets[1] >= 2**62:
+        raise ConfigError(f"{where}.buckets: Q * R = {buckets[0] * buckets[1]} is too large; "
+                          "keep it below 2**62")
+    combine = raw.get("combine", "product")
+    if combine not in compact.COMBINES:
+        raise ConfigError(f"{where}.combine: {combine!r} is not a combine; use one of "
+                          f"{', '.join(compact.COMBINES)}")
+    return MultiHashConfig((int(buckets[0]), int(buckets[1])), combine)
+
+
+def _check_compact(table: TableConfig, where: str) -> None:
+    """A table's compact options (``cold_buckets``, ``multi_hash``), on their own."""
+    if table.cold_buckets is not None:
+        _check_int(f"{where}.cold_buckets", table.cold_buckets, 1)
+        if table.multi_hash is not None:
+            raise ConfigError(f"{where}: cold_buckets and multi_hash together are not "
+                              "supported; keep one (a multi-hash table has no cold ids)")
+        if table.entry_filter is None:
+            raise ConfigError(f"{where}.cold_buckets: the table has no entry filter, so every "
+                              "id is admitted at once and none would read the cold table; "
+                              "add a filter (e.g. `filter: {name: counter, min_count: 3}`) "
+                              "or remove cold_buckets")
+    if table.multi_hash is not None:
+        mh = table.multi_hash
+        if (not isinstance(mh, MultiHashConfig) or len(mh.buckets) != 2
+                or mh.combine not in compact.COMBINES):
+            raise ConfigError(f"{where}.multi_hash: expected buckets [Q, R] and a combine "
+                              f"({', '.join(compact.COMBINES)}), got {mh!r}")
+        for i, b in enumerate(mh.buckets):
+            _check_int(f"{where}.multi_hash.buckets[{i}]", b, 1)
+        if table.entry_filter is not None:
+            raise ConfigError(f"{where}.multi_hash: a multi-hash table's rows are shared by "
+                              "many ids, so an entry filter only delays them; set "
+                              "`filter: null` for this table")
+
+
+def cold_table_config(base: TableConfig) -> TableConfig:
+    """The config of the cold table of a table configured as ``base``: its dim, optimizer,
+    initializer and L2; no entry filter, row cap, expiry or memory budget (it holds at most
+    ``cold_buckets`` rows)."""
+    return dataclasses.replace(base, entry_filter=None, max_rows=None, expire=None,
+                               memory_budget_bytes=None, cold_buckets=None, multi_hash=None)
+
+
 def _table_dict(t: TableConfig) -> dict:
     def named(obj, names):
         kind = next(k for k, cls in names.items() if isinstance(obj, cls))
@@ -794,7 +908,11 @@ def _table_dict(t: TableConfig) -> dict:
             **({} if t.memory_budget_bytes is None else {
                 "memory_budget": t.memory_budget_bytes}),
             **({} if t.eviction == "lru" else {"eviction": t.eviction}),
-            **({} if t.export_format is None else {"export_format": t.export_format})}
+            **({} if t.export_format is None else {"export_format": t.export_format}),
+            # compact options only when set: a table without them writes what it always wrote
+            **({} if t.cold_buckets is None else {"cold_buckets": t.cold_buckets}),
+            **({} if t.multi_hash is None else {"multi_hash": {
+                "buckets": list(t.multi_hash.buckets), "combine": t.multi_hash.combine}})}
 
 
 def resolve_tier_dir(config: TrainConfig, tier_dir: str | None) -> str | None:

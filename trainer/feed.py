@@ -30,7 +30,10 @@ import numpy as np
 
 from compression import TreeBatch
 from schemas import Schema
+from trainer import compact as compact_ids
 from trainer.config import DenseConfig, transform_values
+
+_COMBINES = compact_ids.COMBINES
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,14 @@ class Block:
     dim: int
     ids: tuple[str, ...]      # id features, schema order
     lists: tuple[str, ...]    # ids features, schema order
+    # multi-hash features (trainer/compact.py): every id reads two rows combined this way
+    # ("product" or "sum"); their positions in the feed have a last axis of 2
+    combine: str | None = None
 
     @property
     def key(self) -> str:
-        return f"{self.level}/{self.dim}"
+        return (f"{self.level}/{self.dim}" if self.combine is None
+                else f"{self.level}/{self.dim}/{self.combine}")
 
 
 class Layout:
@@ -53,33 +60,47 @@ class Layout:
     dense features, each group in schema order."""
 
     def __init__(self, schema: Schema, tables: dict[str, list[str]], dims: dict[str, int],
-                 poolings: dict[str, str], dense: dict[str, DenseConfig] | None = None):
+                 poolings: dict[str, str], dense: dict[str, DenseConfig] | None = None,
+                 compact: dict | None = None):
         self.schema = schema
         # dense feature -> its DenseConfig; the trainer resolves them before the first batch
         self.dense_configs = {f.name: (dense or {}).get(f.name, DenseConfig())
                               for f in schema.features if f.kind == "dense"}
         self.tables = tables
         self.table_of = {n: t for t, names in tables.items() for n in names}
+        # table -> its TableConfig, for the tables with a compact option (cold_buckets,
+        # multi_hash; trainer/compact.py); empty: the feed is what it always was
+        self.compact = dict(compact or {})
+        self.cold = {t: c.cold_buckets for t, c in self.compact.items()
+                     if c.cold_buckets is not None}
+        self.multi_hash = {t: c.multi_hash for t, c in self.compact.items()
+                           if c.multi_hash is not None}
+        self.cold_tables = {compact_ids.cold_table_name(t) for t in self.cold}
         self.dims = dims
         self.poolings = poolings
         self.levels = len(schema.layers)
         self.blocks: list[Block] = []
         self.dense: dict[int, tuple[str, ...]] = {}
+        combines = {None: 0, **{c: i + 1 for i, c in enumerate(_COMBINES)}}
         for level, layer in enumerate(schema.layers):
-            by_dim: dict[int, tuple[list, list]] = {}
+            by_dim: dict[tuple, tuple[list, list]] = {}
             for f in layer.features:
                 if f.kind == "dense" or f.name in schema.time_columns:
                     continue
-                ids, lists = by_dim.setdefault(dims[self.table_of[f.name]], ([], []))
+                table = self.table_of[f.name]
+                mh = self.multi_hash.get(table)
+                group = (dims[table], None if mh is None else mh.combine)
+                ids, lists = by_dim.setdefault(group, ([], []))
                 (ids if f.kind == "id" else lists).append(f.name)
-            for dim in sorted(by_dim):
-                ids, lists = by_dim[dim]
-                self.blocks.append(Block(level, dim, tuple(ids), tuple(lists)))
+            for dim, combine in sorted(by_dim, key=lambda g: (g[0], combines[g[1]])):
+                ids, lists = by_dim[(dim, combine)]
+                self.blocks.append(Block(level, dim, tuple(ids), tuple(lists), combine))
             dense = tuple(f.name for f in layer.features if f.kind == "dense")
             if dense:
                 self.dense[level] = dense
         self.row_dims = sorted({b.dim for b in self.blocks})
-        # tables in the order their rows are stacked into rows[dim]
+        # tables in the order their rows are stacked into rows[dim] (a cold table right after
+        # its table)
         self.tables_by_dim = {d: [t for t in tables if dims[t] == d] for d in self.row_dims}
 
     def layer_blocks(self, level: int) -> list[Block]:
@@ -225,10 +246,21 @@ class FeedBuilder:
                 parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
         table_ids, table_parts = {}, {}
         for table, names in layout.tables.items():
+            if not names:  # a cold table: its buckets come with its table's ids (below)
+                continue
             parts = [arrays[n][0] if isinstance(arrays[n], tuple) else arrays[n] for n in names]
             table_ids[table] = parts[0] if len(parts) == 1 else np.concatenate(parts)
             table_parts[table] = [(n, len(p)) for n, p in zip(names, parts)]
         ids_fed = sum(len(ids) for ids in table_ids.values())
+        for table, buckets in layout.cold.items():
+            # every id's bucket, admitted or not: which bucket rows exist then depends on the
+            # ids seen only (one process or shards alike); lookup routes the ids
+            table_ids[compact_ids.cold_table_name(table)] = compact_ids.cold_buckets(
+                table_ids[table], table, buckets)
+        for table, mh in layout.multi_hash.items():
+            # each id as its two component ids, side by side: [q0, r0, q1, r1, ...]
+            table_ids[table] = compact_ids.multi_hash_components(
+                table_ids[table], table, mh.buckets).reshape(-1)
         leaf_ids = ids_fed
         if self.structured:
             feed["ancestors"] = {str(level): batch.leaf_ancestors(level).astype(np.int32)
@@ -255,6 +287,8 @@ class FeedBuilder:
         for dim, tables in layout.tables_by_dim.items():
             parts, start = [], 0
             for table in tables:
+                if table in layout.cold_tables:  # looked up with its table (below)
+                    continue
                 unique, inverse, table_rows = stores[table].lookup_unique(
                     prepared.table_ids[table], train)
                 parts.append(table_rows)
@@ -263,20 +297,47 @@ class FeedBuilder:
                 inverse = inverse.astype(np.int32)
                 if start:
                     inverse += start
+                start += len(unique)
+                if table in layout.cold:
+                    cold = compact_ids.cold_table_name(table)
+                    unique_ids[cold], cold_rows = self._route_cold(
+                        prepared, stores, train, table, cold, unique, inverse, start)
+                    parts.append(cold_rows)
+                    row_ranges[cold] = (dim, start, start + len(cold_rows))
+                    start += len(cold_rows)
+                pair = 2 if table in layout.multi_hash else 1
                 at = 0
                 for name, count in prepared.table_parts[table]:
-                    position[name] = inverse[at:at + count]
-                    at += count
-                start += len(unique)
+                    position[name] = (inverse[at:at + count] if pair == 1 else
+                                      inverse[at:at + 2 * count].reshape(count, 2))
+                    at += pair * count
             rows[str(dim)] = (parts[0] if len(parts) == 1 else np.concatenate(parts)) \
                 if parts else np.zeros((0, dim), np.float32)
         ids, values = {}, {}
         for block in layout.blocks:
             if block.ids:
                 ids[block.key] = np.stack([position[n] for n in block.ids], axis=1)
+                # multi-hash: [size, n_ids, 2]; a list block's values: [m, 2]
             if block.lists:
                 values[block.key] = np.concatenate([position[n] for n in block.lists])
         feed = dict(prepared.feed)
         feed.update(rows=rows, ids=ids, values=values)
         return Feed(prepared.num_leaves, feed, unique_ids, row_ranges, prepared.labels,
                     prepared.ids_fed, prepared.leaf_ids)
+
+    def _route_cold(self, prepared: Prepared, stores: dict, train: bool, table: str,
+                    cold: str, unique: np.ndarray, inverse: np.ndarray, start: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """A table with a cold table: looks up every id's bucket row, then points the ids
+        ``table`` has no row for (not admitted, expired, unseen) at their bucket's row, in
+        place in ``inverse`` (the ids' positions in ``rows[dim]``; ``table``'s rows end at
+        ``start``). Returns the bucket ids read and their rows (they follow ``table``'s); the
+        buckets no id reads are left out, so only the ids that read a bucket row train it."""
+        admitted = np.asarray(stores[table].contains(unique), bool)
+        bucket_unique, bucket_inverse, bucket_rows = stores[cold].lookup_unique(
+            prepared.table_ids[cold], train)
+        cold_at = ~admitted[inverse - (start - len(unique))]
+        read = np.unique(bucket_inverse[cold_at])
+        # each read bucket's position among the rows of the buckets read
+        inverse[cold_at] = start + np.searchsorted(read, bucket_inverse[cold_at])
+        return bucket_unique[read], bucket_rows[read]

@@ -92,6 +92,17 @@ class Overlay:
                 rows[tombstones[at] == unique] = 0.0  # a removed row reads as unseen
         return rows
 
+    def present(self, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """``held`` (whether the store has a row for each of ``ids``) as this version has it:
+        a row the delta writes is there, one it removes is not."""
+        held = np.array(held, bool)
+        for changed, _, tombstones in self.parts:
+            for found, value in ((tombstones, False), (changed, True)):
+                if len(found):
+                    at = np.minimum(np.searchsorted(found, ids), len(found) - 1)
+                    held[found[at] == ids] = value
+        return held
+
 
 class VersionedTable:
     """A table as one version sees it: its store, then the version's overlay."""
@@ -106,6 +117,14 @@ class VersionedTable:
         if self.overlay is not None and len(self.overlay):
             rows = self.overlay.patch(unique, rows)
         return unique, inverse, rows
+
+    def contains(self, ids) -> np.ndarray:
+        """Whether this version has a row for each id (a cold table's routing)."""
+        ids = np.asarray(ids, np.int64)
+        held = self.store.contains(ids)
+        if self.overlay is not None and len(self.overlay):
+            held = self.overlay.present(ids, held)
+        return held
 
 
 class Base:
@@ -137,7 +156,8 @@ class Base:
             raise ValueError(f"{path}: dense feature {unresolved[0]!r} has no statistics yet "
                              "(an export of a model that trained nothing); waiting for one "
                              "that trained")
-        self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
+        self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense),
+                             self.config.compact_tables(tables))
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")
         self.tables = tables

@@ -61,7 +61,8 @@ class ModelCore:
         poolings = {f.name: config.feature(f.name).pooling for f in schema.features
                     if f.kind != "dense"}
         structured = config.compute == "structured"
-        self.layout = Layout(schema, self.tables, dims, poolings, dict(config.dense))
+        self.layout = Layout(schema, self.tables, dims, poolings, dict(config.dense),
+                             config.compact_tables(self.tables))
         self.builder = FeedBuilder(self.layout, structured)
         # Same seed, same initial dense weights, whatever the compute mode.
         keras.utils.set_random_seed(config.seed)

@@ -87,18 +87,30 @@ class Inputs:
         names = [n for b in self.layout.layer_blocks(level) for n in b.ids + b.lists]
         return names + list(self.layout.dense.get(level, ()))
 
+    def _rows_at(self, block, positions):
+        """The rows at ``positions`` of ``rows[dim]``; a multi-hash block's positions have a
+        last axis of 2 (an id's two component rows), combined here element-wise, so both rows
+        get the gradient."""
+        emb = tf.gather(self._feed["rows"][str(block.dim)], positions)
+        if block.combine is None:
+            return emb
+        first, second = emb[..., 0, :], emb[..., 1, :]
+        # product: the remainder row is a multiplicative correction around 1, q * (1 + r), so
+        # a fresh table (rows near 0) starts as its Q hashed rows and learns at an ordinary
+        # row's speed; q * r of two rows near 0 starts at ~1e-4 with gradients as small
+        return first * (1.0 + second) if block.combine == "product" else first + second
+
     def _block_ids(self, block):
         """[size, n_ids, dim]: one gather for all id features of the block."""
         if block.key not in self._ids:
-            self._ids[block.key] = tf.gather(self._feed["rows"][str(block.dim)],
-                                             self._feed["ids"][block.key])
+            self._ids[block.key] = self._rows_at(block, self._feed["ids"][block.key])
         return self._ids[block.key]
 
     def _block_lists(self, block):
         """[size, n_lists, dim]: every list of the block pooled by one sorted segment sum."""
         if block.key not in self._lists:
             size, n = self.size(block.level), len(block.lists)
-            emb = tf.gather(self._feed["rows"][str(block.dim)], self._feed["values"][block.key])
+            emb = self._rows_at(block, self._feed["values"][block.key])
             pooled = sorted_segment_sum(emb, self._feed["segments"][block.key], n * size)
             pooled = pooled * self._feed["scale"][block.key][:, None]
             pooled = tf.reshape(pooled, [n, size, block.dim])
@@ -172,7 +184,7 @@ class Inputs:
             start += self._feed["splits"][other][-1]
         splits = self._feed["splits"][name]
         values = self._feed["values"][block.key][start:start + splits[-1]]
-        emb = tf.gather(self._feed["rows"][str(block.dim)], values)
+        emb = self._rows_at(block, values)
         return tf.RaggedTensor.from_row_splits(emb, splits, validate=False)
 
 
@@ -183,8 +195,11 @@ def feed_signature(layout: Layout, structured: bool) -> dict:
     schema = layout.schema
     spec = {
         "rows": {str(d): tf.TensorSpec([None, d], f32) for d in layout.row_dims},
-        "ids": {b.key: tf.TensorSpec([None, len(b.ids)], i32) for b in layout.blocks if b.ids},
-        "values": {b.key: tf.TensorSpec([None], i32) for b in layout.blocks if b.lists},
+        # a multi-hash block's positions have a last axis of 2 (an id's two component rows)
+        "ids": {b.key: tf.TensorSpec([None, len(b.ids)] + ([2] if b.combine else []), i32)
+                for b in layout.blocks if b.ids},
+        "values": {b.key: tf.TensorSpec([None] + ([2] if b.combine else []), i32)
+                   for b in layout.blocks if b.lists},
         "segments": {b.key: tf.TensorSpec([None], i32) for b in layout.blocks if b.lists},
         "scale": {b.key: tf.TensorSpec([None], f32) for b in layout.blocks if b.lists},
         "splits": {n: tf.TensorSpec([None], i32) for b in layout.blocks for n in b.lists},
@@ -208,6 +223,9 @@ class _ZeroStore:
     def lookup_unique(self, ids, train):
         return (np.zeros(1, np.int64), np.zeros(len(ids), np.int64),
                 np.zeros((1, self.dim), np.float32))
+
+    def contains(self, ids):
+        return np.zeros(len(ids), bool)
 
 
 def dummy_feed(layout: Layout, structured: bool) -> dict:

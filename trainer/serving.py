@@ -483,7 +483,8 @@ class Predictor:
         dims = {t: self.config.table(t).dim for t in tables}
         poolings = {f.name: self.config.feature(f.name).pooling for f in self.schema.features
                     if f.kind != "dense"}
-        self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense))
+        self.layout = Layout(self.schema, tables, dims, poolings, dict(self.config.dense),
+                             self.config.compact_tables(tables))
         self.builder = FeedBuilder(self.layout, structured=True)
         self.shards = meta.get("shards")  # a sharded (distributed) run's export
         self.export_formats = export_formats(meta, tables)
@@ -608,6 +609,16 @@ class ShardedStore:
     def lookup(self, ids, train: bool = False) -> np.ndarray:
         _, inverse, rows = self.lookup_unique(ids, train)
         return rows[inverse]
+
+    def contains(self, ids) -> np.ndarray:
+        """Whether each id has a row on its shard."""
+        ids = np.asarray(ids, np.int64)
+        out = np.zeros(len(ids), bool)
+        owner = id_shards(ids, len(self.shards))
+        for s, store in enumerate(self.shards):
+            pos = np.flatnonzero(owner == s)
+            out[pos] = store.contains(ids[pos])
+        return out
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)

@@ -1360,6 +1360,27 @@ size_t EmbeddingStore::Remove(const int64_t* ids, size_t n) {
   return removed.load();
 }
 
+void EmbeddingStore::Contains(const int64_t* ids, size_t n, uint8_t* out) const {
+  const Impl& s = *impl_;
+  if (n == 0) return;
+  Impl::Partition p = s.Bucketize(ids, n);
+  ParallelFor(s.ThreadsFor(n), s.shards.size(), [&](size_t shard_index) {
+    size_t begin = p.offsets[shard_index], end = p.offsets[shard_index + 1];
+    if (begin == end) return;
+    const Shard& shard = *s.shards[shard_index];
+    // Exclusive with a tier (one call at a time uses it), shared otherwise (as ExportRows).
+    std::unique_lock<std::shared_mutex> tier_lock(shard.mu, std::defer_lock);
+    std::shared_lock<std::shared_mutex> lock(shard.mu, std::defer_lock);
+    if (shard.tier) tier_lock.lock(); else lock.lock();
+    for (size_t k = begin; k < end; ++k) {
+      uint32_t pos = p.order[k];
+      bool found = shard.Find(ids[pos], p.hash[pos]) != Shard::kEmpty ||
+                   (shard.tier && shard.tier->Contains(ids[pos]));
+      out[pos] = found ? 1 : 0;
+    }
+  });
+}
+
 RowArrays EmbeddingStore::ExportRows(bool with_values) const {
   const Impl& s = *impl_;
   RowArrays out;

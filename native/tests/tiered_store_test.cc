@@ -333,6 +333,50 @@ TEST_CASE("the memory budget's options are checked before anything is created") 
   CHECK(MemoryRowBytes(o) == 20 + 32 + 5);
 }
 
+TEST_CASE("Contains answers which ids have a row, in memory or on disk, and changes nothing") {
+  TempDir dir;
+  StoreOptions plain = BaseOptions(OptimizerKind::kAdagrad, FilterKind::kCounter);
+  StoreOptions tiered = plain;
+  tiered.memory_budget_bytes = 4 * 40 * MemoryRowBytes(plain);
+  tiered.disk_dir = dir.path() + "/tiers";
+  EmbeddingStore a(plain), b(tiered);
+  // 20,000 ids seen twice (admitted), 20,000 once (pending in the filter), in steps so that
+  // most of the tiered store's rows go to disk
+  std::vector<int64_t> ids(20000), once(20000);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = static_cast<int64_t>(i) * 3 - 7000;
+    once[i] = ids[i] + 1;
+  }
+  std::vector<float> rows(ids.size() * 4), grads(ids.size() * 4, 0.01f);
+  for (int step = 1; step <= 2; ++step) {
+    for (EmbeddingStore* s : {&a, &b}) {
+      s->Lookup(ids.data(), ids.size(), true, 100.0 + step, rows.data());
+      s->ApplyGradients(ids.data(), grads.data(), ids.size(), step, 100.0 + step);
+    }
+  }
+  for (EmbeddingStore* s : {&a, &b}) {  // a step on a few ids: the others go to disk
+    s->Lookup(ids.data(), 40, true, 103.0, rows.data());
+    s->ApplyGradients(ids.data(), grads.data(), 40, 3, 103.0);
+    s->Lookup(once.data(), once.size(), true, 104.0, rows.data());
+  }
+  REQUIRE(b.Stats().disk_rows > 0);
+  std::vector<int64_t> asked(ids);
+  asked.insert(asked.end(), once.begin(), once.end());
+  const StoreStats before_a = a.Stats(), before_b = b.Stats();
+  const std::vector<std::string> rows_b = SortedRows(b);
+  std::vector<uint8_t> in_a(asked.size(), 7), in_b(asked.size(), 7);
+  a.Contains(asked.data(), asked.size(), in_a.data());
+  b.Contains(asked.data(), asked.size(), in_b.data());
+  for (size_t i = 0; i < asked.size(); ++i) {
+    CHECK(in_a[i] == (i < ids.size() ? 1 : 0));
+    CHECK(in_b[i] == in_a[i]);
+  }
+  CHECK(a.Stats().lookups == before_a.lookups);
+  CHECK(a.Stats().rejected == before_a.rejected);
+  CHECK(b.Stats().disk_rows == before_b.disk_rows);
+  CHECK(b.Stats().faults == before_b.faults);
+  CHECK(SortedRows(b) == rows_b);
+}
 
 }  // namespace
 }  // namespace prefixrec

@@ -37,6 +37,12 @@ def reconstructed() -> bool:
         return False
 
 
+def held_key(table: str) -> str:
+    """The key of a lookup's answer that says which of ``table``'s ids have a row (a table
+    with a cold table); no table name has a colon."""
+    return f"{table}:held"
+
+
 def table_specs(config, tables, shards: int, tier_dir: str | None = None) -> dict:
     """What a :class:`Shard` of ``shards`` takes for every table of ``config`` (a
     TrainConfig): its store config (a table's ``max_rows`` and memory budget split over the
@@ -51,6 +57,9 @@ def table_specs(config, tables, shards: int, tier_dir: str | None = None) -> dic
             store = dataclasses.replace(store, max_rows=math.ceil(tc.max_rows / shards))
         expire = tc.expire
         specs[table] = {"store": store,
+                        # a table with a cold table: its lookups also say which ids have a row
+                        # (trainer/compact.py), the worker routes the others to their buckets
+                        "cold": tc.cold_buckets is not None,
                         "l2": tc.l2,
                         "expire": None if expire is None else {
                             "every_steps": expire.every_steps,
@@ -192,6 +201,7 @@ class Shard:
             parts = [r.get(table, empty) for r in requests]
             ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
             unique, inverse, rows = store.lookup_unique(ids, train)
+            held = store.contains(unique) if self.tables[table].get("cold") else None
             if len(unique) == len(ids):
                 # distinct ids (one worker's: it sent each once): the rows are in their order
                 inverse = None
@@ -199,6 +209,9 @@ class Shard:
             for w, part in enumerate(parts):
                 out[w][table] = (rows[at:at + len(part)] if inverse is None
                                  else rows[inverse[at:at + len(part)]])
+                if held is not None:
+                    out[w][held_key(table)] = (held[at:at + len(part)] if inverse is None
+                                               else held[inverse[at:at + len(part)]])
                 at += len(part)
         self.timings["lookup"] += time.perf_counter() - t0
         return out if len(out) > 1 else out[0]

@@ -22,7 +22,7 @@ from trainer import models as models_lib
 from trainer.config import TrainConfig
 from trainer.data import file_tables
 from trainer.distributed.placement import id_shards, own_trees
-from trainer.distributed.shard import RESTARTED, reconstructed
+from trainer.distributed.shard import RESTARTED, held_key, reconstructed
 from trainer.units import as_trees, cut_batches
 
 
@@ -121,13 +121,18 @@ _ALL = (slice(None),)
 
 
 class _FixedRows:
-    """Stands in for a store in ``FeedBuilder.lookup``: the rows the shards sent."""
+    """Stands in for a store in ``FeedBuilder.lookup``: the rows the shards sent (and for a
+    table with a cold table, which of its ids have a row)."""
 
-    def __init__(self, unique, inverse, rows):
+    def __init__(self, unique, inverse, rows, held=None):
         self.result = (unique, inverse, rows)
+        self.held = held
 
     def lookup_unique(self, ids, train):
         return self.result
+
+    def contains(self, ids):
+        return self.held
 
 
 class _Stream:
@@ -305,13 +310,20 @@ class Worker:
         stores = {}
         for table, (unique, inverse, positions) in tables.items():
             dim = self.core.layout.dims[table]
+            key = held_key(table)
+            held = None
             if positions is _ALL:  # one shard: its rows are the table's, in order
                 rows = shard_rows[0][table]
+                held = shard_rows[0].get(key)
             else:
                 rows = np.empty((len(unique), dim), np.float32)
                 for s, pos in enumerate(positions):
                     rows[pos] = shard_rows[s][table]
-            stores[table] = _FixedRows(unique, inverse, rows)
+                if key in shard_rows[0]:
+                    held = np.empty(len(unique), bool)
+                    for s, pos in enumerate(positions):
+                        held[pos] = shard_rows[s][key]
+            stores[table] = _FixedRows(unique, inverse, rows, held)
         return self.core.builder.lookup(prepared, stores, train=True)
 
     def train_step(self, *shard_rows, dense_messages: int = 0, dense: bool = True):
@@ -368,6 +380,12 @@ class Worker:
             unique, _, positions = tables[table]
             grads = rows[str(dim)][a:b]
             grads *= scale
+            if feed.unique_ids[table] is not unique:
+                # a cold table: only the buckets some id read train, a subset of those asked
+                unique = feed.unique_ids[table]
+                if positions is not _ALL:
+                    owner = id_shards(unique, self.shards)
+                    positions = [np.flatnonzero(owner == s) for s in range(self.shards)]
             for s, pos in enumerate(positions):
                 # one shard owns every id: its message is the table's whole slice, uncopied
                 messages[s][table] = ((unique, grads) if positions is _ALL

@@ -223,6 +223,10 @@ class EmbeddingStore {
   // Removes the rows of the given ids (counted as expired). Returns rows removed. O(n).
   size_t Remove(const int64_t* ids, size_t n);
 
+  // out[i] = 1 if ids[i] has a row (in memory or on the disk tier), else 0. Reads only: no
+  // filter sighting, no counter, no row moves between the tiers. O(n).
+  void Contains(const int64_t* ids, size_t n, uint8_t* out) const;
+
   RowArrays ExportRows(bool with_values) const;  // O(rows)
 
   // The entry filter's state (see FilterState). O(pending ids + Bloom counters).

@@ -250,6 +250,18 @@ void BindStore(py::module_& m) {
              return s.Expire(max_idle_steps, max_idle_seconds, now);
            },
            py::arg("max_idle_steps"), py::arg("max_idle_seconds"), py::arg("now"))
+      .def("contains",
+           [](const EmbeddingStore& s, const py::array& ids) {
+             auto [data, n] = IdsOf(ids);
+             py::array_t<bool> out(static_cast<py::ssize_t>(n));
+             auto* flags = reinterpret_cast<uint8_t*>(out.mutable_data());
+             {
+               py::gil_scoped_release release;
+               s.Contains(data, n, flags);
+             }
+             return out;
+           },
+           py::arg("ids"))
       .def("remove",
            [](EmbeddingStore& s, const py::array& ids) {
              auto [data, n] = IdsOf(ids);
