@@ -374,6 +374,144 @@ def time_model(args, model: str, schema, batches, nodes, spu: float, hidden,
     return run_
 
 
+# The child process of an end-to-end run: ``trainer.train`` itself, with the trainer's
+# seconds per stage (read = raw files read, trees built, batches cut and prepared; lookup;
+# step; update) printed as a last JSON line on stderr when its fit returns.
+E2E_CHILD = """
+import json, sys
+import trainer.trainer as t
+fit = t.Trainer.fit
+def timed(self, *args, **kwargs):
+    try:
+        return fit(self, *args, **kwargs)
+    finally:
+        print(json.dumps({"stages": dict(self.timings)}), file=sys.stderr, flush=True)
+t.Trainer.fit = timed
+from trainer.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def write_raw(schema, samples: int, spu: float, seed: int, path: str) -> str:
+    """``samples`` generated raw samples (time order, as the generator writes them) in one
+    Parquet file, written chunk by chunk."""
+    import pyarrow.parquet as pq
+
+    writer = None
+    for table in generate_tables(schema, samples, seed=seed, samples_per_user=spu):
+        if writer is None:
+            writer = pq.ParquetWriter(path, table.schema)
+        writer.write_table(table)
+    writer.close()
+    return path
+
+
+def e2e_config(model: str, batch_size: int, path: str) -> str:
+    """The run's TrainConfig as the step-level runs use it: defaults, the batch size and, for
+    the sequence models, the behaviour sequence and the query in one table."""
+    _, behaviour, query = MODEL_DATA[model]
+    lines = [f"batch_size: {batch_size}"]
+    if behaviour is not None:
+        lines += ["features:", f"  {behaviour}: {{table: shared_{query}}}",
+                  f"  {query}: {{table: shared_{query}}}"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def end_to_end(args, model: str, data: str, workdir: str, hidden) -> dict:
+    """``python -m trainer.train`` as a user runs it on the raw file ``data`` (trees built on
+    the way), ``--compute structured`` and ``flat`` taking turns ``--e2e-rounds`` times:
+    the command's wall seconds, the fit's seconds (reading and tree building included), the
+    trainer's seconds per stage, medians over the rounds."""
+    import subprocess
+    import sys
+
+    path, _, _ = MODEL_DATA[model]
+    config = e2e_config(model, args.batch_size, os.path.join(workdir, f"{model}.yaml"))
+    runs = {"structured": [], "flat": []}
+    for k in range(args.e2e_rounds):
+        for mode in runs:
+            out = os.path.join(workdir, f"run-{model}-{mode}-{k}")
+            command = [sys.executable, "-c", E2E_CHILD, "--schema", path, "--train-data", data,
+                       "--config", config, "--model", model, "--compute", mode,
+                       "--hidden", ",".join(map(str, hidden)), "--epochs",
+                       str(args.e2e_epochs), "--no-progress", "--out", out]
+            t0 = time.perf_counter()
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if done.returncode != 0:
+                raise RuntimeError(f"trainer.train --model {model} --compute {mode} failed:\n"
+                                   + done.stderr[-3000:])
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            stages = [json.loads(line)["stages"] for line in done.stderr.splitlines()
+                      if line.startswith('{"stages"')][-1]
+            runs[mode].append({"wall_seconds": wall, "fit_seconds": result["train_seconds"],
+                               "samples": result["samples"],
+                               "id_compression": result["id_compression"],
+                               "stages": stages, "load_average": os.getloadavg()})
+    out = {"epochs": args.e2e_epochs, "rounds": runs}
+    for mode, rs in runs.items():
+        out[mode] = {key: float(np.median([r[key] for r in rs]))
+                     for key in ("wall_seconds", "fit_seconds", "id_compression")}
+        out[mode]["stages"] = {stage: float(np.median([r["stages"].get(stage, 0.0)
+                                                       for r in rs]))
+                               for stage in ("read", "lookup", "step", "update")}
+        out[mode]["samples_per_sec"] = rs[0]["samples"] / out[mode]["fit_seconds"]
+    s, f = out["structured"], out["flat"]
+    out["wall_over"] = f["wall_seconds"] / s["wall_seconds"]
+    out["fit_over"] = f["fit_seconds"] / s["fit_seconds"]
+    # the TF step + update inside the same runs (the pipeline's threads beside them)
+    step = {m: out[m]["stages"]["step"] + out[m]["stages"]["update"] for m in runs}
+    out["step_over"] = step["flat"] / step["structured"]
+    return out
+
+
+def end_to_end_all(args, models: list[str], hidden, step_runs: list[dict]) -> list[dict]:
+    """The end-to-end runs of every model (the models of one schema share their raw file),
+    each next to its step-level ratio at the same samples per user (the step-level row of
+    that model with ``--e2e-samples-per-user``, else its last one)."""
+    import tempfile
+
+    rows = []
+    print(f"end to end: python -m trainer.train on {args.e2e_samples:,} raw samples "
+          f"({args.e2e_samples_per_user:g} per user), {args.e2e_epochs} epoch(s), trees built "
+          f"on the way, median of {args.e2e_rounds} round(s)", flush=True)
+    print(f"{'model':>5} {'structured':>11} {'flat':>9} {'wall s/f':>9} {'fit s/f':>8} "
+          f"{'step s/f':>8} {'step-level':>10} {'e2e/step-level':>14}   structured | flat "
+          "stage seconds (read lookup step update)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as workdir:
+        files = {}
+        for model in models:
+            path = MODEL_DATA[model][0]
+            if path not in files:
+                files[path] = write_raw(schemas.load(path), args.e2e_samples,
+                                        args.e2e_samples_per_user, args.seed,
+                                        os.path.join(workdir, f"raw-{len(files)}.parquet"))
+            e2e = end_to_end(args, model, files[path], workdir, hidden)
+            same = [r for r in step_runs if r["model"] == model]
+            at = [r for r in same if r["samples_per_user"] == args.e2e_samples_per_user]
+            step_level = (at or same or [{}])[-1].get("step_structured_over_flat")
+            e2e.update(model=model, samples=args.e2e_samples,
+                       samples_per_user=args.e2e_samples_per_user, step_level=step_level,
+                       wall_over_step_level=(e2e["wall_over"] / step_level
+                                             if step_level else None),
+                       fit_over_step_level=(e2e["fit_over"] / step_level
+                                            if step_level else None))
+            rows.append(e2e)
+
+            def stages(mode):
+                st = e2e[mode]["stages"]
+                return " ".join(f"{st[k]:6.1f}" for k in ("read", "lookup", "step", "update"))
+            level = f"{step_level:9.2f}x" if step_level else f"{'-':>10}"
+            share = (f"{e2e['wall_over_step_level']:13.2f}x" if step_level else f"{'-':>14}")
+            print(f"{model:>5} {e2e['structured']['samples_per_sec']:9,.0f}/s "
+                  f"{e2e['flat']['samples_per_sec']:7,.0f}/s {e2e['wall_over']:8.2f}x "
+                  f"{e2e['fit_over']:7.2f}x {e2e['step_over']:7.2f}x {level} {share}   "
+                  f"{stages('structured')} | {stages('flat')}", flush=True)
+    return rows
+
+
 def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer",
                                      description=__doc__.split("\n")[0])
@@ -395,6 +533,15 @@ def run(argv=None) -> dict:
     parser.add_argument("--ceiling", action="store_true",
                         help="also time structured compute on the same batches with every upper "
                              "layer cut to one node (the most any sharing can save)")
+    parser.add_argument("--e2e-samples", type=int, default=1_000_000,
+                        help="samples of the end-to-end runs: trainer.train on a raw Parquet "
+                             "file, structured and flat, per model (0: skip)")
+    parser.add_argument("--e2e-epochs", type=int, default=2,
+                        help="passes of each end-to-end run (default 2)")
+    parser.add_argument("--e2e-rounds", type=int, default=1,
+                        help="end-to-end runs per mode and model, taking turns (median)")
+    parser.add_argument("--e2e-samples-per-user", type=float, default=57.0,
+                        help="samples per user of the end-to-end data (default 57)")
     args = parser.parse_args(argv)
     hidden = tuple(int(x) for x in args.hidden.split(","))
     models = [m for m in args.models.split(",") if m]
@@ -423,6 +570,8 @@ def run(argv=None) -> dict:
             batches, nodes = data[path]
             results["runs"].append(time_model(args, model, model_schema, batches, nodes, spu,
                                               hidden, behaviour))
+    if args.e2e_samples:
+        results["end_to_end"] = end_to_end_all(args, models, hidden, results["runs"])
     if args.quality_samples:
         results["quality"] = quality(schema, args.quality_samples, args.batch_size, hidden,
                                      args.seed + 1)

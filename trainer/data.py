@@ -3,7 +3,8 @@
 ``batch_source(data, schema, batch_size)`` accepts tree Parquet files (what the pipelines
 write), raw files (Parquet, CSV, JSON lines; compressed into trees on the fly, one chunk of
 rows at a time), a ``pyarrow.Table`` of either kind, or TreeBatches. It returns a function that
-starts a fresh pass over the data, so ``fit(data, epochs=3)`` reads it three times.
+starts a fresh pass over the data, so ``fit(data, epochs=3)`` reads it three times (the trees
+built from raw files in the first pass are kept for the later ones, up to ``TREE_CACHE_BYTES``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ from compression import TreeBatch, fs
 from schemas import Schema
 from schemas.schema import SCHEMA_YAML_KEY
 
-RAW_CHUNK_ROWS = 1 << 18  # raw rows compressed together: one user's rows in a chunk share a tree
+# Raw rows compressed together: one user's rows in a chunk share a tree. Logs are in time
+# order, so a user's samples spread over the whole file: in chunks of 2^18 rows a user of a 1M-
+# sample file (57 samples per user) has ~15 per chunk and a 5000-sample batch ~180 user nodes
+# instead of ~90. 2^20 rows keep files up to 1M samples whole, at ~0.5 GB more peak memory
+# (taobao_like); larger data is best compressed once by pipelines.compress.
+RAW_CHUNK_ROWS = 1 << 20
+# The trees built from a raw file in a fit's first pass are kept for its later passes while
+# all kept trees take at most this many bytes: building them again each pass costs the read
+# stage as much CPU as the first time (~1 s per million taobao_like samples on a quiet core,
+# several seconds on a loaded one), taken from the training step on a 2-core machine.
+TREE_CACHE_BYTES = 1 << 30
 
 
 def is_tree_table(arrow_schema: pa.Schema, schema: Schema) -> bool:
@@ -63,10 +74,12 @@ def batch_source(data, schema: Schema, batch_size: int, split_trees: bool = True
         files = compression.expand_paths(data if isinstance(data, (list, tuple))
                                          else os.fspath(data))
 
+        kept: dict = {}    # raw file -> its tree tables, as file_tables builds them
+
         def file_pass():
             r = rng()
             order = files if r is None else [files[i] for i in r.permutation(len(files))]
-            tables = (shuffled(t, r) for t in file_tables(order, schema))
+            tables = (shuffled(t, r) for t in _kept_file_tables(order, schema, kept))
             return compression.iter_batches(tables, schema, batch_size, split_trees)
         return file_pass
     if isinstance(data, (list, tuple)):
@@ -165,6 +178,28 @@ def _tree_table_samples(table: pa.Table, schema: Schema) -> int | None:
 def _arrow_schema(path: str) -> pa.Schema:
     with fs.source(path) as source:
         return pq.ParquetFile(source).schema_arrow
+
+
+def _kept_file_tables(files: list[str], schema: Schema, kept: dict) -> Iterator[pa.Table]:
+    """:func:`file_tables`, with the trees of each raw file read to its end kept in ``kept``
+    (up to ``TREE_CACHE_BYTES`` in all) and given again instead of rebuilt: the same tables."""
+    for path in files:
+        if path in kept:
+            yield from kept[path]
+            continue
+        raw = not (path.endswith((".parquet", ".pq"))
+                   and is_tree_table(_arrow_schema(path), schema))
+        room = TREE_CACHE_BYTES - sum(t.nbytes for ts in kept.values() for t in ts)
+        tables: list | None = [] if raw else None
+        for table in file_tables([path], schema):
+            if tables is not None:
+                tables.append(table)
+                room -= table.nbytes
+                if room < 0:
+                    tables = None
+            yield table
+        if tables is not None:
+            kept[path] = tables
 
 
 def file_tables(files: list[str], schema: Schema) -> Iterator[pa.Table]:

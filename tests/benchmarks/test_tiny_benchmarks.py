@@ -16,6 +16,30 @@ def test_compression_benchmark_tiny():
     assert set(result["to_batches_s"]) == set(result["bytes"])
 
 
+def test_trainer_benchmark_end_to_end_tiny():
+    """python -m benchmarks.trainer's end-to-end runs (trainer.train on a raw file, structured
+    and flat) next to the step level, at a tiny size and for DIEN only (each run is a process
+    that imports TensorFlow; the MLP and DIN take the same path)."""
+    import benchmarks.trainer
+
+    result = benchmarks.trainer.run([
+        "--samples", "1200", "--samples-per-user", "10", "--batch-size", "400", "--warmup", "1",
+        "--rounds", "1", "--hidden", "8", "--quality-samples", "0", "--models", "dien",
+        "--e2e-samples", "1200", "--e2e-samples-per-user", "10", "--e2e-epochs", "2"])
+    (run,) = result["end_to_end"]
+    assert run["model"] == "dien" and run["epochs"] == 2
+    (step_run,) = result["runs"]
+    assert run["step_level"] == step_run["step_structured_over_flat"]
+    for mode in ("structured", "flat"):
+        (one,) = run["rounds"][mode]
+        assert one["samples"] == 2 * 1200
+        assert one["wall_seconds"] > one["fit_seconds"] > 0
+        assert all(one["stages"][stage] > 0 for stage in ("read", "lookup", "step", "update"))
+    # structured compute looks up fewer ids than the samples hold; flat looks up all of them
+    assert run["structured"]["id_compression"] > 1.5 and run["flat"]["id_compression"] == 1.0
+    assert run["wall_over_step_level"] == run["wall_over"] / run["step_level"]
+
+
 def test_pipeline_benchmark_tiny(kafka_broker, capsys):
     import json
 

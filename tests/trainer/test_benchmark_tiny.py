@@ -7,7 +7,7 @@ def test_trainer_benchmark_tiny():
     result = benchmarks.trainer.run([
         "--samples", "4000", "--samples-per-user", "10", "--batch-size", "1000", "--warmup", "1",
         "--rounds", "1", "--keras-rows", "10000", "--hidden", "16,8", "--quality-samples", "0",
-        "--ceiling", "--models", "mlp"])
+        "--ceiling", "--models", "mlp", "--e2e-samples", "0"])
     (run,) = result["runs"]
     assert run["samples_per_user"] == 10 and run["timed_samples"] == 3000
     for mode in ("structured", "flat"):
@@ -59,7 +59,8 @@ def test_matmul_bound_counts_the_first_layer_per_node_and_the_rest_per_leaf():
 def test_trainer_benchmark_times_din_and_dien_against_their_bounds():
     result = benchmarks.trainer.run([
         "--samples", "1500", "--samples-per-user", "10", "--batch-size", "500", "--warmup", "1",
-        "--rounds", "1", "--hidden", "16,8", "--quality-samples", "0", "--models", "din,dien"])
+        "--rounds", "1", "--hidden", "16,8", "--quality-samples", "0", "--models", "din,dien",
+        "--e2e-samples", "0"])
     assert [r["model"] for r in result["runs"]] == ["din", "dien"]
     for run in result["runs"]:
         assert run["timed_samples"] == 1000 and run["nodes_per_batch"][-1] == 500

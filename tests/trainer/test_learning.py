@@ -125,6 +125,51 @@ def test_reads_tree_parquet_raw_parquet_and_csv(schema, raw_small, trees_small, 
     assert history["samples"] == raw_small.num_rows
 
 
+def test_a_users_rows_a_million_rows_apart_in_a_raw_file_share_one_tree(schema, raw_small,
+                                                                         tmp_path):
+    """Raw files are compressed in chunks of RAW_CHUNK_ROWS (2^20): a time-ordered log of up to
+    a million samples keeps each user's samples, however far apart, under one user node."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from trainer.data import batch_source
+
+    copies = 300_000 // raw_small.num_rows    # the log 150 times over: each user's rows
+    log = pa.concat_tables([raw_small] * copies)   # 2,000 rows apart
+    pq.write_table(log, tmp_path / "log.parquet")
+    (batch,) = batch_source(str(tmp_path / "log.parquet"), schema, log.num_rows)()
+    (once,) = batch_source(raw_small, schema, raw_small.num_rows)()
+    assert batch.num_leaves == log.num_rows
+    assert batch.layers[0].size == once.layers[0].size < 1.1 * pc.count_distinct(
+        raw_small["user_id"]).as_py()
+
+
+def test_a_raw_files_trees_are_built_in_the_first_pass_only(schema, raw_small, tmp_path):
+    """A later pass over a raw file deals the trees the first pass built (the file is not
+    read again: here it is no longer Parquet), in its own order: the batches of a source that
+    builds them anew."""
+    from trainer.data import batch_source
+
+    path = tmp_path / "raw.parquet"
+    pq.write_table(raw_small, path)
+    kept, fresh = (batch_source(str(path), schema, 300, shuffle_seed=5) for _ in range(2))
+    assert len(list(kept())) == len(list(fresh())) > 5
+    want = list(fresh())                    # pass 2, built from the file again
+    path.write_bytes(b"no longer parquet")
+    got = list(kept())
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert [layer.size for layer in a.layers] == [layer.size for layer in b.layers]
+        for name, array in a.leaf_features().items():
+            other = b.leaf_features()[name]
+            for x, y in zip(*((array, other) if isinstance(array, tuple)
+                              else ((array,), (other,)))):
+                np.testing.assert_array_equal(x, y, err_msg=name)
+        np.testing.assert_array_equal(a.labels["click"], b.labels["click"])
+    with pytest.raises(Exception, match="parquet"):   # a new source reads the file
+        list(batch_source(str(path), schema, 300, shuffle_seed=5)())
+
+
 def test_metrics():
     labels = np.array([0, 0, 1, 1, 0, 1])
     scores = np.array([0.1, 0.4, 0.35, 0.8, 0.4, 0.4])

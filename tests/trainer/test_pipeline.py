@@ -33,6 +33,33 @@ def test_pipelined_fit_equals_the_sequential_loop(schema, trees_small):
                                       sequential.stores[table].lookup(ids, train=False))
 
 
+def test_the_step_is_traced_while_the_first_batch_is_read(schema, trees_small):
+    """fit traces the training step on its own thread while the reading stage makes the first
+    batch (tree building from raw files takes as long as tracing): the source gives its first
+    batch only once the step is traced, which would never happen if tracing waited for it."""
+    import threading
+
+    batches = list(compression.iter_batches(trees_small, schema, 128))
+    trainer = Trainer(schema, models.MLP(hidden=(8,)), config())
+    step = trainer.network.train_step
+    traced, seen = threading.Event(), []
+    trace = step.trace
+
+    def recorded_trace():
+        trace()
+        traced.set()
+
+    step.trace = recorded_trace    # around the real trace, to be told when it is done
+
+    def source():
+        seen.append(traced.wait(timeout=60))
+        yield from batches
+
+    trainer.fit(source())
+    assert seen == [True] and trainer.step == len(batches)
+    assert trainer.timings["trace"] > 0
+
+
 def test_stale_lookups_run_ahead_and_still_train(schema, trees_small):
     """Lookups that run ahead of updates read rows one or more updates old: a different (not
     exact) result, with every sample still trained once."""
