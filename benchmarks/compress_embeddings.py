@@ -224,7 +224,7 @@ def markdown(results: dict) -> str:
                     f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f} ({r['p99_vs_float32']:.2f}x) | "
                     f"{r['best_p50_ms']:.2f} / {r['best_p99_ms']:.2f} "
                     f"({r['best_p99_vs_float32']:.2f}x) |")
-        lines.append(f"\nvalues-only float32 payload (ids + dim floats a row): "
+        lines.append("\nvalues-only float32 payload (ids + dim floats a row): "
                      + ", ".join(f"{n} {mb(v['training']['values_only_bytes'])}"
                                  for n, v in entry["variants"].items()))
     return "\n".join(lines)

@@ -278,3 +278,52 @@ def test_damage_behind_a_valid_checksum_is_named_with_its_offset(tmp_path):
         path.write_bytes(sealed(bytes(damaged)))
         with pytest.raises(native.CorruptFileError, match=message):
             native.QuantizedStore.load(path.parent)
+
+
+def test_lookups_beside_applies_see_one_version_whole(tmp_path):
+    """A delta is applied under the table's lock: a concurrent lookup reads every row of one
+    version (here all rows equal the version number), never a mix."""
+    import threading
+
+    store = native.EmbeddingStore(native.StoreConfig(dim=4, optimizer=native.SGD(1.0),
+                                                     initializer=native.Zeros()))
+    ids = np.arange(5000)
+    store.lookup(ids, train=True)
+    store.save(tmp_path / "float")
+    q.quantize_snapshot(tmp_path / "float", tmp_path / "q" / q.SNAPSHOT_FILE, "int8")
+    deltas = []
+    for version in range(1, 31):
+        store.apply_gradients(ids, np.full((len(ids), 4), -1.0), version)
+        path = store.export_delta(tmp_path / "deltas")
+        q.quantize_delta(path, path, "int8")
+        deltas.append(path)
+    table = native.QuantizedStore.load(tmp_path / "q")
+    problems, done = [], threading.Event()
+    seen = {0: [], 1: []}
+    reads = threading.Condition()
+
+    def read(me):
+        while not done.is_set():
+            values = np.unique(table.lookup(ids))
+            if len(values) != 1:
+                problems.append(values)
+            with reads:
+                seen[me].append(float(values[0]))
+                reads.notify_all()
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for reader in readers:
+        reader.start()
+    for path in deltas:
+        with reads:  # a read between every two applies (and others across them)
+            count = len(seen[0]) + len(seen[1])
+            assert reads.wait_for(lambda: len(seen[0]) + len(seen[1]) > count, timeout=60)
+        table.apply_delta(path)
+    done.set()
+    for reader in readers:
+        reader.join()
+    assert not problems, problems[:3]
+    for mine in seen.values():  # each reader sees the versions in order
+        assert mine == sorted(mine)
+    assert len(set(seen[0]) | set(seen[1])) > 10
+    assert np.unique(table.lookup(ids)).tolist() == [30.0]
