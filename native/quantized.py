@@ -171,6 +171,11 @@ class QuantizedStore:
                                     "never trains (train=False)")
         return self._native.lookup(_as_ids(ids))
 
+    def contains(self, ids) -> np.ndarray:
+        """bool[n]: whether each id has a row (the others read zeros); as
+        :meth:`EmbeddingStore.contains`, for a cold table's routing. Runs without the GIL."""
+        return self._native.contains(_as_ids(ids))
+
     def lookup_unique(self, ids, train: bool = False, *, now: float | None = None):
         """``(unique_ids, inverse, rows)`` as :meth:`EmbeddingStore.lookup_unique`: distinct
         ids in order of first appearance, ``ids == unique_ids[inverse]``, their rows."""

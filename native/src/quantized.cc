@@ -684,6 +684,11 @@ void QuantizedTable::Lookup(const int64_t* ids, size_t n, float* out) const {
   lookups_.fetch_add(n);
 }
 
+void QuantizedTable::Contains(const int64_t* ids, size_t n, uint8_t* out) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) out[i] = FindLocked(ids[i]) != kNone ? 1 : 0;
+}
+
 QuantizedContents QuantizedTable::CheckDelta(QuantizedContents delta, const std::string& path,
                                              uint64_t expected) const {
   if (delta.format != format_ || delta.dim != dim_) {

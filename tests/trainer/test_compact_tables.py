@@ -234,3 +234,23 @@ def test_structured_equals_flat_on_random_schemas_with_every_table_compact(data,
             trainer.fit(batches[:1], shuffle=False)
     assert_same_gradients(structured.compute_gradients(batches[-1]),
                           flat.compute_gradients(batches[-1]))
+
+
+def test_a_quantized_export_routes_new_ids_to_their_bucket_rows(schema, raw_small, trees_small,
+                                                                 tmp_path):
+    """A cold table and a quantized export together: the served int8 table says which ids have
+    a row, so new ids read their (int8) bucket row, within int8's bound of the float32 export."""
+    trainer = Trainer(schema, models.MLP(**SMALL), config_of(COLD))
+    trainer.fit(trees_small)
+    samples = raw_small.slice(0, 300)
+    new_ads = samples.set_column(samples.schema.get_field_index("ad_id"), "ad_id",
+                                 pa.array(np.arange(10**9, 10**9 + 300, dtype=np.int64)))
+    unlabelled = new_ads.drop_columns(list(schema.labels))
+    float32 = Predictor(trainer.export(tmp_path / "float32")).predict(unlabelled)
+    trainer.config = trainer.config.with_export_format("int8")
+    quantized = Predictor(trainer.export(tmp_path / "int8"))
+    ads = new_ads["ad_id"].to_numpy()
+    assert not quantized.stores["ad_id"].contains(ads).any()
+    known = trainer.stores["ad_id"].to_numpy()["ids"]
+    assert quantized.stores["ad_id"].contains(known).all()
+    np.testing.assert_allclose(quantized.predict(unlabelled), float32, atol=0.01)

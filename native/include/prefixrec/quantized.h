@@ -101,6 +101,9 @@ class QuantizedTable {
 
   // Rows of `ids` (n x dim floats) into `out`.
   void Lookup(const int64_t* ids, size_t n, float* out) const;
+  // Whether each of `ids` has a row (1) or reads zeros (0), into `out[n]` (a cold table's
+  // routing at serving, as EmbeddingStore::Contains). Counts no lookup.
+  void Contains(const int64_t* ids, size_t n, uint8_t* out) const;
 
   // A quantized delta of this table's format and dim, of sequence delta_sequence + 1 + ahead
   // (kOutOfOrder otherwise; kIncompatible for another format or dim), as read.

@@ -134,6 +134,18 @@ void BindQuantized(py::module_& m) {
              return out;
            },
            py::arg("ids"))
+      .def("contains",
+           [](const QuantizedTable& t, const py::array& ids) {
+             auto [data, n] = Ids(ids);
+             py::array_t<bool> out(static_cast<py::ssize_t>(n));
+             auto* flags = reinterpret_cast<uint8_t*>(out.mutable_data());
+             {
+               py::gil_scoped_release release;
+               t.Contains(data, n, flags);
+             }
+             return out;
+           },
+           py::arg("ids"))
       .def("lookup_unique",
            [](const QuantizedTable& t, const py::array& ids) {
              auto [data, n] = Ids(ids);
