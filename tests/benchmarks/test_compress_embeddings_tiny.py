@@ -21,3 +21,20 @@ def test_compress_embeddings_benchmark_tiny(capsys):
         assert r["p99_ms"] >= r["best_p99_ms"] >= r["best_p50_ms"] > 0
     assert variant["training"]["samples_per_sec"] > 0
     assert "| default | int8 |" in bench.markdown(result)
+    # the compact variants: the filter's rows are fewer than the default's, exported smaller
+    # than its float32 export in every format, and each row is set against that export
+    compact = entry["variants"]["compact: filter min_count 15, user_id own rows"]["formats"]
+    assert all(r["smaller_than_default_float32"] > 1 for r in compact.values())
+    assert rows["float32"]["smaller_than_default_float32"] == 1
+    assert rows["float32"]["relative_auc_loss_vs_default"] == 0
+
+
+def test_a_variant_for_another_schema_is_not_run_on_movielens():
+    import schemas
+    from benchmarks import datasets
+
+    movielens = schemas.load(datasets.MOVIELENS_SCHEMA)
+    generated = schemas.load(datasets.GENERATED_SCHEMA)
+    for name, overrides in bench.TRAINING_VARIANTS:
+        assert bench.missing_tables(overrides, generated) == []
+        assert (bench.missing_tables(overrides, movielens) == []) == (name == "default")
