@@ -30,6 +30,12 @@ pipeline stages running sequentially so the parts add up. With ``--quality-sampl
 trains the structured MLP (trainer/examples/mlp.yaml) on the first 80% of a 57-samples-per-user
 data set and reports its test AUC on the rest next to the Bayes-optimal AUC of the generator's
 true probabilities.
+End to end (``--e2e-samples``, default 1M; 0 skips): for each model, ``python -m trainer.train``
+as a user runs it on a raw Parquet file of generated samples (``--e2e-samples-per-user``, 57),
+trees built on the way, ``--e2e-epochs`` (2) passes, ``--compute structured`` and ``flat``
+taking turns ``--e2e-rounds`` times: the command's wall time, the fit's time and the trainer's
+seconds per stage (trace, read = raw file read, trees built, batches prepared; lookup; step;
+update), the ratios flat/structured and the end-to-end ratio over the step-level one.
 Prints a table and a final JSON line.
 """
 
@@ -456,7 +462,7 @@ def end_to_end(args, model: str, data: str, workdir: str, hidden) -> dict:
                      for key in ("wall_seconds", "fit_seconds", "id_compression")}
         out[mode]["stages"] = {stage: float(np.median([r["stages"].get(stage, 0.0)
                                                        for r in rs]))
-                               for stage in ("read", "lookup", "step", "update")}
+                               for stage in ("trace", "read", "lookup", "step", "update")}
         out[mode]["samples_per_sec"] = rs[0]["samples"] / out[mode]["fit_seconds"]
     s, f = out["structured"], out["flat"]
     out["wall_over"] = f["wall_seconds"] / s["wall_seconds"]
@@ -479,7 +485,7 @@ def end_to_end_all(args, models: list[str], hidden, step_runs: list[dict]) -> li
           f"on the way, median of {args.e2e_rounds} round(s)", flush=True)
     print(f"{'model':>5} {'structured':>11} {'flat':>9} {'wall s/f':>9} {'fit s/f':>8} "
           f"{'step s/f':>8} {'step-level':>10} {'e2e/step-level':>14}   structured | flat "
-          "stage seconds (read lookup step update)", flush=True)
+          "stage seconds (trace read lookup step update)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as workdir:
         files = {}
         for model in models:
@@ -502,7 +508,8 @@ def end_to_end_all(args, models: list[str], hidden, step_runs: list[dict]) -> li
 
             def stages(mode):
                 st = e2e[mode]["stages"]
-                return " ".join(f"{st[k]:6.1f}" for k in ("read", "lookup", "step", "update"))
+                return " ".join(f"{st[k]:6.1f}" for k in ("trace", "read", "lookup", "step",
+                                                         "update"))
             level = f"{step_level:9.2f}x" if step_level else f"{'-':>10}"
             share = (f"{e2e['wall_over_step_level']:13.2f}x" if step_level else f"{'-':>14}")
             print(f"{model:>5} {e2e['structured']['samples_per_sec']:9,.0f}/s "
