@@ -230,6 +230,36 @@ void Skip(FileReader& r, uint64_t n) {
   }
 }
 
+// A snapshot shard's counts, the fields before its rows: the row count checked against the
+// bytes left (rows of `row_bytes`), the Bloom counters against the `bloom` the options give.
+struct ShardCounts {
+  uint64_t rows = 0, draw_counter = 0, bloom_bytes = 0, counter_entries = 0, tombstones = 0;
+};
+
+ShardCounts ReadShardCounts(FileReader& r, size_t row_bytes, uint64_t bloom, size_t shard_index) {
+  ShardCounts c;
+  c.rows = r.Get<uint64_t>();
+  c.draw_counter = r.Get<uint64_t>();
+  c.bloom_bytes = r.Get<uint64_t>();
+  c.counter_entries = r.Get<uint64_t>();
+  c.tombstones = r.Get<uint64_t>();
+  r.CheckCount(c.rows, row_bytes, "row");
+  if (c.bloom_bytes != bloom) {
+    Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(c.bloom_bytes) +
+                          " Bloom counters, expected " + std::to_string(bloom));
+  }
+  return c;
+}
+
+// Skips what follows a shard's rows (Bloom counters, filter counters, tombstones), checked.
+void SkipShardTail(FileReader& r, const ShardCounts& c) {
+  Skip(r, c.bloom_bytes);
+  r.CheckCount(c.counter_entries, 16, "filter counter");
+  Skip(r, c.counter_entries * 16);
+  r.CheckCount(c.tombstones, 8, "tombstone");
+  Skip(r, c.tombstones * 8);
+}
+
 // A delta's header: written by this build (the current row layout) for store `s`.
 void PutDeltaHeader(FileWriter& w, const EmbeddingStore::Impl& s, uint64_t sequence, int64_t global_step) {
   w.Write(kDeltaMagic, 8);
@@ -351,19 +381,13 @@ std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir,
   const int64_t global_step = impl->global_step.load();
   for (size_t shard_index = 0; shard_index < impl->shards.size(); ++shard_index) {
     Shard& shard = *impl->shards[shard_index];
-    uint64_t rows = r.Get<uint64_t>();
-    shard.draw_counter = r.Get<uint64_t>();
-    uint64_t bloom_bytes = r.Get<uint64_t>();
-    uint64_t counter_entries = r.Get<uint64_t>();
-    uint64_t tombstones = r.Get<uint64_t>();
-    r.CheckCount(rows, row_bytes, "row");
+    const ShardCounts counts = ReadShardCounts(r, row_bytes, shard.bloom.size(), shard_index);
+    const uint64_t rows = counts.rows, counter_entries = counts.counter_entries,
+                   tombstones = counts.tombstones;
+    shard.draw_counter = counts.draw_counter;
     if (rows > Shard::kMaxRows) Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has too many rows");
     shard.Reserve(shard.tier ? std::min<size_t>(static_cast<size_t>(rows), shard.memory_rows_cap)
                              : static_cast<size_t>(rows));
-    if (bloom_bytes != shard.bloom.size()) {
-      Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
-                            " Bloom counters, expected " + std::to_string(shard.bloom.size()));
-    }
     for (uint64_t done = 0; done < rows;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, rows - done));
       block.resize(n * row_bytes);
@@ -839,16 +863,8 @@ EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& 
     std::unordered_set<int64_t> added;  // ids this store lacks (a second one is corruption)
     std::vector<uint8_t> block, out, converted(s.row_bytes);
     for (size_t shard_index = 0; shard_index < snap_shards; ++shard_index) {
-      uint64_t rows = r.Get<uint64_t>();
-      r.Get<uint64_t>();  // draw counter
-      uint64_t bloom_bytes = r.Get<uint64_t>();
-      uint64_t counter_entries = r.Get<uint64_t>();
-      uint64_t tombstones = r.Get<uint64_t>();
-      r.CheckCount(rows, snap.row_bytes, "row");
-      if (bloom_bytes != bloom) {
-        Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
-                              " Bloom counters, expected " + std::to_string(bloom));
-      }
+      const ShardCounts counts = ReadShardCounts(r, snap.row_bytes, bloom, shard_index);
+      const uint64_t rows = counts.rows;
       for (uint64_t done = 0; done < rows;) {
         size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, rows - done));
         block.resize(n * snap.row_bytes);
@@ -901,11 +917,7 @@ EmbeddingStore::RebaseStats EmbeddingStore::WriteRebaseDelta(const std::string& 
         }
         done += n;
       }
-      Skip(r, bloom_bytes);
-      r.CheckCount(counter_entries, 16, "filter counter");
-      Skip(r, counter_entries * 16);
-      r.CheckCount(tombstones, 8, "tombstone");
-      Skip(r, tombstones * 8);
+      SkipShardTail(r, counts);
     }
     r.VerifyTrailer();
     std::vector<int64_t> removed;
@@ -959,16 +971,9 @@ void ReadSnapshotEmbeddings(const std::string& dir,
   std::vector<int64_t> ids;
   std::vector<float> values;
   for (int shard_index = 0; shard_index < snap.options.num_shards; ++shard_index) {
-    uint64_t rows = r.Get<uint64_t>();
-    r.Get<uint64_t>();  // draw counter
-    uint64_t bloom_bytes = r.Get<uint64_t>();
-    uint64_t counter_entries = r.Get<uint64_t>();
-    uint64_t tombstones = r.Get<uint64_t>();
-    r.CheckCount(rows, snap.row_bytes, "row");
-    if (bloom_bytes != bloom) {
-      Corrupt(r.path(), "shard " + std::to_string(shard_index) + " has " + std::to_string(bloom_bytes) +
-                            " Bloom counters, expected " + std::to_string(bloom));
-    }
+    const ShardCounts counts =
+        ReadShardCounts(r, snap.row_bytes, bloom, static_cast<size_t>(shard_index));
+    const uint64_t rows = counts.rows;
     for (uint64_t done = 0; done < rows;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kBlockRows, rows - done));
       block.resize(n * snap.row_bytes);
@@ -984,11 +989,7 @@ void ReadSnapshotEmbeddings(const std::string& dir,
       on_rows(ids.data(), values.data(), n);
       done += n;
     }
-    Skip(r, bloom_bytes);
-    r.CheckCount(counter_entries, 16, "filter counter");
-    Skip(r, counter_entries * 16);
-    r.CheckCount(tombstones, 8, "tombstone");
-    Skip(r, tombstones * 8);
+    SkipShardTail(r, counts);
   }
   r.VerifyTrailer();
 }

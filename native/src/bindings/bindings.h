@@ -25,6 +25,18 @@ namespace py = pybind11;
   throw StoreError(ErrorCode::kInvalidArgument, message);
 }
 
+// A rebase delta's counts (EmbeddingStore::RebaseStats, QuantizedTable::RebaseStats) as the
+// dict write_rebase_delta returns: rows, tombstones, unchanged, bytes.
+template <typename Stats>
+py::dict RebaseStatsDict(const Stats& stats) {
+  py::dict d;
+  d["rows"] = stats.rows;
+  d["tombstones"] = stats.tombstones;
+  d["unchanged"] = stats.unchanged;
+  d["bytes"] = stats.bytes;
+  return d;
+}
+
 // The translator of StoreError into the classes of native/errors.py (module.cc); pybind11
 // keeps it for the whole process, so it takes no module.
 void BindErrors();

@@ -200,12 +200,7 @@ void BindQuantized(py::module_& m) {
                py::gil_scoped_release release;
                stats = t.WriteRebaseDelta(snapshot_path, path);
              }
-             py::dict d;
-             d["rows"] = stats.rows;
-             d["tombstones"] = stats.tombstones;
-             d["unchanged"] = stats.unchanged;
-             d["bytes"] = stats.bytes;
-             return d;
+             return RebaseStatsDict(stats);
            },
            py::arg("snapshot_path"), py::arg("path"));
   m.def("quantize_rows", &QuantizeRowsPy, py::arg("rows"), py::arg("format"));

@@ -437,12 +437,7 @@ void BindStore(py::module_& m) {
                py::gil_scoped_release release;
                stats = s.WriteRebaseDelta(snapshot_dir, path);
              }
-             py::dict d;
-             d["rows"] = stats.rows;
-             d["tombstones"] = stats.tombstones;
-             d["unchanged"] = stats.unchanged;
-             d["bytes"] = stats.bytes;
-             return d;
+             return RebaseStatsDict(stats);
            },
            py::arg("snapshot_dir"), py::arg("path"));
 }
