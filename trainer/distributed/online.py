@@ -208,6 +208,15 @@ class OnlineDistributedTrainer(DistributedTrainer):
                 # not a pause once resolved: no checkpoint may hold statistics resolved on
                 # batches it has not trained (a restart could group them otherwise)
                 yield [{"n": 0, "consumed": consumed} for _, consumed in found], bool(names)
+        while self.calibrate:
+            # A new run calibrates on the first step's union batch, as a single process does
+            # on its first batch: every worker takes its first batch ahead, and until one of
+            # them has one the rounds are yielded as paused steps that trained nothing (a
+            # first poll that found nothing would otherwise leave the model uncalibrated).
+            found = ray.get([w.first_dense_sample.remote([]) for w in self._workers])
+            if any(sample is not None for sample, _ in found):
+                break
+            yield [{"n": 0, "consumed": consumed} for _, consumed in found], True
         requests = [refs[1:] for refs in self._next("train")]
         if self.calibrate:
             self.calibrate = False
